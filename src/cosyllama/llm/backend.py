@@ -13,6 +13,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..config import LLMConfig
+
 
 @dataclass(frozen=True)
 class Prefill:
@@ -36,7 +38,7 @@ class LLMBackend(Protocol):
     """What the decode loop needs from a backend."""
 
     name: str  # "torch" | "llamacpp"
-    vocab_size: int  # speech vocabulary (6761)
+    config: LLMConfig  # speech ids, sampling defaults; vocab_size (6761) = len(logp)
 
     def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[object, torch.Tensor]:
         """Create a sequence, run the prefill, return ``(handle, logp)``.
