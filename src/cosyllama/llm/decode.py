@@ -1,0 +1,152 @@
+"""The decoding loop: length limits, stop rule and sampling around any :class:`LLMBackend`.
+
+Rules (spec §6.3-6.4, design.md):
+
+* ``min_len = int(2 * n_text)``, ``max_len = int(20 * n_text)`` with ``n_text`` the number of
+  target-text tokens (prompt/instruct text excluded).
+* While fewer than ``min_len`` tokens are out, ALL special ids (6561..6760) are masked. This
+  deliberately fixes upstream quirk Q1, where only id 6561 was masked.
+* Any special id ends decoding and is not emitted; at most ``max_len`` tokens are emitted.
+
+The per-request policy lives in :class:`TokenDecoder` so that a scheduler can advance many
+requests in one backend batch (:func:`generate_many`, the server) with the same rules as
+:func:`generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import LLMConfig
+from ..errors import InputError
+from .backend import LLMBackend, Prefill
+from .sampling import Sampler
+
+MIN_LEN_RATIO = 2  # speech tokens per target-text token, lower bound
+MAX_LEN_RATIO = 20  # upper bound
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How one request chooses its tokens.
+
+    greedy: argmax instead of RAS (deterministic; parity tests). seed: RAS generator seed
+    (None = fresh entropy). min_len/max_len: override the text-derived limits.
+    ignore_stop: mask the stop ids at every step so exactly ``max_len`` tokens come out
+    (benchmarks compare equal work this way).
+    """
+
+    greedy: bool = False
+    seed: int | None = None
+    min_len: int | None = None
+    max_len: int | None = None
+    ignore_stop: bool = False
+
+
+class TokenDecoder:
+    """Per-request decoding state: emitted tokens, limits, sampler."""
+
+    def __init__(self, cfg: LLMConfig, n_text_tokens: int, options: DecodeOptions = DecodeOptions()):
+        if n_text_tokens < 1 and (options.max_len is None):
+            raise InputError("the target text has no tokens; give some text to speak")
+        self.cfg = cfg
+        self.min_len = int(MIN_LEN_RATIO * n_text_tokens) if options.min_len is None else int(options.min_len)
+        self.max_len = int(MAX_LEN_RATIO * n_text_tokens) if options.max_len is None else int(options.max_len)
+        if self.max_len < 1 or self.min_len < 0:
+            raise InputError(f"max_len must be >= 1 and min_len >= 0, got max_len={self.max_len}, "
+                             f"min_len={self.min_len}")
+        self.ignore_stop = options.ignore_stop
+        self.sampler = Sampler(cfg.sampling, greedy=options.greedy, seed=options.seed)
+        self.tokens: list[int] = []
+        self.stop_id: int | None = None  # the special id that ended decoding, if any
+        self.done = False
+
+    def choose(self, logp: torch.Tensor) -> int | None:
+        """Pick the next token from log-probs (vocab,), or return None when decoding has ended."""
+        if self.done:
+            return None
+        if self.ignore_stop or len(self.tokens) < self.min_len:
+            logp = logp.clone()
+            logp[self.cfg.speech_token_size:] = float("-inf")
+        tok = self.sampler(logp, self.tokens)
+        if tok >= self.cfg.speech_token_size:
+            self.stop_id, self.done = tok, True
+            return None
+        self.tokens.append(tok)
+        if len(self.tokens) >= self.max_len:
+            self.done = True
+        return tok
+
+
+def generate(backend: LLMBackend, prefill: Prefill, n_text_tokens: int,
+             options: DecodeOptions = DecodeOptions()) -> Iterator[int]:
+    """Yield speech tokens of one request as they are decoded. Releases the sequence when the
+    generator finishes or is closed (a cancelled request frees its KV memory at once)."""
+    dec = TokenDecoder(backend.config, n_text_tokens, options)
+    handle, logp = backend.start(prefill, dec.max_len)
+    try:
+        while True:
+            tok = dec.choose(logp)
+            if tok is None:
+                return
+            yield tok
+            if dec.done:  # max_len reached: no forward for a token nobody will read
+                return
+            (logp,) = backend.step([(handle, tok)])
+    finally:
+        backend.release(handle)
+
+
+def generate_many(backend: LLMBackend, requests: Sequence[tuple[Prefill, int, DecodeOptions]]) -> list[list[int]]:
+    """Decode several requests together: one backend ``step`` call advances every live sequence.
+    Returns each request's tokens (same rules as :func:`generate`)."""
+    decoders = [TokenDecoder(backend.config, n, opt) for _, n, opt in requests]
+    handles: list[object] = []
+    try:
+        pending: list[tuple[int, torch.Tensor]] = []
+        for i, (prefill, _, _) in enumerate(requests):
+            handle, logp = backend.start(prefill, decoders[i].max_len)
+            handles.append(handle)
+            pending.append((i, logp))
+        while pending:
+            batch = []
+            for i, logp in pending:
+                tok = decoders[i].choose(logp)
+                if tok is None or decoders[i].done:
+                    backend.release(handles[i])
+                else:
+                    batch.append((i, tok))
+            if not batch:
+                break
+            outs = backend.step([(handles[i], tok) for i, tok in batch])
+            pending = [(i, out) for (i, _), out in zip(batch, outs)]
+    finally:
+        for h in handles:
+            backend.release(h)
+    return [d.tokens for d in decoders]
+
+
+# Silence/breath speech codes (spec §6.6); fixed by the reference, not in the model files.
+SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
+MAX_SILENT_RUN = 5
+
+
+class SilentTokenFilter:
+    """Drops the 6th and later consecutive silent tokens before they reach the flow (spec §6.6).
+    The LLM itself still conditions on them; this only filters what is passed on."""
+
+    def __init__(self):
+        self.run = 0
+
+    def keep(self, tok: int) -> bool:
+        if tok in SILENT_TOKENS:
+            self.run += 1
+            return self.run <= MAX_SILENT_RUN
+        self.run = 0
+        return True
+
+    def filter(self, tokens: Sequence[int]) -> list[int]:
+        return [t for t in tokens if self.keep(t)]
