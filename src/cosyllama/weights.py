@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .config import LLMConfig
+from .config import FlowConfig, HiftConfig, LLMConfig
 from .errors import CheckpointError
 
 _MAX_NAMES = 12  # how many offending keys a message lists before summarising
@@ -106,4 +106,152 @@ def load_llm_weights(path: str | Path, cfg: LLMConfig) -> dict[str, torch.Tensor
         if k == LLM_LM_HEAD:
             continue
         out[k[len(LLM_BODY_PREFIX):] if k.startswith(LLM_BODY_PREFIX) else k] = v
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# flow.pt
+
+
+def flow_key_table(cfg: FlowConfig) -> dict[str, tuple[int, ...]]:
+    """Every key of ``flow.pt`` and its shape (spec §15.2)."""
+    d, mel = cfg.dit_dim, cfg.mel_dim
+    ff, pc = cfg.dit_dim * cfg.dit_ff_mult, cfg.pre_lookahead_channels
+    inner = cfg.dit_heads * cfg.dit_dim_head
+    k = cfg.pre_lookahead_len + 1
+    table: dict[str, tuple[int, ...]] = {
+        "input_embedding.weight": (cfg.vocab_size, cfg.input_size),
+        "spk_embed_affine_layer.weight": (cfg.output_size, cfg.spk_embed_dim),
+        "spk_embed_affine_layer.bias": (cfg.output_size,),
+        "pre_lookahead_layer.conv1.weight": (pc, cfg.input_size, k), "pre_lookahead_layer.conv1.bias": (pc,),
+        "pre_lookahead_layer.conv2.weight": (cfg.input_size, pc, 3), "pre_lookahead_layer.conv2.bias": (cfg.input_size,),
+    }
+    e = "decoder.estimator."
+    table.update({
+        f"{e}time_embed.time_mlp.0.weight": (d, 256), f"{e}time_embed.time_mlp.0.bias": (d,),
+        f"{e}time_embed.time_mlp.2.weight": (d, d), f"{e}time_embed.time_mlp.2.bias": (d,),
+        f"{e}input_embed.proj.weight": (d, 2 * mel + cfg.mu_dim + cfg.spk_dim), f"{e}input_embed.proj.bias": (d,),
+        f"{e}rotary_embed.inv_freq": (cfg.dit_dim_head // 2,),
+        f"{e}norm_out.linear.weight": (2 * d, d), f"{e}norm_out.linear.bias": (2 * d,),
+        f"{e}proj_out.weight": (cfg.out_channels, d), f"{e}proj_out.bias": (cfg.out_channels,),
+    })
+    for c in ("conv1", "conv2"):
+        table[f"{e}input_embed.conv_pos_embed.{c}.0.weight"] = (d, d // 16, 31)
+        table[f"{e}input_embed.conv_pos_embed.{c}.0.bias"] = (d,)
+    for b in range(cfg.dit_depth):
+        p = f"{e}transformer_blocks.{b}."
+        table.update({
+            f"{p}attn_norm.linear.weight": (6 * d, d), f"{p}attn_norm.linear.bias": (6 * d,),
+            f"{p}attn.to_q.weight": (inner, d), f"{p}attn.to_q.bias": (inner,),
+            f"{p}attn.to_k.weight": (inner, d), f"{p}attn.to_k.bias": (inner,),
+            f"{p}attn.to_v.weight": (inner, d), f"{p}attn.to_v.bias": (inner,),
+            f"{p}attn.to_out.0.weight": (d, inner), f"{p}attn.to_out.0.bias": (d,),
+            f"{p}ff.ff.0.0.weight": (ff, d), f"{p}ff.ff.0.0.bias": (ff,),
+            f"{p}ff.ff.2.weight": (d, ff), f"{p}ff.ff.2.bias": (d,),
+        })
+    return table
+
+
+def load_flow_weights(path: str | Path, cfg: FlowConfig) -> dict[str, torch.Tensor]:
+    """Read and check ``flow.pt``; returns its state dict unchanged (keys equal the module's)."""
+    sd = read_checkpoint(path)
+    check_keys(sd, flow_key_table(cfg), f"{path}")
+    check_float(sd, str(path))
+    return sd
+
+
+# ----------------------------------------------------------------------------------------------
+# hift.pt
+
+HIFT_PREFIX = "generator."  # checkpoints saved from the GAN wrapper carry it (spec §13 item 2)
+_WN_STYLES = {  # weight-norm key suffixes: (gain g, direction v)
+    "new": ("parametrizations.weight.original0", "parametrizations.weight.original1"),
+    "old": ("weight_g", "weight_v"),
+}
+
+
+def _hift_layers(cfg: HiftConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+    """(weight-normalised conv prefix -> weight shape, plain key -> shape) for ``hift.pt``."""
+    wn: dict[str, tuple[int, ...]] = {}
+    plain: dict[str, tuple[int, ...]] = {}
+    base, ups = cfg.base_channels, cfg.upsample_rates
+    bins = cfg.istft_n_fft // 2 + 1
+    wn["conv_pre"] = (base, cfg.in_channels, cfg.conv_pre_look_right + 1)
+    for i, k in enumerate(cfg.upsample_kernel_sizes):
+        wn[f"ups.{i}"] = (base >> (i + 1), base >> i, k)
+
+    def resblock(prefix: str, ch: int, k: int, dilations) -> None:
+        for j in range(len(dilations)):
+            wn[f"{prefix}.convs1.{j}"] = (ch, ch, k)
+            wn[f"{prefix}.convs2.{j}"] = (ch, ch, k)
+            plain[f"{prefix}.activations1.{j}.alpha"] = (ch,)
+            plain[f"{prefix}.activations2.{j}.alpha"] = (ch,)
+
+    for i in range(len(ups)):
+        ch = base >> (i + 1)
+        # source_downs.i brings the source STFT from its frame rate down to stage i's rate.
+        stride = int(torch.tensor(ups[i + 1:]).prod()) if i + 1 < len(ups) else 1
+        plain[f"source_downs.{i}.weight"] = (ch, 2 * bins, 2 * stride if stride > 1 else 1)
+        plain[f"source_downs.{i}.bias"] = (ch,)
+        resblock(f"source_resblocks.{i}", ch, cfg.source_resblock_kernel_sizes[i],
+                 cfg.source_resblock_dilation_sizes[i])
+        for j, (k, dil) in enumerate(zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes)):
+            resblock(f"resblocks.{i * len(cfg.resblock_kernel_sizes) + j}", ch, k, dil)
+    wn["conv_post"] = (2 * bins, base >> len(ups), 7)
+    cc = cfg.f0_cond_channels
+    wn["f0_predictor.condnet.0"] = (cc, cfg.f0_in_channels, 4)
+    for i in (2, 4, 6, 8):
+        wn[f"f0_predictor.condnet.{i}"] = (cc, cc, 3)
+    plain["f0_predictor.classifier.weight"] = (cfg.f0_num_class, cc)
+    plain["f0_predictor.classifier.bias"] = (cfg.f0_num_class,)
+    plain["m_source.l_linear.weight"] = (1, cfg.nb_harmonics + 1)
+    plain["m_source.l_linear.bias"] = (1,)
+    return wn, plain
+
+
+def hift_key_table(cfg: HiftConfig, style: str = "new") -> dict[str, tuple[int, ...]]:
+    """Every key of ``hift.pt`` (without the ``generator.`` prefix) and its shape (spec §15.3).
+    ``style`` names the weight-norm keys: "new" (``parametrizations.weight.original0/1``) or
+    "old" (``weight_g`` / ``weight_v``)."""
+    g_name, v_name = _WN_STYLES[style]
+    wn, plain = _hift_layers(cfg)
+    table = dict(plain)
+    for p, shape in wn.items():
+        table[f"{p}.{g_name}"] = (shape[0], 1, 1)
+        table[f"{p}.{v_name}"] = shape
+        table[f"{p}.bias"] = (shape[0],)
+    return table
+
+
+def load_hift_weights(path: str | Path, cfg: HiftConfig) -> dict[str, torch.Tensor]:
+    """Read and check ``hift.pt``; returns a state dict with weight norm folded
+    (``p.weight = g * v / ||v||``, norm over all dims but 0) and any ``generator.`` prefix removed.
+
+    The folded weights are float32 like upstream's module parameters, except ``f0_predictor.*``,
+    which upstream converts to float64 after loading (float32 -> float64), so we do the same."""
+    raw = read_checkpoint(path)
+    if raw and all(k.startswith(HIFT_PREFIX) for k in raw):
+        raw = {k[len(HIFT_PREFIX):]: v for k, v in raw.items()}
+    old = any(k.endswith((".weight_g", ".weight_v")) for k in raw)
+    style = "old" if old else "new"
+    check_keys(raw, hift_key_table(cfg, style), f"{path} ({style}-style weight-norm keys)")
+    check_float(raw, str(path))
+    g_name, v_name = _WN_STYLES[style]
+    wn, plain = _hift_layers(cfg)
+    out: dict[str, torch.Tensor] = {}
+
+    def dtype_of(key: str) -> torch.dtype:
+        return torch.float64 if key.startswith("f0_predictor.") else torch.float32
+
+    for p in wn:
+        dt = dtype_of(p)
+        # Round through float32 first: upstream loads into float32 parameters before any cast.
+        g = raw[f"{p}.{g_name}"].float().to(dt)
+        v = raw[f"{p}.{v_name}"].float().to(dt)
+        # The very function upstream's weight-norm parametrization evaluates, so the folded weight
+        # carries the same rounding.
+        out[f"{p}.weight"] = torch._weight_norm(v, g, 0)
+        out[f"{p}.bias"] = raw[f"{p}.bias"].float().to(dt)
+    for k in plain:
+        out[k] = raw[k].float().to(dtype_of(k))
     return out

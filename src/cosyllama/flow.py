@@ -1,0 +1,406 @@
+"""Flow stage: speech tokens -> 80-band log-mel (spec §7).
+
+Pipeline of one call: token embedding -> pre-lookahead conv (3-token right context) -> repeat by
+``token_mel_ratio`` -> conditional flow matching: 10 Euler steps of a DiT with classifier-free
+guidance, started from a fixed noise buffer. Module attribute names equal the keys of ``flow.pt``
+so the checkpoint loads strictly.
+
+Streaming (spec §7.5) keeps no cache: every call recomputes prompt + all tokens so far. The caller
+chooses ``streaming`` (50-frame block-causal DiT attention) and ``finalize`` (whether the last 3
+tokens are real content or only look-ahead), and slices off what it already emitted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import FlowConfig, load_config
+from .device import resolve_device
+from .errors import InputError
+
+NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
+NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
+TIME_EMBED_DIM = 256  # sinusoidal time features fed to the DiT's time MLP
+TIME_SCALE = 1000.0  # t in [0, 1] is scaled before the sinusoid
+ROPE_BASE = 10_000.0
+CONV_POS_KERNEL = 31
+CONV_POS_GROUPS = 16
+LN_EPS = 1e-6
+LOOKAHEAD_SLOPE = 0.01  # F.leaky_relu default slope, as upstream uses in the pre-lookahead layer
+
+
+def flow_noise(n_mels: int = 80, frames: int = NOISE_FRAMES) -> torch.Tensor:
+    """The fixed ODE start noise ``(1, n_mels, frames)`` float32, bit-equal to upstream's
+    ``torch.manual_seed(0); torch.randn(1, 80, 15000)``. Drawn on a private CPU generator so the
+    global RNG is left alone."""
+    gen = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
+    return torch.randn(1, n_mels, frames, generator=gen)
+
+
+def cosine_t_span(n_steps: int) -> torch.Tensor:
+    """Euler time grid ``1 - cos(linspace(0, 1, n+1) * pi/2)``, float32 ``(n+1,)``."""
+    lin = torch.linspace(0, 1, n_steps + 1, dtype=torch.float32)
+    return 1 - torch.cos(lin * 0.5 * torch.pi)
+
+
+def chunk_attention_mask(n: int, chunk: int, device=None) -> torch.Tensor:
+    """Block-causal boolean mask ``(n, n)`` (row = query): query i sees key j iff
+    ``j < (i // chunk + 1) * chunk`` — its own ``chunk``-frame block and all earlier ones."""
+    pos = torch.arange(n, device=device)
+    limit = (pos // chunk + 1) * chunk
+    return pos[None, :] < limit[:, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-lookahead layer
+
+
+class PreLookaheadLayer(nn.Module):
+    """Residual conv pair over token embeddings: a k=(L+1) conv reading L tokens ahead, then a
+    causal k=3 conv. Input/output ``(B, T, C)``; ``context`` holds the L look-ahead rows
+    ``(B, L, C)`` or is None for zeros (end of utterance)."""
+
+    def __init__(self, channels_in: int, channels: int, lookahead: int):
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(channels_in, channels, lookahead + 1)
+        self.conv2 = nn.Conv1d(channels, channels_in, 3)
+
+    def forward(self, body: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        x = body.transpose(1, 2)
+        if context is None:
+            x = F.pad(x, (0, self.lookahead))
+        else:
+            assert context.shape[1] == self.lookahead
+            x = torch.cat([x, context.transpose(1, 2)], dim=2)
+        x = F.leaky_relu(self.conv1(x), LOOKAHEAD_SLOPE)
+        x = self.conv2(F.pad(x, (self.conv2.kernel_size[0] - 1, 0)))
+        return x.transpose(1, 2) + body
+
+
+# ----------------------------------------------------------------------------------------------
+# DiT
+
+
+class TimeEmbedding(nn.Module):
+    """t ``(B,)`` in [0, 1] -> conditioning vector ``(B, dim)``."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        half = TIME_EMBED_DIM // 2
+        # Upstream divides by (half - 1), so the last frequency is exactly 1/10000.
+        freqs = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / (half - 1)))
+        self.register_buffer("freqs", freqs, persistent=False)
+        self.time_mlp = nn.Sequential(nn.Linear(TIME_EMBED_DIM, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        e = TIME_SCALE * t[:, None] * self.freqs[None, :]
+        return self.time_mlp(torch.cat([e.sin(), e.cos()], dim=-1))
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    """Two grouped k=31 convs with left zero padding, each followed by Mish: ``(B, N, D)`` -> same."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, CONV_POS_KERNEL, groups=CONV_POS_GROUPS), nn.Mish())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.transpose(1, 2)
+        y = self.conv1(F.pad(y, (CONV_POS_KERNEL - 1, 0)))
+        y = self.conv2(F.pad(y, (CONV_POS_KERNEL - 1, 0)))
+        return y.transpose(1, 2)
+
+
+class InputEmbedding(nn.Module):
+    """Project ``[x, cond, mu, spks]`` (this order; each ``(B, N, 80)``) to ``(B, N, dim)`` and add the
+    causal conv position embedding."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(dim)
+
+    def forward(self, x, cond, mu, spks):
+        h = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
+        return self.conv_pos_embed(h) + h
+
+
+class RotaryTable(nn.Module):
+    """Rotary angles for positions 0..N-1; ``inv_freq`` is stored in ``flow.pt``."""
+
+    def __init__(self, dim_head: int):
+        super().__init__()
+        inv = 1.0 / (ROPE_BASE ** (torch.arange(0, dim_head, 2, dtype=torch.float32) / dim_head))
+        self.register_buffer("inv_freq", inv)
+
+    def forward(self, n: int) -> torch.Tensor:
+        """``(N, dim_head)`` angles, each repeated for an interleaved channel pair (f0, f0, f1, f1, ...)."""
+        pos = torch.arange(n, device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        ang = pos[:, None] * self.inv_freq[None, :]
+        return ang.repeat_interleave(2, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``angles.shape[-1]`` channels of ``x (B, N, C)`` in interleaved pairs
+    (a, b) -> (a cos - b sin, b cos + a sin); the remaining channels pass unchanged. Applied to the
+    full projection before the head split, so only head 0 gets positions (upstream behaviour)."""
+    r = angles.shape[-1]
+    head, tail = x[..., :r], x[..., r:]
+    pairs = head.unflatten(-1, (r // 2, 2))
+    swapped = torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+    head = head * angles.cos() + swapped * angles.sin()
+    return torch.cat([head, tail], dim=-1)
+
+
+class AdaLNZero(nn.Module):
+    """Six modulation vectors from the time embedding: shift/scale/gate for attention, then for FF."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+
+    def forward(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(F.silu(c)).chunk(6, dim=-1)
+
+
+class AdaLNFinal(nn.Module):
+    """Final modulation: chunks are (scale, shift) — scale first, unlike the blocks."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(c)).chunk(2, dim=-1)
+        return F.layer_norm(h, h.shape[-1:], eps=LN_EPS) * (1 + scale[:, None]) + shift[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int):
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # index 1 was a Dropout upstream
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x ``(B, N, dim)``; mask ``(N, N)`` bool (True = may attend) or None for full attention."""
+        q = apply_rotary(self.to_q(x), angles)
+        k = apply_rotary(self.to_k(x), angles)
+        v = self.to_v(x)
+        b, n, _ = q.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # Upstream then zeroes positions its mask's last query row excludes: never any, with these masks.
+        return self.to_out[0](o.transpose(1, 2).reshape(b, n, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int):
+        super().__init__()
+        inner = dim * mult
+        # Index layout mirrors the checkpoint keys ff.ff.0.0 / ff.ff.2 (index 1 was a Dropout).
+        self.ff = nn.Sequential(nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")),
+                                nn.Identity(), nn.Linear(inner, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ff(x)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int):
+        super().__init__()
+        self.attn_norm = AdaLNZero(dim)
+        self.attn = Attention(dim, heads, dim_head)
+        self.ff = FeedForward(dim, ff_mult)
+
+    def forward(self, h, c, angles, mask):
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(c)
+        n1 = F.layer_norm(h, h.shape[-1:], eps=LN_EPS) * (1 + scale_a[:, None]) + shift_a[:, None]
+        h = h + gate_a[:, None] * self.attn(n1, angles, mask)
+        n2 = F.layer_norm(h, h.shape[-1:], eps=LN_EPS) * (1 + scale_f[:, None]) + shift_f[:, None]
+        return h + gate_f[:, None] * self.ff(n2)
+
+
+class DiT(nn.Module):
+    """Velocity estimator. All tensors channels-first like upstream: x, mu, cond ``(B, 80, N)``,
+    spks ``(B, 80)``, t ``(B,)``; returns ``(B, 80, N)``."""
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        dim = cfg.dit_dim
+        self.static_chunk_size = cfg.static_chunk_size
+        self.time_embed = TimeEmbedding(dim)
+        self.input_embed = InputEmbedding(2 * cfg.mel_dim + cfg.mu_dim + cfg.spk_dim, dim)
+        self.rotary_embed = RotaryTable(cfg.dit_dim_head)
+        self.transformer_blocks = nn.ModuleList(
+            DiTBlock(dim, cfg.dit_heads, cfg.dit_dim_head, cfg.dit_ff_mult) for _ in range(cfg.dit_depth))
+        self.norm_out = AdaLNFinal(dim)
+        self.proj_out = nn.Linear(dim, cfg.out_channels)
+
+    def forward(self, x, mu, t, spks, cond, streaming: bool = False) -> torch.Tensor:
+        n = x.shape[2]
+        c = self.time_embed(t)
+        spks = spks[:, None, :].expand(-1, n, -1)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
+        angles = self.rotary_embed(n)
+        # Full attention needs no mask (an all-True mask is the same computation, slower on GPU).
+        mask = chunk_attention_mask(n, self.static_chunk_size, x.device) if streaming else None
+        for block in self.transformer_blocks:
+            h = block(h, c, angles, mask)
+        return self.proj_out(self.norm_out(h, c)).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Conditional flow matching sampler
+
+
+class CFM(nn.Module):
+    """Euler ODE solver with classifier-free guidance around :class:`DiT` (spec §7.3)."""
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        if cfg.t_scheduler != "cosine":
+            raise InputError(f"flow t_scheduler {cfg.t_scheduler!r} is not supported; only 'cosine' is")
+        self.n_timesteps = cfg.n_timesteps
+        self.cfg_rate = cfg.inference_cfg_rate
+        self.estimator = DiT(cfg)
+        self.register_buffer("rand_noise", flow_noise(cfg.mel_dim), persistent=False)
+
+    def forward(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                streaming: bool = False) -> torch.Tensor:
+        """mu, cond ``(1, 80, N)``, spks ``(1, 80)`` -> ODE state at t=1 ``(1, 80, N)`` float32."""
+        n = mu.shape[2]
+        if n > self.rand_noise.shape[2]:
+            raise InputError(f"flow input of {n} mel frames (prompt included) exceeds the "
+                             f"{self.rand_noise.shape[2]}-frame noise buffer (300 s)")
+        x = self.rand_noise[:, :, :n].to(mu.dtype)
+        t_span = cosine_t_span(self.n_timesteps).to(mu.device)
+        # Row 1 of the CFG batch is the unconditional branch: mu, spks and cond all zeroed.
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        # t is accumulated (t += dt) and dt re-derived from it, as upstream does, so the times the
+        # estimator sees carry the same float32 rounding.
+        t = t_span[0:1]
+        dt = t_span[1] - t_span[0]
+        for step in range(1, len(t_span)):
+            v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2), spks_in, cond_in, streaming)
+            v_cond, v_uncond = v[0:1], v[1:2]
+            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return x.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole flow stage
+
+
+@dataclass(frozen=True)
+class FlowInputs:
+    """Decoder inputs built from tokens (for inspection and tests). mu, cond ``(1, 80, N)``,
+    spks ``(1, 80)``; ``prompt_frames`` = mel frames of the prompt at the start of N."""
+
+    mu: torch.Tensor
+    cond: torch.Tensor
+    spks: torch.Tensor
+    prompt_frames: int
+
+
+class Flow(nn.Module):
+    """CosyVoice3 flow: ``inference(token, prompt_token, prompt_feat, embedding, ...)`` -> mel."""
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.pre_lookahead_layer = PreLookaheadLayer(cfg.input_size, cfg.pre_lookahead_channels,
+                                                     cfg.pre_lookahead_len)
+        self.decoder = CFM(cfg)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "Flow":
+        """Build from ``cosyvoice3.yaml`` and load ``flow.pt`` strictly; float32, eval mode."""
+        from .weights import load_flow_weights
+
+        dev = resolve_device(device)
+        cfg = load_config(model_dir)
+        flow = cls(cfg.flow)
+        flow.load_state_dict(load_flow_weights(Path(cfg.model_dir) / "flow.pt", cfg.flow), strict=True)
+        return flow.to(dev).eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_embedding.weight.device
+
+    def prepare(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                embedding: torch.Tensor, finalize: bool = True) -> FlowInputs:
+        """Everything before the ODE solver (spec §7.2 steps 1-5); see :meth:`inference`."""
+        self._check_inputs(token, prompt_token, prompt_feat, embedding, finalize)
+        dev = self.device
+        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(dev, torch.float32), dim=1))
+        ids = torch.cat([prompt_token, token], dim=1).to(dev, torch.long).clamp_min(0)
+        emb = self.input_embedding(ids)
+        look = self.cfg.pre_lookahead_len
+        if finalize:
+            h = self.pre_lookahead_layer(emb)
+        else:
+            h = self.pre_lookahead_layer(emb[:, :-look], emb[:, -look:])
+        mu = h.repeat_interleave(self.cfg.token_mel_ratio, dim=1).transpose(1, 2)
+        prompt_frames = prompt_feat.shape[1]
+        cond = torch.zeros_like(mu)
+        cond[:, :, :prompt_frames] = prompt_feat.to(dev, torch.float32).transpose(1, 2)
+        return FlowInputs(mu=mu, cond=cond, spks=spks, prompt_frames=prompt_frames)
+
+    @torch.inference_mode()
+    def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                  embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:
+        """Synthesize the mel of ``token``, conditioned on a prompt.
+
+        Args:
+            token: ``(1, T)`` int speech tokens (25 Hz) to synthesize.
+            prompt_token: ``(1, P)`` int prompt speech tokens (P may be 0).
+            prompt_feat: ``(1, 2P, 80)`` float prompt log-mel (24 kHz, 50 frames/s).
+            embedding: ``(1, 192)`` float raw speaker embedding (L2-normalised here).
+            streaming: block-causal DiT attention (``static_chunk_size``-frame blocks) instead of full.
+            finalize: True when ``token`` ends the utterance (3 zero frames of look-ahead); False when
+                its last 3 tokens are only look-ahead context, so they produce no frames.
+
+        Returns:
+            ``(1, 80, 2T)`` float32 natural-log mel (``2(T-3)`` frames when ``finalize`` is False),
+            prompt frames removed, on this module's device.
+        """
+        inp = self.prepare(token, prompt_token, prompt_feat, embedding, finalize)
+        feat = self.decoder(inp.mu, inp.spks, inp.cond, streaming)
+        return feat[:, :, inp.prompt_frames:]
+
+    def _check_inputs(self, token, prompt_token, prompt_feat, embedding, finalize) -> None:
+        c = self.cfg
+        for name, t in (("token", token), ("prompt_token", prompt_token)):
+            if t.dim() != 2 or t.shape[0] != 1 or t.is_floating_point():
+                raise InputError(f"flow {name} must be an integer tensor of shape (1, n), got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+            if t.numel() and int(t.max()) >= c.vocab_size:
+                raise InputError(f"flow {name} holds id {int(t.max())}; speech token ids are 0..{c.vocab_size - 1}")
+        if prompt_feat.dim() != 3 or prompt_feat.shape[0] != 1 or prompt_feat.shape[2] != c.output_size \
+                or prompt_feat.shape[1] != c.token_mel_ratio * prompt_token.shape[1]:
+            raise InputError(f"flow prompt_feat must have shape (1, {c.token_mel_ratio}*P, {c.output_size}) "
+                             f"with P = {prompt_token.shape[1]} prompt tokens, got {tuple(prompt_feat.shape)}")
+        if tuple(embedding.shape) != (1, c.spk_embed_dim):
+            raise InputError(f"flow embedding must have shape (1, {c.spk_embed_dim}), got {tuple(embedding.shape)}")
+        need = 1 + (0 if finalize else c.pre_lookahead_len)
+        if token.shape[1] < need:
+            raise InputError(f"flow needs at least {need} tokens with finalize={finalize}, got {token.shape[1]}")

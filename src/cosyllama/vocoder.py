@@ -1,0 +1,307 @@
+"""Vocoder stage: causal HiFT (spec §8). 80-band log-mel at 50 frames/s -> 24 kHz waveform.
+
+mel -> f0 (float64 conv predictor) -> harmonic sine source -> source STFT; mel -> conv_pre ->
+3 x (nearest upsample + causal conv, add the down-sampled source, average of 3 Snake resblocks)
+-> conv_post -> magnitude/phase -> iSTFT -> clamp. Every conv is causal except the two
+look-ahead convs (f0 ``condnet.0``: 3 frames, ``conv_pre``: 4 frames), which is what makes
+streaming by "re-run on the whole mel, emit only the new samples" exact (spec §8.4).
+
+Module attribute names equal the keys of ``hift.pt`` after weight-norm folding
+(:func:`cosyllama.weights.load_hift_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import FlowConfig, HiftConfig, load_config
+from .device import resolve_device
+from .errors import InputError
+from .flow import NOISE_FRAMES, NOISE_SEED
+
+F0_LOOKAHEAD = 3  # mel frames condnet.0 reads ahead (k=4)
+F0_CONV_KERNEL = 3
+F0_LAYERS = 5  # condnet convs, each followed by ELU
+CONV_POST_KERNEL = 7
+POST_SLOPE = 0.01  # F.leaky_relu default; upstream uses it (not lrelu_slope) before conv_post
+SNAKE_EPS = 1e-9
+NOISE_SAMPLES = 7_200_000  # length of upstream's fixed source-noise buffer (300 s at 24 kHz)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixed source noise (spec §11)
+
+
+def replay_source_rng(flow: FlowConfig, hift: HiftConfig) -> tuple[torch.Generator, torch.Tensor]:
+    """A private CPU generator positioned right before upstream draws ``SineGen2.sine_waves``, and
+    the ``rand_ini`` ``(1, 9)`` drawn just before (column 0 zeroed, as upstream does).
+
+    Upstream draws these from the global RNG during model construction, after seeding 0 for the
+    flow noise and after the default initialisation of a few layers. We replay exactly those draws
+    (same ops, same shapes, same order); their values are thrown away, only the generator position
+    matters. The global RNG is never touched."""
+    g = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
+    torch.randn(1, flow.mel_dim, NOISE_FRAMES, generator=g)  # flow ODE noise
+    torch.empty(flow.vocab_size, flow.input_size).normal_(generator=g)  # flow.input_embedding
+
+    def linear_or_conv(*weight_shape: int) -> None:  # kaiming-uniform weight, then uniform bias
+        torch.empty(*weight_shape).uniform_(generator=g)
+        torch.empty(weight_shape[0]).uniform_(generator=g)
+
+    linear_or_conv(flow.output_size, flow.spk_embed_dim)  # flow.spk_embed_affine_layer
+    cc = hift.f0_cond_channels
+    linear_or_conv(cc, hift.f0_in_channels, F0_LOOKAHEAD + 1)
+    for _ in range(F0_LAYERS - 1):
+        linear_or_conv(cc, cc, F0_CONV_KERNEL)
+    linear_or_conv(hift.f0_num_class, cc)
+    rand_ini = torch.rand(1, hift.nb_harmonics + 1, generator=g)  # has no effect on output (spec Q5)
+    rand_ini[:, 0] = 0
+    return g, rand_ini
+
+
+def source_noise_state(flow: FlowConfig, hift: HiftConfig) -> torch.Tensor:
+    """Generator state (a CPU ByteTensor) from which :func:`source_noise` draws the buffer."""
+    return replay_source_rng(flow, hift)[0].get_state()
+
+
+def source_noise(state: torch.Tensor, samples: int, harmonics: int) -> torch.Tensor:
+    """First ``samples`` rows of upstream's uniform [0, 1) buffer ``(1, 7.2M, harmonics)``:
+    ``(1, samples, harmonics)`` float32 on CPU. ``torch.rand`` fills sequentially, so drawing only
+    the prefix from the saved state gives the same values as slicing the full buffer."""
+    if samples > NOISE_SAMPLES:
+        raise InputError(f"vocoder input of {samples} samples exceeds the {NOISE_SAMPLES}-sample (300 s) "
+                         "source-noise buffer")
+    g = torch.Generator(device="cpu")
+    g.set_state(state)
+    return torch.rand(1, samples, harmonics, generator=g)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+class Snake(nn.Module):
+    """``x + sin(alpha x)^2 / (alpha + 1e-9)`` per channel; x ``(B, C, T)``."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.alpha[None, :, None]
+        return x + (1.0 / (a + SNAKE_EPS)) * torch.sin(x * a).pow(2)
+
+
+def causal_conv(conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """Left-pad ``(k-1)*dilation`` zeros so output length = input length and nothing reads ahead."""
+    return conv(F.pad(x, ((conv.kernel_size[0] - 1) * conv.dilation[0], 0)))
+
+
+def lookahead_conv(conv: nn.Conv1d, x: torch.Tensor, finalize: bool) -> torch.Tensor:
+    """Conv reading ``k-1`` frames ahead. ``finalize``: append zeros (output length T). Otherwise
+    the last ``k-1`` input frames are only context (output length T-(k-1))."""
+    right = conv.kernel_size[0] - 1
+    return conv(F.pad(x, (0, right)) if finalize else x)
+
+
+class ResBlock(nn.Module):
+    """Three (Snake, dilated causal conv, Snake, causal conv) residual units; ``(B, C, T)`` -> same."""
+
+    def __init__(self, channels: int, kernel: int, dilations):
+        super().__init__()
+        self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel, dilation=d) for d in dilations)
+        self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = x + causal_conv(c2, a2(causal_conv(c1, a1(x))))
+        return x
+
+
+class F0Predictor(nn.Module):
+    """mel ``(B, 80, T)`` -> f0 ``(B, T)`` in Hz (``T-3`` when not finalizing). Runs in float64
+    like upstream: its parameters are float64 and the input is cast."""
+
+    def __init__(self, in_channels: int, channels: int, num_class: int):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv1d(in_channels, channels, F0_LOOKAHEAD + 1), nn.ELU()]
+        for _ in range(F0_LAYERS - 1):
+            layers += [nn.Conv1d(channels, channels, F0_CONV_KERNEL), nn.ELU()]
+        self.condnet = nn.ModuleList(layers)  # convs at even indices, as in the checkpoint keys
+        self.classifier = nn.Linear(channels, num_class)
+        self.double()
+
+    def forward(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        x = mel.to(torch.float64)
+        x = self.condnet[1](lookahead_conv(self.condnet[0], x, finalize))
+        for i in range(2, len(self.condnet), 2):
+            x = self.condnet[i + 1](causal_conv(self.condnet[i], x))
+        return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
+
+
+class SourceModule(nn.Module):
+    """Harmonic-plus-noise excitation (spec §8.3 step 3-4): f0 ``(1, T)`` -> source ``(1, 1, T*up)``."""
+
+    def __init__(self, cfg: HiftConfig, upsample: int, noise_state: torch.Tensor):
+        super().__init__()
+        self.harmonics = cfg.nb_harmonics + 1
+        self.upsample = upsample
+        self.sample_rate = cfg.sampling_rate
+        self.sine_amp, self.noise_std = cfg.nsf_alpha, cfg.nsf_sigma
+        self.voiced_threshold = cfg.nsf_voiced_threshold
+        self.noise_state = noise_state
+        self.l_linear = nn.Linear(self.harmonics, 1)
+
+    def sine_waves(self, f0: torch.Tensor) -> torch.Tensor:
+        """The 9 noisy harmonics before merging: ``(1, T*up, 9)`` float32."""
+        f0_up = f0.float().repeat_interleave(self.upsample, dim=1)[:, :, None]  # (1, L, 1)
+        mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32, device=f0.device)
+        rad = (f0_up * mult / self.sample_rate) % 1  # phase increment per sample, in turns
+        # Upstream's causal source accumulates phase at frame rate: a linear down-sampling (which
+        # reads the middle of each frame, where the per-sample values are all equal), cumsum, then a
+        # nearest up-sampling — a staircase phase the model was trained with (spec Q6). We use the
+        # same ops so the float32 rounding is the same. Its random initial phase lands on sample 0,
+        # which the down-sampling never reads (spec Q5), so it is left out.
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample, mode="linear")
+        phase = torch.cumsum(rad, dim=2) * 2 * math.pi
+        phase = F.interpolate(phase * self.upsample, scale_factor=self.upsample, mode="nearest")
+        sines = torch.sin(phase).transpose(1, 2) * self.sine_amp
+        uv = (f0_up > self.voiced_threshold).float()
+        amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        noise = amp * source_noise(self.noise_state, f0_up.shape[1], self.harmonics).to(f0.device)
+        return sines * uv + noise
+
+    def forward(self, f0: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.l_linear(self.sine_waves(f0))).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Generator
+
+
+class HiFT(nn.Module):
+    """Causal HiFT generator: ``inference(mel, finalize)`` -> waveform (spec §8)."""
+
+    def __init__(self, cfg: HiftConfig, noise_state: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        ups, base = cfg.upsample_rates, cfg.base_channels
+        self.n_fft, self.hop = cfg.istft_n_fft, cfg.istft_hop_len
+        self.frame_upsample = math.prod(ups)  # source-STFT frames per mel frame
+        self.samples_per_frame = self.frame_upsample * self.hop
+        bins = self.n_fft // 2 + 1
+        n_res = len(cfg.resblock_kernel_sizes)
+        self.f0_predictor = F0Predictor(cfg.f0_in_channels, cfg.f0_cond_channels, cfg.f0_num_class)
+        self.m_source = SourceModule(cfg, self.samples_per_frame, noise_state)
+        self.conv_pre = nn.Conv1d(cfg.in_channels, base, cfg.conv_pre_look_right + 1)
+        self.ups = nn.ModuleList(nn.Conv1d(base >> i, base >> (i + 1), k)
+                                 for i, k in enumerate(cfg.upsample_kernel_sizes))
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        self.resblocks = nn.ModuleList()
+        for i in range(len(ups)):
+            ch = base >> (i + 1)
+            stride = math.prod(ups[i + 1:])  # source STFT rate / stage-i rate
+            self.source_downs.append(nn.Conv1d(2 * bins, ch, 2 * stride, stride) if stride > 1
+                                     else nn.Conv1d(2 * bins, ch, 1))
+            self.source_resblocks.append(ResBlock(ch, cfg.source_resblock_kernel_sizes[i],
+                                                  cfg.source_resblock_dilation_sizes[i]))
+            for k, dil in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
+                self.resblocks.append(ResBlock(ch, k, dil))
+        self.n_res = n_res
+        self.conv_post = nn.Conv1d(base >> len(ups), 2 * bins, CONV_POST_KERNEL)
+        # Periodic Hann computed in float64 then rounded, like upstream's scipy window.
+        window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
+        self.register_buffer("stft_window", window, persistent=False)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "HiFT":
+        """Build from ``cosyvoice3.yaml`` and load ``hift.pt`` strictly (either weight-norm key
+        style, optional ``generator.`` prefix); float32 (f0 predictor float64), eval mode."""
+        from .weights import load_hift_weights
+
+        dev = resolve_device(device)
+        cfg = load_config(model_dir)
+        hift = cls(cfg.hift, source_noise_state(cfg.flow, cfg.hift))
+        hift.load_state_dict(load_hift_weights(Path(cfg.model_dir) / "hift.pt", cfg.hift), strict=True)
+        return hift.to(dev).eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.conv_pre.weight.device
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """mel ``(1, 80, T)`` -> f0 ``(1, T)`` float32 Hz (``T-3`` frames when not finalizing)."""
+        return self.f0_predictor(mel, finalize).float()
+
+    def source(self, f0: torch.Tensor) -> torch.Tensor:
+        """f0 ``(1, T)`` -> excitation ``(1, 1, 480 T)`` float32."""
+        return self.m_source(f0)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """mel ``(1, 80, T)`` and its source ``(1, 1, 480 T)`` -> waveform ``(1, 480 T)`` clamped to
+        ±audio_limit; when not finalizing the last 4 mel frames are conv_pre look-ahead only and the
+        result has ``480 (T-4)`` samples."""
+        spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
+                          return_complex=True)
+        s = torch.cat([spec.real, spec.imag], dim=1)  # (1, 2*bins, 120 T + 1)
+        x = lookahead_conv(self.conv_pre, mel, finalize)
+        if not finalize:
+            s = s[:, :, :s.shape[2] - self.frame_upsample * self.cfg.conv_pre_look_right]
+        for i, (up, rate) in enumerate(zip(self.ups, self.cfg.upsample_rates)):
+            x = F.leaky_relu(x, self.cfg.lrelu_slope)
+            x = causal_conv(up, x.repeat_interleave(rate, dim=2))
+            if i == len(self.ups) - 1:
+                # One reflected sample on the left aligns x with the source STFT's extra frame.
+                x = F.pad(x, (1, 0), mode="reflect")
+            si = self.source_downs[i](F.pad(s, (self.source_downs[i].stride[0] - 1, 0)))
+            x = x + self.source_resblocks[i](si)
+            blocks = self.resblocks[i * self.n_res:(i + 1) * self.n_res]
+            acc = blocks[0](x)
+            for b in blocks[1:]:
+                acc = acc + b(x)
+            x = acc / self.n_res
+        x = causal_conv(self.conv_post, F.leaky_relu(x, POST_SLOPE))
+        bins = self.n_fft // 2 + 1
+        mag = torch.exp(x[:, :bins]).clamp(max=1e2)
+        phase = torch.sin(x[:, bins:])  # upstream takes sin() of the predicted phase (spec Q8)
+        wav = torch.istft(torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)), self.n_fft,
+                          self.hop, self.n_fft, window=self.stft_window)
+        if not finalize:
+            wav = wav[:, :wav.shape[1] - self.samples_per_frame]
+        return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
+
+    # -- entry point --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def inference(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """Vocode a mel.
+
+        Args:
+            mel: ``(1, 80, T)`` float natural-log mel at 50 frames/s (the flow's output).
+            finalize: True when ``mel`` ends the utterance. False for a streaming prefix: the last
+                8 frames serve only as look-ahead (3 for f0, 4 for conv_pre, 1 of iSTFT overlap), and
+                the ``480 (T-8)`` samples returned equal the first samples a later finalizing call on
+                a longer mel returns — so a streamer re-runs on the whole mel and emits the new tail.
+
+        Returns:
+            ``(1, 480 T)`` float32 waveform at 24 kHz in [-0.99, 0.99] (``480 (T-8)`` samples when
+            not finalizing), on this module's device.
+        """
+        need = 1 if finalize else F0_LOOKAHEAD + self.cfg.conv_pre_look_right + 2
+        if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[1] != self.cfg.in_channels or mel.shape[2] < need:
+            raise InputError(f"vocoder mel must have shape (1, {self.cfg.in_channels}, T) with T >= {need} "
+                             f"(finalize={finalize}), got {tuple(mel.shape)}")
+        mel = mel.to(self.device, torch.float32)
+        f0 = self.predict_f0(mel, finalize)
+        body = mel if finalize else mel[:, :, :mel.shape[2] - F0_LOOKAHEAD]
+        return self.decode(body, self.source(f0), finalize)
