@@ -344,9 +344,12 @@ def read_qwen_config(path: Path) -> QwenConfig:
         raise ModelDirError(f"{path}: missing key {e.args[0]!r}") from None
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
-    """Read ``cosyvoice3.yaml`` and ``CosyVoice-BlankEN/config.json`` into a :class:`ModelConfig`."""
-    d = check_model_dir(model_dir)
+def load_config(model_dir: str | Path, *, check_files: bool = True) -> ModelConfig:
+    """Read ``cosyvoice3.yaml`` and ``CosyVoice-BlankEN/config.json`` into a :class:`ModelConfig`.
+
+    ``check_files=False`` skips the check that every other required file exists (used while a
+    model directory is being written)."""
+    d = check_model_dir(model_dir) if check_files else Path(model_dir).expanduser()
     ypath = d / YAML_NAME
     doc = read_hyperpyyaml(ypath, overrides={"qwen_pretrain_path": str(d / QWEN_DIR)})
     qwen = read_qwen_config(d / QWEN_DIR / "config.json")

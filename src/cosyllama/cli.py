@@ -1,0 +1,143 @@
+"""``cosyllama`` command line: parse, call the Python API, write files, map errors to exit codes.
+
+Exit codes: 0 success; 2 bad arguments or bad input (one line on stderr naming the problem, never a
+traceback); 1 an unexpected internal failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .errors import CosyllamaError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own usage errors: one line, exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# sub-commands
+
+
+def cmd_convert(args) -> int:
+    from .llm.gguf import convert
+
+    out = convert(args.model_dir, args.out, layout=args.layout, type=args.type, force=args.force,
+                  progress=_progress)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from .synth import run_synth
+
+    return run_synth(args, progress=_progress)
+
+
+def cmd_make_model(args) -> int:
+    from .synthetic import make_model
+
+    make_model(args.dir, size=args.size, seed=args.seed, force=args.force, progress=_progress)
+    print(f"wrote a random-weight {args.size} model to {args.dir}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args, progress=_progress)
+
+
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    serve(args)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cosyllama", description="CosyVoice3 text-to-speech with the LLM on llama.cpp or PyTorch")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("synth", help="synthesize speech to a WAV file")
+    s.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
+    s.add_argument("--text", required=True, help="text to speak")
+    s.add_argument("--out", required=True, help="output .wav (24 kHz mono)")
+    s.add_argument("--out-format", choices=["pcm16", "float"], default="pcm16",
+                   help="16-bit PCM (default) or 32-bit float WAV")
+    s.add_argument("--prompt-wav", help="prompt audio (wav/flac/ogg/mp3), up to 30 s")
+    s.add_argument("--prompt-text", help="transcript of the prompt audio")
+    s.add_argument("--instruct", help="instruction for instruct mode (e.g. 'Speak slowly.')")
+    s.add_argument("--mode", choices=["zero-shot", "cross-lingual", "instruct"], default=None,
+                   help="default: instruct if --instruct, zero-shot if --prompt-text, else cross-lingual")
+    s.add_argument("--llm", choices=["torch", "llamacpp"], default="torch")
+    s.add_argument("--gguf", help="GGUF file for --llm llamacpp")
+    s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
+    s.add_argument("--greedy", action="store_true", help="argmax decoding (deterministic)")
+    s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    s.add_argument("--speed", type=float, default=1.0, help="speaking-rate factor (non-streaming)")
+    s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
+    s.set_defaults(func=cmd_synth)
+
+    c = sub.add_parser("convert", help="write the LLM as a GGUF file for llama.cpp")
+    c.add_argument("--model-dir", required=True)
+    c.add_argument("--out", required=True, help="output .gguf file")
+    c.add_argument("--layout", choices=["speech", "merged"], default="speech")
+    c.add_argument("--type", default="Q8_0", help="F32, F16, BF16, Q8_0, Q6_K, Q5_K_M, ... (default Q8_0)")
+    c.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    c.set_defaults(func=cmd_convert)
+
+    m = sub.add_parser("make-model", help="write a random-weight model directory in the official layout")
+    m.add_argument("dir")
+    m.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--force", action="store_true", help="overwrite an existing directory's files")
+    m.set_defaults(func=cmd_make_model)
+
+    b = sub.add_parser("bench", help="measure LLM, flow, vocoder and pipeline speed side by side")
+    b.add_argument("--model-dir", help="model directory (default: a cached full-size random model)")
+    b.add_argument("--json", help="also write the results as JSON")
+    b.add_argument("--parts", default="llm,flow,vocoder,pipeline", help="comma list of parts to run")
+    b.add_argument("--repeat", type=int, default=1, help="runs per configuration (median reported)")
+    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    b.add_argument("--prompt-seconds", type=float, default=3.0)
+    b.add_argument("--output-seconds", type=float, default=10.0)
+    b.set_defaults(func=cmd_bench)
+
+    v = sub.add_parser("serve", help="HTTP server with an OpenAI-style /v1/audio/speech endpoint")
+    v.add_argument("--model-dir", required=True)
+    v.add_argument("--gguf", help="serve the LLM from this GGUF through llama.cpp")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CosyllamaError as e:
+        print(f"cosyllama {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
