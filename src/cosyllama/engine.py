@@ -1,0 +1,140 @@
+"""Speech tokens -> audio, per request: the flow + vocoder schedule, streaming included.
+
+This is the only module that knows about streaming. All state of a request lives in a
+:class:`_StreamState` created per call; the models are shared read-only, so several generators
+(threads, server requests) can run interleaved without touching each other.
+
+Streaming schedule (spec §9.3): the first chunk covers ``25 + pad`` tokens, where ``pad`` rounds the
+prompt token count up to a multiple of 25 (so chunks align with the DiT's 50-frame attention
+blocks); every chunk needs 3 more tokens of look-ahead; the hop doubles after each chunk up to 100.
+Each chunk re-runs the flow over prompt + all tokens so far (block-causal attention) and the vocoder
+over all mel so far, and emits only the new samples. The last call uses full attention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .errors import InputError
+
+TOKEN_HOP = 25  # first streaming hop, tokens
+TOKEN_MAX_HOP = 100  # the hop doubles up to this
+HOP_GROWTH = 2
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """A piece of synthesized audio.
+
+    samples: float32 (N,) mono waveform in [-0.99, 0.99]; sample_rate: Hz (24000);
+    segment: index of the text segment it belongs to; is_final: the last chunk of that segment;
+    tokens: the speech tokens of the segment (filled on its final chunk, else empty).
+    """
+
+    samples: np.ndarray
+    sample_rate: int
+    segment: int
+    is_final: bool
+    tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class FlowPrompt:
+    """Flow conditioning of one request: prompt tokens (1, P) int32, prompt mel (1, 2P, 80)
+    float32, raw speaker embedding (1, 192) float32."""
+
+    tokens: torch.Tensor
+    feat: torch.Tensor
+    embedding: torch.Tensor
+
+
+@dataclass
+class _StreamState:
+    """Per-request streaming progress (never stored on a shared object)."""
+
+    prompt_pad: int
+    hop: int = TOKEN_HOP
+    token_offset: int = 0
+    mel: torch.Tensor | None = None
+    speech_offset: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+    def next_hop(self) -> int:
+        return self.hop + (self.prompt_pad if self.token_offset == 0 else 0)
+
+
+def _as_tokens(tokens: list[int], device) -> torch.Tensor:
+    return torch.tensor([tokens], dtype=torch.int32, device=device)
+
+
+class Token2Wav:
+    """Flow + vocoder driver. ``flow`` is a :class:`cosyllama.flow.Flow`, ``hift`` a
+    :class:`cosyllama.vocoder.HiFT`; both are used read-only."""
+
+    def __init__(self, flow, hift, sample_rate: int, lookahead: int = 3, token_mel_ratio: int = 2):
+        self.flow, self.hift = flow, hift
+        self.sample_rate = sample_rate
+        self.lookahead = lookahead
+        self.token_mel_ratio = token_mel_ratio
+
+    def _mel(self, tokens: list[int], prompt: FlowPrompt, offset: int, streaming: bool,
+             finalize: bool) -> torch.Tensor:
+        mel = self.flow.inference(_as_tokens(tokens, self.flow.device), prompt.tokens, prompt.feat,
+                                  prompt.embedding, streaming=streaming, finalize=finalize)
+        return mel[:, :, self.token_mel_ratio * offset:]
+
+    def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0) -> np.ndarray:
+        """Non-streaming: all tokens -> (480 * 2 * len(tokens) / speed,) samples."""
+        if not tokens:
+            return np.zeros(0, dtype=np.float32)
+        mel = self._mel(tokens, prompt, 0, streaming=False, finalize=True)
+        if speed != 1.0:
+            mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
+        return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
+
+    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
+               on_tokens: Callable[[list[int]], None] | None = None) -> Iterator[AudioChunk]:
+        """Consume tokens as they are decoded and yield audio as soon as each chunk exists."""
+        p = prompt.tokens.shape[1]
+        st = _StreamState(prompt_pad=math.ceil(p / TOKEN_HOP) * TOKEN_HOP - p)
+        for tok in token_iter:
+            st.tokens.append(tok)
+            while len(st.tokens) - st.token_offset >= st.next_hop() + self.lookahead:
+                hop = st.next_hop()
+                end = st.token_offset + hop + self.lookahead
+                mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False)
+                samples = self._vocode_new(st, mel, finalize=False)
+                st.token_offset += hop
+                st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
+                if samples.size:
+                    yield AudioChunk(samples, self.sample_rate, segment, False)
+        if on_tokens is not None:
+            on_tokens(st.tokens)
+        samples = np.zeros(0, dtype=np.float32)
+        if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens
+            mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)
+            samples = self._vocode_new(st, mel, finalize=True)
+        yield AudioChunk(samples, self.sample_rate, segment, True, tuple(st.tokens))
+
+    def _vocode_new(self, st: _StreamState, mel: torch.Tensor, finalize: bool) -> np.ndarray:
+        st.mel = mel if st.mel is None else torch.cat([st.mel, mel], dim=2)
+        wav = self.hift.inference(st.mel, finalize=finalize)[0]
+        new = wav[st.speech_offset:].float().cpu().numpy()
+        st.speech_offset = wav.shape[0]
+        return new
+
+
+def check_speed(speed: float, stream: bool) -> float:
+    speed = float(speed)
+    if not (0.5 <= speed <= 2.0) or math.isnan(speed):
+        raise InputError(f"speed must be between 0.5 and 2.0, got {speed}")
+    if stream and speed != 1.0:
+        raise InputError("speed other than 1.0 needs non-streaming synthesis (the reference only "
+                         "time-stretches the finished mel); drop --stream or use speed 1.0")
+    return speed
