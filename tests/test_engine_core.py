@@ -75,14 +75,19 @@ def test_interleaved_streams_equal_each_alone(stages):
         np.testing.assert_array_equal(g, w)
 
 
-def test_stream_matches_nonstream_within_tolerance(stages):
-    """Concatenated streamed audio vs one-shot audio of the same tokens: same length, close values."""
+def test_stream_vs_nonstream_difference_is_the_references(stages):
+    """Streamed vs one-shot audio of the same tokens: same length, and they differ exactly as the
+    reference's do (its early chunks use block-causal attention): our difference equals the
+    reference's difference within 2e-3 sample-wise. With this random model that difference is large
+    (mean abs 0.053), so 'stream == non-stream' cannot be a tighter promise than the reference's."""
     _, t2w = stages
     a, _ = load_fixture("e2e_zero_shot_stream")
+    b, _ = load_fixture("e2e_zero_shot_nonstream")
     _, _, fp = _inputs(a)
     toks = a["flow_tokens"][0].tolist()
+    assert toks == b["flow_tokens"][0].tolist()
     streamed = np.concatenate([c.samples for c in t2w.stream(iter(toks), fp, 0)])
     full = t2w.full(toks, fp)
     assert streamed.shape == full.shape
-    # Earlier chunks use block-causal attention (as the reference does), so they differ a little.
-    assert np.abs(streamed - full).mean() < 0.05
+    ref_diff = a["speech"][0] - b["speech"][0]
+    assert np.abs((streamed - full) - ref_diff).max() <= 2e-3
