@@ -48,7 +48,8 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)  # Kaldi's log floor (1.1920929e-0
 # Reading
 
 
-def _name(source: AudioSource) -> str:
+def source_name(source: AudioSource) -> str:
+    """How an audio source is named in messages: its path, or its type."""
     return repr(str(source)) if isinstance(source, (str, os.PathLike)) else f"<{type(source).__name__}>"
 
 
@@ -62,7 +63,7 @@ def read_audio(source: AudioSource) -> tuple[torch.Tensor, int]:
 
     if isinstance(source, (str, os.PathLike)):
         if not Path(source).is_file():
-            raise InputError(f"audio file {_name(source)} does not exist")
+            raise InputError(f"audio file {source_name(source)} does not exist")
         handle = source
     elif isinstance(source, (bytes, bytearray)):
         handle = io.BytesIO(bytes(source))
@@ -71,7 +72,7 @@ def read_audio(source: AudioSource) -> tuple[torch.Tensor, int]:
     try:
         data, sr = sf.read(handle, dtype="float32", always_2d=True)
     except Exception as e:  # libsndfile reports every decoding problem through its own error types
-        raise InputError(f"cannot read {_name(source)} as audio (wav, flac, ogg and mp3 are supported): {e}") from e
+        raise InputError(f"cannot read {source_name(source)} as audio (wav, flac, ogg and mp3 are supported): {e}") from e
     wav = torch.from_numpy(np.ascontiguousarray(data.T))  # (C, N)
     return wav.mean(dim=0, keepdim=True), int(sr)
 
@@ -112,14 +113,14 @@ class PromptAudio:
 def load_prompt_audio(source: AudioSource, sample_rate: int = 24_000, what: str = "prompt audio") -> PromptAudio:
     """Read, check (:func:`check_prompt_audio`) and resample a prompt clip to 16 kHz and ``sample_rate``."""
     wav, sr = read_audio(source)
-    check_prompt_audio(wav, sr, f"{what} {_name(source)}")
+    check_prompt_audio(wav, sr, f"{what} {source_name(source)}")
     return PromptAudio(resample(wav, sr, TOKENIZER_SAMPLE_RATE), resample(wav, sr, sample_rate), sample_rate)
 
 
 def load_wav(source: AudioSource, target_sr: int) -> torch.Tensor:
     """The reference's ``load_wav``: mono float32 ``(1, N)`` at ``target_sr``; files below 16 kHz refused."""
     wav, sr = read_audio(source)
-    _check_rate(sr, f"audio {_name(source)}")
+    _check_rate(sr, f"audio {source_name(source)}")
     return resample(wav, sr, target_sr)
 
 

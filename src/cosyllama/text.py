@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import unicodedata
 from pathlib import Path
 
@@ -283,7 +284,8 @@ def split_paragraph(text: str, length, lang: str, max_len: int = SPLIT_MAX_TOKEN
 class TextNormalizer:
     """The reference's ``text_normalize`` (wetext backend) with Russian numbers spelled in Russian.
 
-    Stateless after construction and safe to share between threads.
+    Safe to share between threads: wetext calls are serialized by a lock (its FST objects are
+    shared native objects with no documented thread-safety; a call takes milliseconds).
     """
 
     def __init__(self, tokenizer: TextTokenizer):
@@ -294,6 +296,7 @@ class TextNormalizer:
             raise MissingDependencyError("text normalization needs wetext>=0.1.8: pip install 'wetext>=0.1.8'") from e
         self._zh = Normalizer(lang="auto", operator="tn", remove_erhua=False)
         self._en = Normalizer(lang="auto", operator="tn")
+        self._lock = threading.Lock()
 
     def normalize(self, text: str, split: bool = True, text_frontend: bool = True,
                   russian_numbers: bool = True) -> list[str] | str:
@@ -314,14 +317,17 @@ class TextNormalizer:
         else:
             if russian_numbers and _CYRILLIC_RE.search(text):
                 text = expand_russian_sentences(text)
-            text = spell_out_number(self._en.normalize(text))
+            with self._lock:
+                text = self._en.normalize(text)
+            text = spell_out_number(text)
             segments = split_paragraph(text, lambda s: len(self.tokenizer.encode(s)), "en") if split else []
         if not split:
             return text
         return [s for s in segments if not is_only_punctuation(s)]
 
     def _normalize_zh(self, text: str) -> str:
-        text = self._zh.normalize(text)
+        with self._lock:
+            text = self._zh.normalize(text)
         text = text.replace("\n", "")
         text = replace_blank(text)
         text = text.replace("²", "平方").replace("³", "立方")

@@ -1,0 +1,239 @@
+"""The frontend: text and prompt audio -> the inputs of the LLM and the flow, per mode (spec §5).
+
+One :class:`Frontend` per model directory (tokenizer, wetext normalizers, ONNX sessions, all
+created once; no per-request state, safe to share between threads). A prompt clip is turned into
+a reusable :class:`PromptFeatures` ("voice") once; each mode then yields one :class:`ModelInput`
+per text segment.
+
+Prompt-text conventions (see :mod:`cosyllama.text`): a zero-shot transcript without
+``<|endofprompt|>`` gets the default prefix ``"You are a helpful assistant.<|endofprompt|>"``;
+cross-lingual text without the marker is normalized, split and each segment prefixed; an
+instruction without the marker becomes ``"You are a helpful assistant. <instruction><|endofprompt|>"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+import torch
+
+from .audio import (TOKENIZER_SAMPLE_RATE, AudioSource, check_prompt_audio, load_prompt_audio, mel_spectrogram,
+                    read_audio, resample, source_name)
+from .config import ModelConfig, load_config
+from .errors import InputError
+from .prompt import PromptEncoder
+from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextTokenizer, instruct_prompt_text,
+                   zero_shot_prompt_text)
+
+MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
+
+
+@dataclass(frozen=True)
+class PromptFeatures:
+    """A voice: what one prompt clip (and its transcript) gives, computed once and reusable.
+
+    ``speech_tokens`` and ``prompt_feat`` are aligned (spec §4.5): with P = min(F // 2, n_tokens)
+    they hold the first P tokens and the first 2P mel frames. Treat the tensors as read-only.
+    """
+
+    speech_tokens: torch.Tensor  # int32 (P,): 25 Hz speech token ids in [0, 6561)
+    speaker_embedding: torch.Tensor  # float32 (192,): CAM++ embedding, not normalized
+    prompt_feat: torch.Tensor  # float32 (2P, 80): natural-log mel at 24 kHz, 50 frames/s
+    prompt_text: str | None  # LLM prompt text incl. <|endofprompt|>; None when no transcript was given
+    prompt_text_ids: tuple[int, ...]  # token ids of prompt_text; () when None
+
+    @property
+    def duration(self) -> float:
+        """Seconds of prompt audio kept after alignment (25 tokens per second)."""
+        return len(self.speech_tokens) / 25.0
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Everything the LLM and the flow need for one text segment (the reference's ``model_input``).
+
+    The LLM prefill is ``[sos] + (prompt_text_ids + text_ids) + [task] + llm_prompt_speech_tokens``;
+    the flow takes ``flow_prompt_speech_tokens``, ``prompt_feat`` and ``speaker_embedding``.
+    Treat the tensors as read-only (segments of one request share them).
+    """
+
+    mode: str  # one of MODES
+    text: str  # the segment as tokenized ('' for vc)
+    text_ids: tuple[int, ...]  # (Lt,) target text ids
+    prompt_text_ids: tuple[int, ...]  # (Lp,) transcript (zero_shot) or instruction (instruct2); () otherwise
+    llm_prompt_speech_tokens: torch.Tensor  # int32 (P,) in zero_shot; (0,) otherwise
+    flow_prompt_speech_tokens: torch.Tensor  # int32 (P,); vc: the prompt's tokens, unaligned
+    prompt_feat: torch.Tensor  # float32 (2P, 80); vc: (F, 80), unaligned (reference quirk Q10)
+    speaker_embedding: torch.Tensor  # float32 (192,)
+    source_speech_tokens: torch.Tensor | None = None  # int32 (S,): vc only, the speech to convert
+
+    @property
+    def llm_text_ids(self) -> tuple[int, ...]:
+        """Text ids of the LLM prefill: prompt/instruct text followed by the target text."""
+        return self.prompt_text_ids + self.text_ids
+
+    def to_reference_dict(self) -> dict[str, torch.Tensor]:
+        """The upstream ``model_input`` dict for this mode: int32 ``(1, L)`` ids, int32 ``(1,)``
+        lengths, float32 ``(1, F, 80)`` feat and ``(1, 192)`` embeddings."""
+        def ids(x) -> torch.Tensor:
+            t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int32)
+            return t.to(torch.int32).reshape(1, -1)
+
+        def length(x) -> torch.Tensor:
+            return torch.tensor([len(x)], dtype=torch.int32)
+
+        d: dict[str, torch.Tensor] = {}
+        if self.mode != "vc":
+            d.update(text=ids(self.text_ids), text_len=length(self.text_ids))
+        if self.mode in ("zero_shot", "instruct2"):
+            d.update(prompt_text=ids(self.prompt_text_ids), prompt_text_len=length(self.prompt_text_ids))
+        if self.mode == "zero_shot":
+            d.update(llm_prompt_speech_token=ids(self.llm_prompt_speech_tokens),
+                     llm_prompt_speech_token_len=length(self.llm_prompt_speech_tokens))
+        if self.mode == "vc":
+            d.update(source_speech_token=ids(self.source_speech_tokens),
+                     source_speech_token_len=length(self.source_speech_tokens))
+        d.update(flow_prompt_speech_token=ids(self.flow_prompt_speech_tokens),
+                 flow_prompt_speech_token_len=length(self.flow_prompt_speech_tokens),
+                 prompt_speech_feat=self.prompt_feat.unsqueeze(0),
+                 prompt_speech_feat_len=length(self.prompt_feat))
+        if self.mode != "vc":
+            d["llm_embedding"] = self.speaker_embedding.reshape(1, -1)
+        d["flow_embedding"] = self.speaker_embedding.reshape(1, -1)
+        return d
+
+
+Voice = Union[PromptFeatures, AudioSource]
+_EMPTY_TOKENS = torch.zeros(0, dtype=torch.int32)
+
+
+class Frontend:
+    """Text normalization/tokenization and prompt feature extraction of one model directory.
+
+    ``providers``: onnxruntime execution providers for the two prompt models (CPU by default).
+    ``onnx_threads``: intra-op threads per ONNX session (None: onnxruntime's default).
+    """
+
+    def __init__(self, model_dir: str | Path, config: ModelConfig | None = None,
+                 providers: Sequence[str] = ("CPUExecutionProvider",), onnx_threads: int | None = None):
+        self.config = config or load_config(model_dir)
+        self.tokenizer = TextTokenizer(self.config.qwen_dir)
+        self.normalizer = TextNormalizer(self.tokenizer)
+        self.encoder = PromptEncoder(self.config.model_dir, providers=providers, threads=onnx_threads)
+
+    # -- text ------------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> tuple[int, ...]:
+        """Qwen2 + CosyVoice3 token ids of ``text`` (special tokens recognised, no BOS/EOS)."""
+        return tuple(self.tokenizer.encode(text))
+
+    def normalize_and_split(self, text: str, text_frontend: bool = True, russian_numbers: bool = True) -> list[str]:
+        """Target text -> segments (spec §3.2); each segment is synthesized by its own LLM call.
+
+        ``text_frontend=False`` skips normalization and splitting (as does ``<|…|>`` markup).
+        ``russian_numbers``: Russian sentences get Russian number words (default) instead of English.
+        Raises :class:`InputError` when nothing speakable is left.
+        """
+        if not isinstance(text, str):
+            raise InputError(f"text must be a str, got {type(text).__name__}")
+        if not text.strip():
+            raise InputError("text is empty; give the text to speak")
+        segments = self.normalizer.normalize(text, split=True, text_frontend=text_frontend,
+                                             russian_numbers=russian_numbers)
+        segments = [s for s in segments if s.strip()]
+        if not segments:
+            raise InputError(f"text {text[:60]!r} has nothing to speak (only punctuation or symbols)")
+        return segments
+
+    # -- prompt audio ----------------------------------------------------------------------------
+
+    def make_voice(self, prompt_wav: AudioSource, prompt_text: str | None = None) -> PromptFeatures:
+        """Compute a reusable voice from a prompt clip (16 kHz or more, 0.1-30 s, not silent).
+
+        ``prompt_text``: the clip's transcript (needed for zero-shot); without ``<|endofprompt|>``
+        the default system prefix is prepended. Not normalized (reference behaviour).
+        """
+        tokens, feat, embedding = self._extract(prompt_wav, "prompt audio")
+        n = min(feat.shape[0] // self.config.token_mel_ratio, tokens.shape[0])
+        full_text = None if prompt_text is None else zero_shot_prompt_text(prompt_text)
+        return PromptFeatures(
+            speech_tokens=tokens[:n].contiguous(),
+            speaker_embedding=embedding,
+            prompt_feat=feat[:n * self.config.token_mel_ratio].contiguous(),
+            prompt_text=full_text,
+            prompt_text_ids=() if full_text is None else self.tokenize(full_text),
+        )
+
+    def _extract(self, wav: AudioSource, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(speech tokens int32 (n,), mel float32 (F, 80), embedding float32 (192,)), unaligned."""
+        audio = load_prompt_audio(wav, self.config.sample_rate, what)
+        tokens = self.encoder.speech_tokens(audio.wav16)
+        feat = mel_spectrogram(audio.wav24, self.config.feat).squeeze(0).transpose(0, 1).contiguous()
+        return tokens, feat, self.encoder.speaker_embedding(audio.wav16)
+
+    def _voice(self, voice: Voice) -> PromptFeatures:
+        return voice if isinstance(voice, PromptFeatures) else self.make_voice(voice)
+
+    # -- modes -----------------------------------------------------------------------------------
+
+    def zero_shot(self, text: str, voice: Voice, prompt_text: str | None = None, *, text_frontend: bool = True,
+                  russian_numbers: bool = True) -> list[ModelInput]:
+        """Clone ``voice`` saying ``text``: the LLM continues the prompt's transcript and speech.
+
+        ``voice``: a :class:`PromptFeatures` (its ``prompt_text`` is used unless ``prompt_text`` is
+        given) or a prompt audio source (then ``prompt_text`` is required). One input per segment.
+        """
+        if not isinstance(voice, PromptFeatures):
+            if prompt_text is None:
+                raise InputError("zero-shot needs the transcript of the prompt audio (prompt_text); "
+                                 "use cross-lingual mode for a prompt without one")
+            voice = self.make_voice(voice, prompt_text)
+        full_prompt = voice.prompt_text if prompt_text is None else zero_shot_prompt_text(prompt_text)
+        if full_prompt is None:
+            raise InputError("zero-shot needs a voice made with its transcript (prompt_text); "
+                             "use cross-lingual mode for a voice without one")
+        prompt_ids = voice.prompt_text_ids if full_prompt == voice.prompt_text else self.tokenize(full_prompt)
+        return [self._input("zero_shot", seg, voice, prompt_ids, voice.speech_tokens)
+                for seg in self.normalize_and_split(text, text_frontend, russian_numbers)]
+
+    def cross_lingual(self, text: str, voice: Voice, *, text_frontend: bool = True,
+                      russian_numbers: bool = True) -> list[ModelInput]:
+        """Speak ``text`` (any language) in the voice, without the prompt's transcript or speech
+        tokens in the LLM. Text containing ``<|endofprompt|>`` is one segment, used verbatim."""
+        voice = self._voice(voice)
+        if ENDOFPROMPT in text:
+            segments = self.normalize_and_split(text, text_frontend, russian_numbers)
+        else:
+            segments = [DEFAULT_PROMPT_PREFIX + s for s in self.normalize_and_split(text, text_frontend,
+                                                                                    russian_numbers)]
+        return [self._input("cross_lingual", seg, voice, (), _EMPTY_TOKENS) for seg in segments]
+
+    def instruct2(self, text: str, instruction: str, voice: Voice, *, text_frontend: bool = True,
+                  russian_numbers: bool = True) -> list[ModelInput]:
+        """Speak ``text`` in the voice following ``instruction`` (dialect, speed, emotion ...).
+
+        The instruction replaces the transcript as LLM prompt text and is never normalized.
+        """
+        voice = self._voice(voice)
+        instruct_ids = self.tokenize(instruct_prompt_text(instruction))
+        return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS)
+                for seg in self.normalize_and_split(text, text_frontend, russian_numbers)]
+
+    def vc(self, source_wav: AudioSource, prompt_wav: AudioSource) -> ModelInput:
+        """Voice conversion: the speech tokens of ``source_wav`` rendered in the voice of
+        ``prompt_wav`` by the flow alone. Prompt tokens/mel are not aligned (reference, quirk Q10)."""
+        wav, sr = read_audio(source_wav)
+        check_prompt_audio(wav, sr, f"source audio {source_name(source_wav)}")
+        source_tokens = self.encoder.speech_tokens(resample(wav, sr, TOKENIZER_SAMPLE_RATE))
+        tokens, feat, embedding = self._extract(prompt_wav, "prompt audio")
+        return ModelInput(mode="vc", text="", text_ids=(), prompt_text_ids=(), llm_prompt_speech_tokens=_EMPTY_TOKENS,
+                          flow_prompt_speech_tokens=tokens, prompt_feat=feat, speaker_embedding=embedding,
+                          source_speech_tokens=source_tokens)
+
+    def _input(self, mode: str, segment: str, voice: PromptFeatures, prompt_ids: tuple[int, ...],
+               llm_speech: torch.Tensor) -> ModelInput:
+        return ModelInput(mode=mode, text=segment, text_ids=self.tokenize(segment), prompt_text_ids=prompt_ids,
+                          llm_prompt_speech_tokens=llm_speech, flow_prompt_speech_tokens=voice.speech_tokens,
+                          prompt_feat=voice.prompt_feat, speaker_embedding=voice.speaker_embedding)
