@@ -72,7 +72,8 @@ def read_audio(source: AudioSource) -> tuple[torch.Tensor, int]:
     try:
         data, sr = sf.read(handle, dtype="float32", always_2d=True)
     except Exception as e:  # libsndfile reports every decoding problem through its own error types
-        raise InputError(f"cannot read {source_name(source)} as audio (wav, flac, ogg and mp3 are supported): {e}") from e
+        raise InputError(f"cannot read {source_name(source)} as audio "
+                         f"(wav, flac, ogg and mp3 are supported): {e}") from e
     wav = torch.from_numpy(np.ascontiguousarray(data.T))  # (C, N)
     return wav.mean(dim=0, keepdim=True), int(sr)
 

@@ -28,6 +28,7 @@ from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextToken
                    zero_shot_prompt_text)
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
+TOKEN_RATE = 25  # speech tokens per second
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class PromptFeatures:
     @property
     def duration(self) -> float:
         """Seconds of prompt audio kept after alignment (25 tokens per second)."""
-        return len(self.speech_tokens) / 25.0
+        return len(self.speech_tokens) / TOKEN_RATE
 
 
 @dataclass(frozen=True)
