@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--instruct", help="instruction for instruct mode (e.g. 'Speak slowly.')")
     s.add_argument("--mode", choices=["zero-shot", "cross-lingual", "instruct"], default=None,
                    help="default: instruct if --instruct, zero-shot if --prompt-text, else cross-lingual")
-    s.add_argument("--llm", choices=["torch", "llamacpp"], default="torch")
+    s.add_argument("--llm", choices=["torch", "llamacpp"], default=None,
+                   help="LLM backend (default: llamacpp when --gguf is given, else torch)")
     s.add_argument("--gguf", help="GGUF file for --llm llamacpp")
     s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
     s.add_argument("--greedy", action="store_true", help="argmax decoding (deterministic)")

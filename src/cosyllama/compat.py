@@ -1,0 +1,101 @@
+"""Upstream-compatible facade: scripts written for CosyVoice's ``AutoModel`` switch by changing one
+import::
+
+    from cosyllama.compat import AutoModel      # was: from cosyvoice.cli.cosyvoice import AutoModel
+    cosyvoice = AutoModel(model_dir="Fun-CosyVoice3-0.5B", load_llama_cpp=True, gguf_model_path="q8.gguf")
+    for out in cosyvoice.inference_zero_shot(text, prompt_text, "prompt.wav", stream=False):
+        torchaudio.save("out.wav", out["tts_speech"], cosyvoice.sample_rate)
+
+Same method names and arguments; each yield is ``{"tts_speech": float32 tensor (1, N)}`` at 24 kHz.
+A thin layer over :class:`cosyllama.tts.TTS`; arguments the reference accepts but that have no
+meaning here (``load_trt``, ``load_vllm``, ``fp16``, ``trt_concurrent``) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+from .tts import TTS, SynthesisOptions
+from .voices import VoiceStore
+
+SPKINFO_NAME = "spk2info.pt"
+
+
+class CosyVoice3:
+    def __init__(self, model_dir: str, load_llama_cpp: bool = False, gguf_model_path: str | None = None,
+                 device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0,
+                 load_trt: bool = False, load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1):
+        self.model_dir = str(model_dir)
+        self.tts = TTS(model_dir, llm="llamacpp" if load_llama_cpp else "torch", gguf=gguf_model_path,
+                       device=device, threads=threads, n_gpu_layers=n_gpu_layers)
+        self.sample_rate = self.tts.sample_rate
+        spk = Path(model_dir) / SPKINFO_NAME
+        if spk.is_file():
+            try:
+                self.tts.voices.load(spk)
+            except InputError:
+                pass  # an upstream-format spk2info.pt: its speakers are not usable by CosyVoice3 anyway
+
+    @staticmethod
+    def _dicts(chunks) -> Iterator[dict]:
+        for c in chunks:
+            yield {"tts_speech": torch.from_numpy(c.samples).reshape(1, -1)}
+
+    def _voice(self, zero_shot_spk_id: str):
+        return zero_shot_spk_id or None
+
+    def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav, zero_shot_spk_id: str = "",
+                            stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend)
+        if zero_shot_spk_id:
+            chunks = self.tts.zero_shot(tts_text, voice=zero_shot_spk_id, options=opts)
+        else:
+            chunks = self.tts.zero_shot(tts_text, prompt_wav, prompt_text, options=opts)
+        return self._dicts(chunks)
+
+    def inference_cross_lingual(self, tts_text: str, prompt_wav, zero_shot_spk_id: str = "", stream: bool = False,
+                                speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend)
+        wav = None if zero_shot_spk_id else prompt_wav
+        return self._dicts(self.tts.cross_lingual(tts_text, wav, voice=self._voice(zero_shot_spk_id), options=opts))
+
+    def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav, zero_shot_spk_id: str = "",
+                            stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend)
+        wav = None if zero_shot_spk_id else prompt_wav
+        return self._dicts(self.tts.instruct(tts_text, instruct_text, wav, voice=self._voice(zero_shot_spk_id),
+                                             options=opts))
+
+    def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0) -> Iterator[dict]:
+        return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav,
+                                                     options=SynthesisOptions(stream=stream, speed=speed)))
+
+    def add_zero_shot_spk(self, prompt_text: str, prompt_wav, zero_shot_spk_id: str) -> bool:
+        self.tts.add_voice(zero_shot_spk_id, prompt_wav, prompt_text)
+        return True
+
+    def list_available_spks(self) -> list[str]:
+        return self.tts.voices.ids()
+
+    def save_spkinfo(self) -> None:
+        """Write the registered voices to ``<model_dir>/spk2info.pt`` (cosyllama's voice format)."""
+        self.tts.voices.save(Path(self.model_dir) / SPKINFO_NAME)
+
+
+def AutoModel(**kwargs) -> CosyVoice3:
+    """``AutoModel(model_dir=..., load_llama_cpp=False, gguf_model_path=None, ...)``: the model
+    directory must hold ``cosyvoice3.yaml`` (CosyVoice v1/v2 directories are not supported)."""
+    if "model_dir" not in kwargs:
+        raise InputError("AutoModel needs model_dir=")
+    d = Path(kwargs["model_dir"])
+    if d.is_dir() and not (d / "cosyvoice3.yaml").is_file() and any(
+            (d / n).is_file() for n in ("cosyvoice.yaml", "cosyvoice2.yaml")):
+        raise InputError(f"{d} is a CosyVoice v1/v2 model directory; cosyllama runs CosyVoice3 only")
+    return CosyVoice3(**kwargs)
+
+
+__all__ = ["AutoModel", "CosyVoice3", "VoiceStore"]
