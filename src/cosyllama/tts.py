@@ -99,6 +99,21 @@ def _timed(it: Iterator, acc: list[float]) -> Iterator:
         yield x
 
 
+class DirectTokens:
+    """Token source that decodes each request on its own (the default).
+
+    A token source has ``generate(prefill, n_text_tokens, options) -> Iterator[int]`` with the
+    semantics of :func:`cosyllama.llm.decode.generate` (closing the iterator frees the sequence).
+    The server swaps in a batching scheduler that advances many requests in one backend step.
+    """
+
+    def __init__(self, backend: LLMBackend):
+        self.backend = backend
+
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions) -> Iterator[int]:
+        return generate(self.backend, prefill, n_text_tokens, options)
+
+
 class TTS:
     """CosyVoice3 synthesis from an official model directory.
 
@@ -142,6 +157,7 @@ class TTS:
                                    HiFT.from_dir(self.model_dir, self.device), self.sample_rate,
                                    lookahead=self.config.flow.pre_lookahead_len,
                                    token_mel_ratio=self.config.token_mel_ratio)
+        self.token_source = DirectTokens(self.llm)
         self.voices = VoiceStore()
 
     # -- voices ------------------------------------------------------------------------------------
@@ -250,7 +266,7 @@ class TTS:
         seed = None if opts.seed is None else opts.seed + segment
         dec = DecodeOptions(greedy=opts.greedy, seed=seed, max_len=opts.max_tokens, ignore_stop=opts.ignore_stop)
         flt = SilentTokenFilter()
-        for tok in generate(self.llm, prefill, len(inp.text_ids), dec):
+        for tok in self.token_source.generate(prefill, len(inp.text_ids), dec):
             if flt.keep(tok):
                 yield tok
 
