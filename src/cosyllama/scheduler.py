@@ -1,0 +1,352 @@
+"""Continuous batching: many requests decoded together in one LLM backend.
+
+:class:`BatchScheduler` is a token source for :class:`cosyllama.tts.TTS` (``tts.token_source``).
+One worker thread owns the backend. Requests join and leave between any two decode steps; each
+step advances every active sequence in one ``backend.step`` call. Tokens reach each request
+through its own blocking queue; nothing polls or sleeps.
+
+Per-request rules (min/max length, stop ids, RAS or greedy, seeds) come from
+:class:`~cosyllama.llm.decode.TokenDecoder`, the same object :func:`~cosyllama.llm.decode.generate`
+uses, so a greedy request gives the same tokens batched as alone.
+
+Failure isolation: an error in one request's prefill (``backend.start``) or token choice fails only
+that request. An error raised by ``backend.step`` fails the requests of that step (the backend
+cannot say which sequence caused it, and may have advanced some of them); the worker keeps serving
+the others.
+
+Cancellation: closing a request's iterator releases its sequence before ``close()`` returns. A
+:class:`CancelToken` bound with :meth:`CancelToken.bound` around the code that calls ``generate``
+lets another thread (a server noticing a disconnected client) cancel the request without waiting
+for the consumer: its sequence is freed at the next step and its iterator raises
+:class:`RequestCancelled`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+from .errors import CosyllamaError
+from .llm.backend import LLMBackend, Prefill
+from .llm.decode import DecodeOptions, TokenDecoder
+from .llm.llamacpp_backend import BackendBusyError  # llama_cpp itself is imported only when used
+
+DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
+DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence
+
+
+class SchedulerBusyError(CosyllamaError, RuntimeError):
+    """The admission queue is full (or the scheduler is closed); retry later."""
+
+
+class RequestCancelled(CosyllamaError, RuntimeError):
+    """The request was cancelled through its :class:`CancelToken`."""
+
+
+_END = object()  # queue sentinel: decoding finished normally
+
+
+class _Request:
+    __slots__ = ("prefill", "decoder", "out", "handle", "next_tok", "cancelled", "finished", "released")
+
+    def __init__(self, prefill: Prefill, decoder: TokenDecoder):
+        self.prefill = prefill
+        self.decoder = decoder
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # tokens, then _END or an exception
+        self.handle: object | None = None
+        self.next_tok: int | None = None  # token to feed at the next step
+        self.cancelled = False
+        self.finished = False  # no more output will be queued
+        self.released = threading.Event()  # the backend sequence is gone (or never existed)
+
+
+class CancelToken:
+    """Cancels every scheduler request started while it is bound, from any thread."""
+
+    _current: contextvars.ContextVar[CancelToken | None] = contextvars.ContextVar("cosyllama_cancel", default=None)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._requests: list[tuple[BatchScheduler, _Request]] = []
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @contextlib.contextmanager
+    def bound(self) -> Iterator[CancelToken]:
+        """Requests started inside this block (in this thread/context) belong to the token."""
+        reset = CancelToken._current.set(self)
+        try:
+            yield self
+        finally:
+            CancelToken._current.reset(reset)
+
+    def cancel(self) -> None:
+        """Cancel the token's requests; returns at once (the worker frees the sequences)."""
+        with self._lock:
+            self._cancelled = True
+            reqs, self._requests = self._requests, []
+        for sched, req in reqs:
+            sched._cancel(req, wait=False)
+
+    def _attach(self, sched: BatchScheduler, req: _Request) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise RequestCancelled("the request was cancelled")
+            self._requests = [(s, r) for s, r in self._requests if not r.finished]
+            self._requests.append((sched, req))
+
+
+class BatchScheduler:
+    """Token source that batches the decode steps of concurrent requests on one backend.
+
+    ``max_active``: sequences decoded at once (default: the backend's ``n_seq_max`` if it has one,
+    else :data:`DEFAULT_MAX_ACTIVE`). ``max_waiting``: requests that may wait for a free sequence;
+    one more raises :class:`SchedulerBusyError`. A backend that refuses a start with
+    ``BackendBusyError`` (KV memory full) makes the request wait until another one finishes.
+    """
+
+    def __init__(self, backend: LLMBackend, *, max_active: int | None = None,
+                 max_waiting: int = DEFAULT_MAX_WAITING):
+        if max_active is None:
+            max_active = int(getattr(backend, "n_seq_max", DEFAULT_MAX_ACTIVE))
+        if max_active < 1 or max_waiting < 0:
+            raise ValueError(f"max_active must be >= 1 and max_waiting >= 0, got {max_active}, {max_waiting}")
+        self.backend = backend
+        self.config = backend.config
+        self.max_active = max_active
+        self.max_waiting = max_waiting
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []  # started, not yet released (worker-owned list)
+        self._n_active = 0  # len(_active), readable under the lock by other threads
+        self._wake = False  # a cancellation or admission the worker has not seen yet
+        self._backend_full = False  # the backend refused a start; admit again after a release
+        self._closed = False
+        # counters for /health and tests
+        self.steps = 0
+        self.tokens = 0
+        self.max_batch = 0
+        self.batch_hist: dict[int, int] = {}
+        self._thread = threading.Thread(target=self._run, name="cosyllama-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- token-source API ---------------------------------------------------------------------
+
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions = DecodeOptions()) -> Iterator[int]:
+        """Yield the speech tokens of one request (semantics of :func:`cosyllama.llm.decode.generate`).
+
+        Option errors raise here; the request joins the batch when iteration starts. Closing the
+        iterator frees its sequence before ``close()`` returns.
+        """
+        decoder = TokenDecoder(self.config, n_text_tokens, options)
+        return self._tokens(_Request(prefill, decoder), CancelToken._current.get())
+
+    def _tokens(self, req: _Request, token: CancelToken | None) -> Iterator[int]:
+        if token is not None:
+            token._attach(self, req)
+        self._submit(req)
+        try:
+            while True:
+                item = req.out.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._cancel(req, wait=True)
+
+    def stats(self) -> dict:
+        """Active sequences, waiting requests and batching counters."""
+        with self._cond:
+            return {"active_sequences": self._n_active, "waiting": len(self._waiting),
+                    "max_active": self.max_active, "max_waiting": self.max_waiting, "steps": self.steps,
+                    "tokens": self.tokens, "max_batch": self.max_batch, "batch_sizes": dict(self.batch_hist)}
+
+    def close(self) -> None:
+        """Fail the waiting and active requests, release their sequences and stop the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> BatchScheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- consumer side ------------------------------------------------------------------------
+
+    def _submit(self, req: _Request) -> None:
+        with self._cond:
+            if self._closed:
+                raise SchedulerBusyError("the scheduler is closed")
+            free = max(0, self.max_active - self._n_active)
+            if len(self._waiting) - free >= self.max_waiting:
+                raise SchedulerBusyError(f"{self._n_active} requests are decoding and {len(self._waiting)} are "
+                                         f"waiting (limit {self.max_waiting}); retry later")
+            self._waiting.append(req)
+            self._wake = True
+            self._cond.notify()
+
+    def _cancel(self, req: _Request, wait: bool) -> None:
+        with self._cond:
+            if req.finished and req.released.is_set():
+                return
+            if req.handle is None and req in self._waiting:
+                self._waiting.remove(req)
+                self._finish(req, RequestCancelled("the request was cancelled"))
+                req.released.set()
+                return
+            req.cancelled = True
+            self._wake = True
+            self._cond.notify()
+        if wait and threading.current_thread() is not self._thread:
+            req.released.wait()
+
+    # -- worker ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _finish(req: _Request, outcome: object = _END) -> None:
+        if not req.finished:
+            req.finished = True
+            req.out.put(outcome)
+
+    def _release(self, req: _Request) -> None:
+        try:
+            if req.handle is not None:
+                self.backend.release(req.handle)
+        finally:
+            with self._cond:
+                if req in self._active:
+                    self._active.remove(req)
+                    self._n_active = len(self._active)
+                    self._backend_full = False
+                    if self._waiting:
+                        self._wake = True
+            req.released.set()
+
+    def _run(self) -> None:
+        try:
+            while self._loop_once():
+                pass
+        finally:
+            with self._cond:
+                self._closed = True
+                doomed = list(self._waiting) + list(self._active)
+                self._waiting.clear()
+            for req in doomed:
+                self._finish(req, SchedulerBusyError("the scheduler was closed"))
+                try:
+                    self._release(req)
+                except Exception:  # keep releasing the others; the backend is going away anyway
+                    req.released.set()
+
+    def _loop_once(self) -> bool:
+        with self._cond:
+            while not self._closed and not self._wake and not any(r.next_tok is not None for r in self._active):
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._wake = False
+            cancelled = [r for r in self._active if r.cancelled]
+            admitted = []
+            while (self._waiting and (not self._backend_full or cancelled)
+                   and len(self._active) + len(admitted) - len(cancelled) < self.max_active):
+                admitted.append(self._waiting.popleft())
+        for req in cancelled:
+            self._finish(req, RequestCancelled("the request was cancelled"))
+            self._release(req)
+        for i, req in enumerate(admitted):
+            if not self._start(req):
+                with self._cond:  # keep arrival order for the ones not tried yet
+                    self._waiting.extendleft(reversed(admitted[i + 1:]))
+                break
+        live = [r for r in self._active if r.next_tok is not None and not r.cancelled]
+        if live:
+            self._step(live)
+        return True
+
+    def _start(self, req: _Request) -> bool:
+        """Prefill one request. False when the backend is full (the request waits again)."""
+        if req.cancelled:
+            self._finish(req, RequestCancelled("the request was cancelled"))
+            req.released.set()
+            return True
+        try:
+            handle, logp = self.backend.start(req.prefill, req.decoder.max_len)
+        except BackendBusyError as e:
+            with self._cond:
+                if self._active:  # room comes back when one of them finishes
+                    self._waiting.appendleft(req)
+                    self._backend_full = True
+                    return False
+            self._finish(req, e)
+            req.released.set()
+            return True
+        except Exception as e:
+            self._finish(req, e)
+            req.released.set()
+            return True
+        req.handle = handle
+        with self._cond:
+            self._active.append(req)
+            self._n_active = len(self._active)
+        self._advance(req, logp)
+        return True
+
+    def _step(self, live: list[_Request]) -> None:
+        batch = [(r.handle, r.next_tok) for r in live]
+        for r in live:
+            r.next_tok = None
+        try:
+            outs = self.backend.step(batch)
+            if len(outs) != len(live):
+                raise RuntimeError(f"backend.step returned {len(outs)} results for {len(live)} sequences")
+        except Exception as e:
+            for r in live:
+                self._finish(r, e)
+                self._release(r)
+            return
+        with self._cond:
+            self.steps += 1
+            self.max_batch = max(self.max_batch, len(live))
+            self.batch_hist[len(live)] = self.batch_hist.get(len(live), 0) + 1
+        for r, logp in zip(live, outs):
+            self._advance(r, logp)
+
+    def _advance(self, req: _Request, logp: torch.Tensor) -> None:
+        """Choose the request's next token; hand it out and queue it for the next step, or finish."""
+        if req.cancelled:
+            return  # released at the top of the next loop
+        try:
+            tok = req.decoder.choose(logp)
+        except Exception as e:
+            self._finish(req, e)
+            self._release(req)
+            return
+        if tok is None:
+            self._finish(req)
+            self._release(req)
+            return
+        self.tokens += 1
+        req.out.put(tok)
+        if req.decoder.done:  # max_len reached: no forward for a token nobody will read
+            self._finish(req)
+            self._release(req)
+        else:
+            req.next_tok = tok
+
+
+__all__ = ["BatchScheduler", "CancelToken", "RequestCancelled", "SchedulerBusyError"]

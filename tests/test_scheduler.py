@@ -1,0 +1,224 @@
+"""BatchScheduler: batched decoding equals decoding alone, cancellation frees at once, failures stay
+inside their request, admission limits."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from conftest import MODEL_DIR, load_fixture
+from cosyllama.llm.backend import Prefill
+from cosyllama.llm.decode import DecodeOptions, generate
+from cosyllama.llm.llamacpp_backend import BackendBusyError
+from cosyllama.llm.torch_backend import TorchLLM
+from cosyllama.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
+
+
+class Watched:
+    """Wraps a backend: counts live sequences and the largest step batch; can be told to fail."""
+
+    def __init__(self, inner, n_slots: int | None = None):
+        self.inner, self.config, self.name = inner, inner.config, "watched"
+        self.n_slots = n_slots
+        self.live: set[int] = set()
+        self.max_step = 0
+        self.fail_start: set[tuple[int, ...]] = set()  # text_ids whose start raises
+        self.fail_step = False
+        self.lock = threading.Lock()
+
+    def start(self, prefill, max_new_tokens):
+        if prefill.text_ids in self.fail_start:
+            raise ValueError("bad prefill")
+        with self.lock:
+            if self.n_slots is not None and len(self.live) >= self.n_slots:
+                raise BackendBusyError("full")
+        h, logp = self.inner.start(prefill, max_new_tokens)
+        with self.lock:
+            self.live.add(id(h))
+        return h, logp
+
+    def step(self, batch):
+        if self.fail_step:
+            raise RuntimeError("step failed")
+        self.max_step = max(self.max_step, len(batch))
+        return self.inner.step(batch)
+
+    def release(self, h):
+        with self.lock:
+            self.live.discard(id(h))
+        self.inner.release(h)
+
+
+@pytest.fixture(scope="module")
+def torch_llm():
+    return TorchLLM.from_dir(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def prefills():
+    arrays, _ = load_fixture("llm_teacher_forced")
+    text = [int(x) for x in np.concatenate([arrays["prompt_text"][0], arrays["text"][0]])]
+    speech = tuple(int(x) for x in arrays["prompt_speech_token"][0])
+    n_text = int(arrays["text"].shape[1])
+    # eight different requests: prompts of different lengths, so the sequences are out of step
+    return [(Prefill(tuple(text[: len(text) - k]), speech[: len(speech) - 3 * k]), max(1, n_text - k))
+            for k in range(8)]
+
+
+def _opts(i: int) -> DecodeOptions:
+    # half greedy, half seeded RAS: both must be independent of the batch they run in
+    return DecodeOptions(greedy=True) if i % 2 == 0 else DecodeOptions(seed=100 + i)
+
+
+def test_batched_equals_alone(torch_llm, prefills):
+    alone = [list(generate(torch_llm, p, n, _opts(i))) for i, (p, n) in enumerate(prefills)]
+    be = Watched(torch_llm)
+    with BatchScheduler(be, max_active=8) as sched:
+        barrier = threading.Barrier(len(prefills))
+
+        def run(i):
+            p, n = prefills[i]
+            it = sched.generate(p, n, _opts(i))
+            barrier.wait()
+            return list(it)
+
+        with ThreadPoolExecutor(len(prefills)) as pool:
+            batched = list(pool.map(run, range(len(prefills))))
+        stats = sched.stats()
+    assert batched == alone
+    assert be.max_step >= 4 and stats["max_batch"] == be.max_step  # really decoded together
+    assert stats["active_sequences"] == 0 and not be.live
+
+
+def test_close_frees_sequence_at_once(torch_llm, prefills):
+    be = Watched(torch_llm)
+    with BatchScheduler(be) as sched:
+        p, n = prefills[0]
+        other = sched.generate(p, n, DecodeOptions(greedy=True))
+        it = sched.generate(p, n, DecodeOptions(greedy=True))
+        next(other)
+        for _ in range(3):
+            next(it)
+        assert len(be.live) == 2
+        it.close()
+        assert len(be.live) == 1 and sched.stats()["active_sequences"] == 1
+        assert list(other)  # the other request goes on
+        assert not be.live
+        # a request closed before its first token never takes a sequence for long
+        it = sched.generate(p, n, DecodeOptions(greedy=True))
+        it.close()
+        assert list(sched.generate(p, n, DecodeOptions(greedy=True))) == \
+            list(generate(torch_llm, p, n, DecodeOptions(greedy=True)))
+
+
+def test_cancel_token_from_another_thread(torch_llm, prefills):
+    be = Watched(torch_llm)
+    with BatchScheduler(be) as sched:
+        p, n = prefills[0]
+        token = CancelToken()
+        with token.bound():
+            it = sched.generate(p, n, DecodeOptions(greedy=True, ignore_stop=True, max_len=10_000))
+            next(it)
+        assert len(be.live) == 1
+        threading.Thread(target=token.cancel).start()
+        with pytest.raises(RequestCancelled):
+            for _ in it:
+                pass
+        it.close()
+        assert not be.live and sched.stats()["active_sequences"] == 0
+        with token.bound(), pytest.raises(RequestCancelled):
+            next(sched.generate(p, n, DecodeOptions(greedy=True)))
+
+
+def test_one_bad_request_fails_alone(torch_llm, prefills):
+    be = Watched(torch_llm)
+    bad, n_bad = prefills[1]
+    be.fail_start.add(bad.text_ids)
+    with BatchScheduler(be) as sched:
+        p, n = prefills[0]
+        good = sched.generate(p, n, DecodeOptions(greedy=True))
+        first = next(good)
+        with pytest.raises(ValueError, match="bad prefill"):
+            list(sched.generate(bad, n_bad, DecodeOptions(greedy=True)))
+        assert [first, *good] == list(generate(torch_llm, p, n, DecodeOptions(greedy=True)))
+        # a failing step fails the requests in it, and the worker keeps serving
+        it = sched.generate(p, n, DecodeOptions(greedy=True))
+        next(it)
+        be.fail_step = True
+        with pytest.raises(RuntimeError, match="step failed"):
+            list(it)
+        be.fail_step = False
+        assert list(sched.generate(p, n, DecodeOptions(greedy=True))) == \
+            list(generate(torch_llm, p, n, DecodeOptions(greedy=True)))
+        assert not be.live
+
+
+def test_full_backend_waits_then_admission_queue_refuses(torch_llm, prefills):
+    be = Watched(torch_llm, n_slots=2)
+    with BatchScheduler(be, max_active=4, max_waiting=8) as sched:
+        # the backend refuses the 3rd and 4th start: they wait for a release instead of failing
+        its = [sched.generate(p, n, DecodeOptions(greedy=True)) for p, n in prefills[:4]]
+        with ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(list, its))
+        assert outs == [list(generate(torch_llm, p, n, DecodeOptions(greedy=True))) for p, n in prefills[:4]]
+        assert be.max_step <= 2 and not be.live
+    with BatchScheduler(be, max_active=1, max_waiting=0) as sched:
+        p, n = prefills[0]
+        it = sched.generate(p, n, DecodeOptions(greedy=True))
+        next(it)
+        with pytest.raises(SchedulerBusyError, match="retry later"):
+            next(sched.generate(p, n, DecodeOptions(greedy=True)))
+        it.close()
+        assert list(sched.generate(p, n, DecodeOptions(greedy=True, max_len=3))) == \
+            list(generate(torch_llm, p, n, DecodeOptions(greedy=True, max_len=3)))
+
+
+def test_closed_scheduler_fails_its_requests(torch_llm, prefills):
+    be = Watched(torch_llm)
+    sched = BatchScheduler(be)
+    p, n = prefills[0]
+    it = sched.generate(p, n, DecodeOptions(greedy=True, ignore_stop=True, max_len=10_000))
+    next(it)
+    sched.close()
+    with pytest.raises(SchedulerBusyError):
+        list(it)
+    assert not be.live
+    with pytest.raises(SchedulerBusyError, match="closed"):
+        next(sched.generate(p, n, DecodeOptions(greedy=True)))
+
+
+def test_llamacpp_eight_concurrent_equal_alone(tmp_path_factory, prefills):
+    pytest.importorskip("llama_cpp")
+    from cosyllama.llm.llamacpp_backend import LlamaCppLLM
+    from gguf_cache import tiny_gguf
+
+    path = tiny_gguf(tmp_path_factory.getbasetemp() / "gguf", MODEL_DIR, "speech", "F32")
+    llm = LlamaCppLLM(path, MODEL_DIR, n_threads=1, n_seq_max=8)
+    try:
+        opts = DecodeOptions(greedy=True)
+        alone = [list(generate(llm, p, n, opts)) for p, n in prefills]
+        be = Watched(llm)
+        with BatchScheduler(llm) as sched, BatchScheduler(be) as watched:
+            assert sched.max_active == 8
+            barrier = threading.Barrier(len(prefills))
+
+            def run(i):
+                it = watched.generate(*prefills[i], opts)
+                barrier.wait()
+                return list(it)
+
+            with ThreadPoolExecutor(len(prefills)) as pool:
+                batched = list(pool.map(run, range(len(prefills))))
+            assert batched == alone
+            assert be.max_step >= 4
+            assert llm.stats()["active_sequences"] == 0
+            it = sched.generate(*prefills[0], opts)
+            next(it)
+            assert llm.stats()["active_sequences"] == 1
+            it.close()
+            assert llm.stats()["active_sequences"] == 0
+    finally:
+        llm.close()
