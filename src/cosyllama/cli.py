@@ -24,6 +24,20 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def counting_progress(report=_progress):
+    """Adapter for ``progress(stage, done, total)`` callbacks: one line per stage at 0/25/50/75/100 %."""
+    shown: dict[str, int] = {}
+
+    def cb(stage: str, done: int, total: int) -> None:
+        pct = 100 * done // max(total, 1)
+        step = pct // 25 * 25
+        if shown.get(stage, -1) < step:
+            shown[stage] = step
+            report(f"  {stage}: {done}/{total} ({step} %)")
+
+    return cb
+
+
 # ----------------------------------------------------------------------------------------------
 # sub-commands
 
@@ -32,7 +46,7 @@ def cmd_convert(args) -> int:
     from .llm.gguf import convert
 
     out = convert(args.model_dir, args.out, layout=args.layout, type=args.type, force=args.force,
-                  progress=_progress)
+                  progress=counting_progress())
     print(f"wrote {out}")
     return 0
 

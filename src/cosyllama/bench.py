@@ -1,0 +1,338 @@
+"""``cosyllama bench``: LLM, flow, vocoder and whole-pipeline speed, side by side in one run.
+
+Without ``--model-dir`` it uses a full-size random-weight model (real Fun-CosyVoice3-0.5B shapes,
+so real speed; the audio is noise), made once with its GGUFs in the user cache directory.
+Generation length is forced (stop ids masked) so every configuration does equal work:
+a 3 s prompt and 10 s of output unless told otherwise. ``rtf`` = wall seconds / audio seconds,
+25 speech tokens = 1 s of audio. Pipeline runs happen in child processes so each has its own
+peak RSS.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+TOKEN_RATE = 25  # speech tokens per second of audio
+LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged")
+                                          for t in ("F16", "Q8_0", "Q4_K_M")]
+PIPELINE_CONFIGS = [("torch", None, None), ("llamacpp", "speech", "Q8_0")]
+PARTS = ("llm", "flow", "vocoder", "pipeline")
+BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
+              "behind the quiet hills of the old town.")
+
+Progress = Callable[[str], None]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("COSYLLAMA_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cosyllama")
+    return Path(base)
+
+
+def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
+    """The cached full-size random model directory (made on first use, ~4 GB)."""
+    from .synthetic import make_model
+
+    d = cache_dir() / f"full-random-seed{seed}"
+    if not (d / ".complete").exists():
+        progress(f"making the full-size random-weight model in {d} (once)")
+        make_model(d, size="full", seed=seed, force=True, progress=progress)
+        (d / ".complete").write_text("ok\n")
+    return d
+
+
+def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
+    from .llm.gguf import convert
+
+    import hashlib
+
+    model_dir = Path(model_dir).resolve()
+    key = f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
+    out = cache_dir() / "gguf" / key / f"llm-{layout}-{type_name}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        progress(f"converting the LLM to {out.name} (once)")
+        from .cli import counting_progress
+
+        convert(model_dir, out, layout=layout, type=type_name, progress=counting_progress(progress))
+    return out
+
+
+def prompt_wav(seconds: float) -> Path:
+    """A deterministic voiced-like test clip (16 kHz) standing in for a real prompt."""
+    import soundfile as sf
+
+    path = cache_dir() / f"bench-prompt-{seconds:g}s.wav"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(0)
+        t = np.arange(int(16000 * seconds)) / 16000
+        f0 = 120 + 30 * np.sin(2 * np.pi * 0.7 * t)
+        wav = 0.3 * np.sin(2 * np.pi * np.cumsum(f0) / 16000) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
+        wav += 0.01 * rng.standard_normal(t.size)
+        sf.write(path, wav.astype(np.float32), 16000)
+    return path
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# LLM stage
+
+
+def _llm_prefill(cfg, prompt_tokens: int):
+    from .llm.backend import Prefill
+    from .text import ENDOFPROMPT_ID
+
+    rng = np.random.default_rng(1)
+    text = [int(x) for x in rng.integers(100, 1000, 40)]
+    text.insert(10, ENDOFPROMPT_ID)
+    speech = tuple(int(x) for x in rng.integers(0, cfg.speech_token_size, prompt_tokens))
+    return Prefill(tuple(text), speech), 30
+
+
+def bench_llm_backend(backend, prompt_tokens: int, decode_tokens: int, repeat: int) -> dict:
+    from .llm.decode import DecodeOptions, generate
+
+    prefill, n_text = _llm_prefill(backend.config, prompt_tokens)
+    opts = DecodeOptions(greedy=True, ignore_stop=True, max_len=decode_tokens)
+    list(generate(backend, prefill, n_text, DecodeOptions(greedy=True, ignore_stop=True, max_len=4)))  # warm up
+    walls, decodes = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        it = generate(backend, prefill, n_text, opts)
+        next(it)
+        t1 = time.perf_counter()
+        n = 1 + sum(1 for _ in it)
+        t2 = time.perf_counter()
+        assert n == decode_tokens, n
+        walls.append(t2 - t0)
+        decodes.append((n - 1) / (t2 - t1))
+    wall = _median(walls)
+    return {"prefill_tokens": len(prefill), "decode_tokens": decode_tokens, "tokens_per_s": _median(decodes),
+            "rtf": wall / (decode_tokens / TOKEN_RATE), "wall_s": wall}
+
+
+def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, repeat: int, progress: Progress,
+            configs=LLM_CONFIGS) -> list[dict]:
+    from .config import load_config
+
+    cfg = load_config(model_dir)
+    rows = []
+    for backend_name, layout, type_name in configs:
+        label = f"{backend_name} {layout or ''} {type_name}".replace("  ", " ")
+        if backend_name == "torch":
+            from .llm.torch_backend import TorchLLM
+            from .weights import load_llm_weights
+
+            backend = TorchLLM(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm))
+        else:
+            from .llm.llamacpp_backend import LlamaCppLLM
+
+            backend = LlamaCppLLM(ensure_gguf(model_dir, layout, type_name, progress), model_dir, n_threads=threads,
+                                  n_seq_max=1)
+        progress(f"llm: {label}")
+        r = bench_llm_backend(backend, round(prompt_s * TOKEN_RATE), round(output_s * TOKEN_RATE), repeat)
+        rows.append({"backend": backend_name, "layout": layout, "type": type_name, **r})
+        progress(f"  {r['tokens_per_s']:.1f} tok/s, LLM RTF {r['rtf']:.3f}")
+        if hasattr(backend, "close"):
+            backend.close()
+        del backend
+        gc.collect()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Flow and vocoder
+
+
+def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
+                     progress: Progress) -> tuple[list[dict], list[dict]]:
+    from .flow import Flow
+    from .vocoder import HiFT
+
+    p, n = round(prompt_s * TOKEN_RATE), round(output_s * TOKEN_RATE)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 6561, (1, n), generator=g, dtype=torch.int32)
+    prompt_tokens = torch.randint(0, 6561, (1, p), generator=g, dtype=torch.int32)
+    prompt_feat = torch.randn(1, 2 * p, 80, generator=g) - 5
+    emb = torch.randn(1, 192, generator=g)
+    flow_rows, voc_rows = [], []
+    flow = Flow.from_dir(model_dir)
+    flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up
+    mel = None
+    if "flow" in parts or "vocoder" in parts:
+        times = []
+        for _ in range(repeat if "flow" in parts else 1):
+            t0 = time.perf_counter()
+            mel = flow.inference(tokens, prompt_tokens, prompt_feat, emb)
+            times.append(time.perf_counter() - t0)
+        if "flow" in parts:
+            flow_rows.append({"variant": "fp32", "seconds_per_audio_second": _median(times) / output_s})
+            progress(f"flow fp32: {flow_rows[-1]['seconds_per_audio_second']:.3f} s per audio second")
+    del flow
+    if "vocoder" in parts:
+        hift = HiFT.from_dir(model_dir)
+        hift.inference(mel[:, :, :20])
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            hift.inference(mel)
+            times.append(time.perf_counter() - t0)
+        voc_rows.append({"variant": "fp32", "seconds_per_audio_second": _median(times) / output_s})
+        progress(f"vocoder fp32: {voc_rows[-1]['seconds_per_audio_second']:.3f} s per audio second")
+    return flow_rows, voc_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole pipeline (child processes)
+
+
+def pipeline_worker(spec: dict) -> dict:
+    """Run in a child process: load a TTS, synthesize non-streaming then streaming; report."""
+    from .tts import TTS, SynthesisOptions
+
+    torch.set_num_threads(spec["threads"])
+    tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"])
+    wav = spec["prompt_wav"]
+    n = spec["decode_tokens"]
+    opts = SynthesisOptions(greedy=True, ignore_stop=True, max_tokens=n)
+    voice = tts.make_voice(wav)
+    tts.cross_lingual("Warm up.", voice=voice, options=SynthesisOptions(greedy=True, max_tokens=5,
+                                                                        ignore_stop=True)).audio()
+    rtfs, firsts = [], []
+    for _ in range(spec["repeat"]):
+        t0 = time.perf_counter()
+        syn = tts.cross_lingual(BENCH_TEXT, wav, options=opts)
+        audio = syn.audio()
+        rtfs.append((time.perf_counter() - t0) / (audio.size / tts.sample_rate))
+        t0 = time.perf_counter()
+        syn = tts.cross_lingual(BENCH_TEXT, wav, options=SynthesisOptions(greedy=True, ignore_stop=True,
+                                                                         max_tokens=n, stream=True))
+        first = None
+        for chunk in syn:
+            if first is None and chunk.samples.size:
+                first = time.perf_counter() - t0
+        firsts.append(first)
+    return {"rtf": _median(rtfs), "first_chunk_s": _median(firsts), "peak_rss_mb": peak_rss_mb(),
+            "llm_s": syn.timings.llm, "token2wav_s": syn.timings.token2wav}
+
+
+def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float, repeat: int,
+                 progress: Progress) -> list[dict]:
+    rows = []
+    wav = prompt_wav(prompt_s)
+    for backend_name, layout, type_name in PIPELINE_CONFIGS:
+        spec = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "prompt_wav": str(wav),
+                "decode_tokens": round(output_s * TOKEN_RATE), "repeat": repeat}
+        label = "torch fp32" if backend_name == "torch" else f"llamacpp {layout} {type_name}"
+        if layout:
+            spec["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
+        progress(f"pipeline: {label} (child process)")
+        proc = subprocess.run([sys.executable, "-m", "cosyllama.bench", "--pipeline-worker", json.dumps(spec)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"pipeline worker for {label} failed:\n{proc.stderr[-4000:]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append({"llm": label, "flow": "fp32", **r})
+        progress(f"  RTF {r['rtf']:.3f}, first chunk {r['first_chunk_s']:.2f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def machine_info(threads: int) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "threads": threads, "gpu": gpu, "torch": torch.__version__}
+
+
+def format_table(res: dict) -> str:
+    lines = [f"machine: {res['machine']['cpu']}, {res['machine']['threads']} threads"]
+    if res["llm"]:
+        lines += ["", "LLM stage (forced length)", f"{'backend':<10}{'layout':<8}{'type':<8}{'prefill':>8}"
+                  f"{'decode':>8}{'tok/s':>9}{'LLM RTF':>9}{'vs torch':>9}"]
+        base = next((r["tokens_per_s"] for r in res["llm"] if r["backend"] == "torch"), None)
+        for r in res["llm"]:
+            ratio = f"{r['tokens_per_s'] / base:.1f}x" if base else "-"
+            lines.append(f"{r['backend']:<10}{r['layout'] or '-':<8}{r['type']:<8}{r['prefill_tokens']:>8}"
+                         f"{r['decode_tokens']:>8}{r['tokens_per_s']:>9.1f}{r['rtf']:>9.3f}{ratio:>9}")
+        by = {(r["layout"], r["type"]): r["tokens_per_s"] for r in res["llm"]}
+        for t in ("F16", "Q8_0", "Q4_K_M"):
+            if ("speech", t) in by and ("merged", t) in by:
+                lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
+    for part in ("flow", "vocoder"):
+        for r in res[part]:
+            lines.append(f"{part} {r['variant']}: {r['seconds_per_audio_second']:.3f} s per second of audio")
+    if res["pipeline"]:
+        lines += ["", f"{'pipeline':<24}{'RTF':>8}{'first chunk s':>15}{'peak RSS MB':>13}"]
+        for r in res["pipeline"]:
+            fc = f"{r['first_chunk_s']:.2f}" if r["first_chunk_s"] is not None else "-"
+            lines.append(f"{r['llm']:<24}{r['rtf']:>8.3f}{fc:>15}{r['peak_rss_mb']:>13.0f}")
+    return "\n".join(lines)
+
+
+def run_bench(args, progress: Progress = print) -> int:
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise InputError(f"unknown --parts {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+    if args.repeat < 1:
+        raise InputError(f"--repeat must be >= 1, got {args.repeat}")
+    if args.output_seconds <= 0 or args.prompt_seconds <= 0 or args.prompt_seconds > 30:
+        raise InputError("--output-seconds must be > 0 and --prompt-seconds in (0, 30]")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
+    from .config import load_config
+
+    load_config(model_dir)
+    res = {"machine": machine_info(threads), "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
+           "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": []}
+    if "llm" in parts:
+        res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress)
+    if parts & {"flow", "vocoder"}:
+        res["flow"], res["vocoder"] = run_flow_vocoder(model_dir, args.prompt_seconds, args.output_seconds,
+                                                       args.repeat, parts, progress)
+    if "pipeline" in parts:
+        res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
+                                       progress)
+    print(format_table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--pipeline-worker":
+    print(json.dumps(pipeline_worker(json.loads(sys.argv[2]))))
