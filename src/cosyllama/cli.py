@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gguf", help="serve the LLM from this GGUF through llama.cpp")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--parallel", type=int, default=8,
+                   help="llama.cpp sequences decoded together in one batch (default 8)")
+    v.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
+    v.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers to offload to a GPU")
+    v.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 503 (default 16)")
+    v.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default 4096)")
+    v.add_argument("--voices", help="voice file (written by VoiceStore.save) to register at start")
     v.set_defaults(func=cmd_serve)
     return p
 
