@@ -71,6 +71,12 @@ def cmd_bench(args) -> int:
     return run_bench(args, progress=_progress)
 
 
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args, progress=_progress)
+
+
 def cmd_serve(args) -> int:
     from .server import serve
 
@@ -132,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-seconds", type=float, default=3.0)
     b.add_argument("--output-seconds", type=float, default=10.0)
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("demo", help="no-weights demo: synthesize with both backends on a full-size random model")
+    d.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    d.add_argument("--seconds", type=float, default=10.0, help="at most this much audio per backend (default 10)")
+    d.add_argument("--out-dir", help="where to write the demo WAVs (default: the cache directory)")
+    d.set_defaults(func=cmd_demo)
 
     v = sub.add_parser("serve", help="HTTP server with an OpenAI-style /v1/audio/speech endpoint")
     v.add_argument("--model-dir", required=True)

@@ -1,0 +1,62 @@
+"""The public API and CLI through the llama.cpp backend (F32 GGUF: tokens identical to the fixtures)."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from conftest import FIXTURES, MODEL_DIR, load_fixture  # noqa: E402
+from gguf_cache import tiny_gguf  # noqa: E402
+
+from cosyllama import load  # noqa: E402
+from cosyllama.cli import main  # noqa: E402
+
+CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
+
+
+@pytest.fixture(scope="module")
+def gguf_f32(tmp_path_factory):
+    return tiny_gguf(tmp_path_factory.getbasetemp() / "gguf", MODEL_DIR, "speech", "F32")
+
+
+@pytest.fixture(scope="module")
+def tts_llama(gguf_f32):
+    return load(MODEL_DIR, llm="llamacpp", gguf=gguf_f32)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_e2e_llamacpp_f32_tokens_identical(tts_llama, case):
+    a, meta = load_fixture(case)
+    call = meta["meta"]["call"]
+    wav = FIXTURES / call["prompt_wav"]
+    opts = dict(stream=call["stream"], speed=call["speed"], greedy=True)
+    if call["mode"] == "zero_shot":
+        syn = tts_llama.zero_shot(call["tts_text"], wav, call["prompt_text"], **opts)
+    elif call["mode"] == "cross_lingual":
+        syn = tts_llama.cross_lingual(call["tts_text"], wav, **opts)
+    else:
+        syn = tts_llama.instruct(call["tts_text"], call["instruct_text"], wav, **opts)
+    speech = syn.audio()
+    assert syn.timings.tokens == [a["flow_tokens"][0].tolist()]
+    assert np.abs(speech - a["speech"][0]).max() <= 1e-3
+
+
+def test_cli_gguf_of_another_model_is_refused(tmp_path, capsys):
+    other = tmp_path / "other"
+    assert main(["make-model", str(other), "--size", "tiny", "--seed", "5"]) == 0
+    foreign = tmp_path / "foreign.gguf"
+    assert main(["convert", "--model-dir", str(other), "--out", str(foreign), "--type", "F32"]) == 0
+    capsys.readouterr()
+    rc = main(["synth", "--model-dir", str(MODEL_DIR), "--gguf", str(foreign), "--text", "Hi.",
+               "--prompt-wav", str(FIXTURES / "wavs/prompt_en_16k.wav"), "--out", str(tmp_path / "o.wav")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "does not belong" in err or "fingerprint" in err or "different model" in err, err
+
+
+def test_cli_convert_refuses_overwrite(tmp_path, capsys):
+    out = tmp_path / "x.gguf"
+    out.write_bytes(b"keep me")
+    rc = main(["convert", "--model-dir", str(MODEL_DIR), "--out", str(out), "--type", "F32"])
+    assert rc == 2 and out.read_bytes() == b"keep me"
+    assert "--force" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""make-model output loads strictly; bench's JSON carries every documented field."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cosyllama.cli import main
+from cosyllama.config import load_config
+from cosyllama.weights import load_flow_weights, load_hift_weights, load_llm_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("made") / "tiny"
+    assert main(["make-model", str(d), "--size", "tiny", "--seed", "3"]) == 0
+    return d
+
+
+def test_make_model_loads_strictly(tiny_model):
+    cfg = load_config(tiny_model)
+    assert cfg.llm.qwen.hidden_size == 16 and cfg.flow.dit_depth == 2 and cfg.hift.base_channels == 32
+    llm = load_llm_weights(tiny_model / "llm.pt", cfg.llm)
+    load_flow_weights(tiny_model / "flow.pt", cfg.flow)
+    load_hift_weights(tiny_model / "hift.pt", cfg.hift)
+    assert all(torch.isfinite(v).all() for v in llm.values())
+
+
+def test_make_model_deterministic_and_refuses_overwrite(tiny_model, tmp_path, capsys):
+    other = tmp_path / "again"
+    assert main(["make-model", str(other), "--size", "tiny", "--seed", "3"]) == 0
+    a = torch.load(tiny_model / "flow.pt", weights_only=True)
+    b = torch.load(other / "flow.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["make-model", str(other), "--size", "tiny"]) == 2
+    assert "--force" in capsys.readouterr().err
+
+
+def test_made_model_synthesizes(tiny_model):
+    import cosyllama
+    from cosyllama.bench import prompt_wav
+
+    tts = cosyllama.load(tiny_model)
+    audio = tts.cross_lingual("Hello there.", prompt_wav(2.0), greedy=True, max_tokens=30, ignore_stop=True).audio()
+    assert audio.shape == (30 * 960,) and abs(audio).max() <= 0.99
+
+
+def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model-dir", str(tiny_model), "--json", str(out), "--prompt-seconds", "1",
+               "--output-seconds", "1", "--threads", "1"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert set(res["machine"]) >= {"cpu", "threads", "gpu"} and res["machine"]["threads"] == 1
+    configs = {(r["backend"], r["layout"], r["type"]) for r in res["llm"]}
+    assert configs == {("torch", None, "F32")} | {("llamacpp", lay, t) for lay in ("speech", "merged")
+                                                 for t in ("F16", "Q8_0", "Q4_K_M")}
+    for r in res["llm"]:
+        assert r["decode_tokens"] == 25 and r["prefill_tokens"] == 25 + 41 + 2
+        assert r["tokens_per_s"] > 0 and r["rtf"] > 0
+    for part in ("flow", "vocoder"):
+        assert res[part] and all(r["variant"] and r["seconds_per_audio_second"] > 0 for r in res[part])
+    assert [r["llm"] for r in res["pipeline"]] == ["torch fp32", "llamacpp speech Q8_0"]
+    for r in res["pipeline"]:
+        assert r["rtf"] > 0 and r["first_chunk_s"] > 0 and r["peak_rss_mb"] > 0 and r["flow"]
+
+
+def test_bench_rejects_bad_parts(capsys):
+    assert main(["bench", "--parts", "llm,gpu"]) == 2
+    assert "unknown --parts gpu" in capsys.readouterr().err
