@@ -72,6 +72,11 @@ def test_merged_layout_vocabulary(gguf_root, model_dir, cfg):
     assert len(toks) == n_text + 6761
     assert toks[n_text] == "<|s_0|>" and toks[n_text + 6760] == "<|s_6760|>"
     assert toks[151643] == "<|endoftext|>" and toks[0] == "!"
+    assert toks[151646] == "<|endofprompt|>" and toks[151923] == "[ǜ]" and toks[151924] == "[PAD151924]"
+    from cosyllama.text import TextTokenizer
+    tk = TextTokenizer(model_dir / "CosyVoice-BlankEN")
+    ids = tk.encode("<|endofprompt|>[breath][AA1]")
+    assert [toks[i] for i in ids] == ["<|endofprompt|>", "[breath]", "[AA1]"]
     assert len(kv["tokenizer.ggml.merges"]) > 0
     shapes = {t.name: t.shape for t in tensors}
     assert shapes["token_embd.weight"] == shapes["output.weight"] == (cfg.qwen.hidden_size, n_text + 6761)

@@ -150,7 +150,7 @@ def _tensor_plan(w: Mapping[str, torch.Tensor], cfg: LLMConfig, layout: str) -> 
 def _text_vocabulary(qwen_dir: Path, n_text: int) -> tuple[list[str], list[int], list[str], int | None]:
     """Tokens/types for ids ``0..n_text-1`` from BlankEN's tokenizer files, plus merges and eos id.
 
-    Ids that neither ``vocab.json`` nor the added tokens of ``tokenizer_config.json`` name become
+    CosyVoice3's special tokens follow the Qwen ones; ids that none of these name become
     ``[PAD<id>]`` (type unused), the usual filler for Qwen's padded embedding table.
     """
     try:
@@ -172,13 +172,23 @@ def _text_vocabulary(qwen_dir: Path, n_text: int) -> tuple[list[str], list[int],
             added = json.loads(tc.read_text(encoding="utf-8")).get("added_tokens_decoder", {}) or {}
         except json.JSONDecodeError as e:
             raise ModelDirError(f"{tc}: not valid JSON: {e}") from e
-    eos = None
+    known = {tok: i for tok, i in vocab.items()}
     for sid, info in added.items():
         i = int(sid)
         if 0 <= i < n_text:
             tokens[i], types[i] = info["content"], _TOK_CONTROL
-            if info["content"] == "<|endoftext|>":
-                eos = i
+            known[info["content"]] = i
+    # CosyVoice3's tokenizer adds its specials at load time (spec §2): present ones keep their id,
+    # the others get consecutive ids after the highest one. Same procedure, so ids agree.
+    from ..text import SPECIAL_TOKENS
+
+    next_id = max(known.values(), default=-1) + 1
+    for tok in SPECIAL_TOKENS:
+        if tok not in known and next_id < n_text:
+            tokens[next_id], types[next_id] = tok, _TOK_CONTROL
+            known[tok] = next_id
+            next_id += 1
+    eos = known.get("<|endoftext|>")
     merges = [ln for ln in merges_text.splitlines() if ln and not ln.startswith("#version")]
     return tokens, types, merges, eos
 
