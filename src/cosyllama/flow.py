@@ -23,6 +23,7 @@ from torch import nn
 from .config import FlowConfig, load_config
 from .device import resolve_device
 from .errors import InputError
+from .precision import resolve_precision
 
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
 NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
@@ -262,6 +263,150 @@ class DiT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixed-precision solver (precision "bf16")
+
+
+def _onednn_linear_available(dtype: torch.dtype) -> bool:
+    """oneDNN's fused linear (pre-packed weights, bias and GELU in the kernel) is usable on this CPU."""
+    try:
+        ops = torch.ops.mkldnn
+        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+                and hasattr(ops, "_reorder_linear_weight")
+                and (dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _LowpLinear:
+    """``x W^T + b`` (then GELU-tanh if ``gelu``) with weights held in ``dtype``. On CPU the weight is
+    pre-packed once for oneDNN and bias/GELU run inside the matrix-product kernel; elsewhere plain
+    ``F.linear``. Same result as ``F.linear`` on the ``dtype`` copies (up to GELU rounding)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, gelu: bool = False):
+        self.gelu = gelu
+        self.bias = bias.detach().to(dtype).contiguous()
+        w = weight.detach().to(dtype).contiguous()
+        self.packed = None
+        if w.device.type == "cpu" and _onednn_linear_available(dtype):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            except RuntimeError:
+                self.packed = None
+        self.weight = None if self.packed is not None else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu" if self.gelu else "none",
+                                                      [], "tanh" if self.gelu else "")
+        y = F.linear(x, self.weight, self.bias)
+        return F.gelu(y, approximate="tanh") if self.gelu else y
+
+
+class FastDiT:
+    """The whole Euler/CFG solve with the DiT's matrix products in a low-precision ``dtype``.
+
+    Same maths as :class:`CFM` + :class:`DiT`, re-arranged so that nothing is computed twice:
+
+    * the time embedding and every block's AdaLN modulation depend only on t, which is the same for
+      both CFG rows and fixed in advance, so all of them are computed once per call, for all steps,
+      in float32 (one matrix product per block instead of one per block per step);
+    * the input projection is linear, so its ``[cond, mu, spks]`` part (constant over the steps) is
+      computed once; only the ``x`` part (the same for both CFG rows) is recomputed per step;
+    * the rotary angles, their sin/cos and the attention mask are computed once;
+    * q, k and v come from one fused matrix product; RoPE rotates only the 64 channels of head 0,
+      in place; SDPA reads q/k/v as strided views (no head-split copies);
+    * LayerNorm and its modulation are one ``layer_norm`` call with the (shared) scale/shift as its
+      affine parameters.
+
+    Precision: the weights of q/k/v, out, and the feed-forward are held in ``dtype``; LayerNorm
+    statistics, the residual stream, the modulation, the input/output projections, the conv
+    position embedding, the CFG combination and the Euler update stay float32. Noise in and mel out
+    are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
+    """
+
+    def __init__(self, dit: DiT, dtype: torch.dtype, residual_dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
+        self.residual_dtype = residual_dtype  # float32; bfloat16 only for measuring what it costs
+        self.dit = dit  # time MLP, conv position embedding, final modulation/projection (float32)
+        blk0 = dit.transformer_blocks[0]
+        self.heads = blk0.attn.heads
+        self.dim = blk0.attn.to_q.in_features
+        self.dim_head = self.dim // self.heads
+        with torch.no_grad():
+            w = dit.input_embed.proj.weight  # (dim, 320): columns x | cond | mu | spks
+            mel = dit.input_embed.proj.in_features // 4
+            self.mel = mel
+            self.w_in_x = w[:, :mel].contiguous()
+            self.w_in_rest = w[:, mel:].contiguous()
+            self.b_in = dit.input_embed.proj.bias
+            self.blocks = []
+            for b in dit.transformer_blocks:
+                a, ff = b.attn, b.ff.ff
+                self.blocks.append(dict(
+                    w_mod=b.attn_norm.linear.weight, b_mod=b.attn_norm.linear.bias,
+                    qkv=_LowpLinear(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]),
+                                    torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias]), dtype),
+                    out=_LowpLinear(a.to_out[0].weight, a.to_out[0].bias, dtype),
+                    ff1=_LowpLinear(ff[0][0].weight, ff[0][0].bias, dtype, gelu=True),
+                    ff2=_LowpLinear(ff[2].weight, ff[2].bias, dtype)))
+
+    def _modulations(self, ts: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Per block, per step: the six modulation vectors ``(dim,)``; and the final (scale, shift)."""
+        c = F.silu(self.dit.time_embed(ts))  # (S, dim)
+        per_block = [F.linear(c, b["w_mod"], b["b_mod"]).chunk(6, dim=-1) for b in self.blocks]
+        final = F.linear(c, self.dit.norm_out.linear.weight, self.dit.norm_out.linear.bias).chunk(2, dim=-1)
+        return per_block, final
+
+    @staticmethod
+    def _rotate_head0_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """In place on ``qkv (B, N, 3*dim)``: RoPE on the first ``2*cos.shape[-1]`` channels of q and
+        of k (head 0; the reference rotates the first channels of the full projection)."""
+        b, n, _ = qkv.shape
+        r = 2 * cos.shape[-1]
+        qk0 = qkv.view(b, n, 3, heads, -1)[:, :, :2, 0, :r]  # (B, N, 2, r) view
+        pairs = qk0.float().unflatten(-1, (r // 2, 2))
+        even, odd = pairs[..., 0], pairs[..., 1]
+        rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+        qk0.copy_(rot)
+
+    def solve(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+              grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool) -> torch.Tensor:
+        """noise, mu, cond ``(1, mel, N)``; spks ``(1, mel)``; grid = ``[(t, dt), ...]``.
+        Returns x at t=1, ``(1, mel, N)`` float32."""
+        dit, dt_, res = self.dit, self.dtype, self.residual_dtype
+        n = mu.shape[2]
+        eps = LN_EPS
+        dim = self.dim
+        mods, (f_scale, f_shift) = self._modulations(torch.cat([t for t, _ in grid]))
+        # Constant part of the input projection; row 1 of the CFG batch (mu, spks, cond zeroed) is the bias.
+        rest = torch.cat([cond.transpose(1, 2), mu.transpose(1, 2), spks[:, None, :].expand(-1, n, -1)], dim=-1)
+        const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, n, -1)])
+        ang = dit.rotary_embed(n)[:, ::2]  # (N, r/2): one angle per interleaved pair
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over the q/k axis
+        mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device) if streaming else None
+        ones = torch.ones(dim, device=mu.device)
+        x = noise
+        for s, (_, dt) in enumerate(grid):
+            h = const + F.linear(x.transpose(1, 2), self.w_in_x)  # (2, N, dim) float32
+            h = dit.input_embed.conv_pos_embed(h) + h
+            h = h.to(res)
+            for blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f) in zip(self.blocks, mods):
+                n1 = F.layer_norm(h, (dim,), (ones + sc_a[s]).to(res), sh_a[s].to(res), eps).to(dt_)
+                qkv = blk["qkv"](n1)
+                self._rotate_head0_(qkv, self.heads, cos, sin)
+                q, k, v = qkv.unflatten(-1, (3, self.heads, self.dim_head)).permute(2, 0, 3, 1, 4)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                o = blk["out"](o.transpose(1, 2).flatten(2))
+                h = torch.addcmul(h, o.to(res), g_a[s].to(res))
+                n2 = F.layer_norm(h, (dim,), (ones + sc_f[s]).to(res), sh_f[s].to(res), eps).to(dt_)
+                h = torch.addcmul(h, blk["ff2"](blk["ff1"](n2)).to(res), g_f[s].to(res))
+            h = F.layer_norm(h.float(), (dim,), ones + f_scale[s], f_shift[s], eps)
+            v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2, mel, N)
+            x = x + dt * ((1.0 + cfg_rate) * v[0:1] - cfg_rate * v[1:2])
+        return x.float()
+
+
+# ----------------------------------------------------------------------------------------------
 # Conditional flow matching sampler
 
 
@@ -276,6 +421,31 @@ class CFM(nn.Module):
         self.cfg_rate = cfg.inference_cfg_rate
         self.estimator = DiT(cfg)
         self.register_buffer("rand_noise", flow_noise(cfg.mel_dim), persistent=False)
+        # float32: the reference solver below. bfloat16: the mixed-precision solver (FastDiT).
+        self.compute_dtype = torch.float32
+        self._fast: FastDiT | None = None  # weights re-laid-out for the fast solver, built on first use
+        self.estimator.register_load_state_dict_post_hook(lambda *_: self.drop_fast_cache())
+
+    def drop_fast_cache(self) -> None:
+        """Forget the fast solver's weight copies (after weights, dtype or device change)."""
+        self._fast = None
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .float(): copies must follow
+        self.drop_fast_cache()
+        return super()._apply(fn, *args, **kwargs)
+
+    def time_grid(self) -> list[torch.Tensor]:
+        """The ``(t, dt)`` pairs of the Euler steps, each a float32 ``(1,)`` tensor, accumulated
+        exactly as the reference solver does."""
+        t_span = cosine_t_span(self.n_timesteps).to(self.rand_noise.device)
+        t, dt = t_span[0:1], t_span[1] - t_span[0]
+        out = []
+        for step in range(1, len(t_span)):
+            out.append((t, dt))
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return out
 
     def forward(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                 streaming: bool = False) -> torch.Tensor:
@@ -284,6 +454,11 @@ class CFM(nn.Module):
         if n > self.rand_noise.shape[2]:
             raise InputError(f"flow input of {n} mel frames (prompt included) exceeds the "
                              f"{self.rand_noise.shape[2]}-frame noise buffer (300 s)")
+        if self.compute_dtype != torch.float32:
+            if self._fast is None or self._fast.dtype != self.compute_dtype:
+                self._fast = FastDiT(self.estimator, self.compute_dtype)
+            return self._fast.solve(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),
+                                    cond.float(), self.time_grid(), self.cfg_rate, streaming)
         x = self.rand_noise[:, :, :n].to(mu.dtype)
         t_span = cosine_t_span(self.n_timesteps).to(mu.device)
         # Row 1 of the CFG batch is the unconditional branch: mu, spks and cond all zeroed.
@@ -332,19 +507,51 @@ class Flow(nn.Module):
         self.decoder = CFM(cfg)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "Flow":
-        """Build from ``cosyvoice3.yaml`` and load ``flow.pt`` strictly; float32, eval mode."""
+    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", precision: str = "fp32",
+                 n_timesteps: int | None = None) -> "Flow":
+        """Build from ``cosyvoice3.yaml`` and load ``flow.pt`` strictly; float32 weights, eval mode.
+
+        ``precision``: ``"fp32"`` (reference), ``"bf16"`` or ``"auto"`` (see :meth:`set_precision`).
+        ``n_timesteps``: Euler steps (default: the config's 10); fewer trade quality for speed."""
         from .weights import load_flow_weights
 
         dev = resolve_device(device)
         cfg = load_config(model_dir)
         flow = cls(cfg.flow)
         flow.load_state_dict(load_flow_weights(Path(cfg.model_dir) / "flow.pt", cfg.flow), strict=True)
-        return flow.to(dev).eval()
+        flow = flow.to(dev).eval()
+        flow.set_precision(precision)
+        if n_timesteps is not None:
+            flow.set_n_timesteps(n_timesteps)
+        return flow
 
     @property
     def device(self) -> torch.device:
         return self.input_embedding.weight.device
+
+    @property
+    def precision(self) -> torch.dtype:
+        """Compute dtype of the DiT: ``torch.float32`` (reference) or ``torch.bfloat16``."""
+        return self.decoder.compute_dtype
+
+    def set_precision(self, precision: str | torch.dtype | None) -> torch.dtype:
+        """Choose the DiT compute precision: ``"fp32"`` — the reference float32 solver;
+        ``"bf16"`` — bfloat16 matrix products with float32 LayerNorm statistics, residual stream and
+        interfaces (:class:`FastDiT`); ``"auto"`` — bf16 where this device computes it natively
+        (CPU with AVX512-BF16/AMX, CUDA with bf16 support), else fp32. Returns the dtype chosen;
+        raises :class:`InputError` for an unknown name. Weights stay float32 (the bf16 copies are
+        made on the next call); ``inference`` is unchanged."""
+        dtype = resolve_precision(precision, self.device)
+        self.decoder.compute_dtype = dtype
+        self.decoder.drop_fast_cache()
+        return dtype
+
+    def set_n_timesteps(self, n: int) -> None:
+        """Euler steps of the solver (reference: 10). Fewer steps are faster and change the mel
+        (measured in ``scripts/bench_flow_vocoder.py``); an explicit quality/speed trade only."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 100:
+            raise InputError(f"flow n_timesteps must be an integer from 1 to 100, got {n!r}")
+        self.decoder.n_timesteps = n
 
     def prepare(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                 embedding: torch.Tensor, finalize: bool = True) -> FlowInputs:

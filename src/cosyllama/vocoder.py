@@ -12,6 +12,7 @@ Module attribute names equal the keys of ``hift.pt`` after weight-norm folding
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from .config import FlowConfig, HiftConfig, load_config
 from .device import resolve_device
 from .errors import InputError
 from .flow import NOISE_FRAMES, NOISE_SEED
+from .precision import resolve_precision
 
 F0_LOOKAHEAD = 3  # mel frames condnet.0 reads ahead (k=4)
 F0_CONV_KERNEL = 3
@@ -220,18 +222,61 @@ class HiFT(nn.Module):
         # Periodic Hann computed in float64 then rounded, like upstream's scipy window.
         window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
         self.register_buffer("stft_window", window, persistent=False)
+        # float32: the reference path. bfloat16 (opt-in): the generator convs (conv_pre .. the last
+        # resblock) run on bf16 copies of their weights; f0 (float64), source, STFT, conv_post and
+        # iSTFT stay as they are.
+        self.compute_dtype = torch.float32
+        self._lowp: dict[str, nn.Module] | None = None
+        self.register_load_state_dict_post_hook(lambda *_: self._drop_lowp())
+
+    def _drop_lowp(self) -> None:
+        self._lowp = None
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .cuda(): the low-precision copies must follow
+        self._drop_lowp()
+        return super()._apply(fn, *args, **kwargs)
+
+    _GENERATOR_PARTS = ("conv_pre", "ups", "source_downs", "source_resblocks", "resblocks")
+
+    def _generator(self) -> dict[str, nn.Module]:
+        """The conv stack in ``compute_dtype``: the modules themselves for float32, else cached copies."""
+        if self.compute_dtype == torch.float32:
+            return {k: getattr(self, k) for k in self._GENERATOR_PARTS}
+        if self._lowp is None or self._lowp["conv_pre"].weight.dtype != self.compute_dtype:
+            with torch.no_grad():
+                self._lowp = {k: copy.deepcopy(getattr(self, k)).to(self.compute_dtype).eval()
+                              for k in self._GENERATOR_PARTS}
+        return self._lowp
+
+    def set_precision(self, precision: str | torch.dtype | None) -> torch.dtype:
+        """``"fp32"`` (reference) or ``"bf16"`` (explicit opt-in: the generator convs up to the last
+        resblock run in bfloat16; f0 predictor (float64), source, STFT, conv_post, iSTFT and the
+        output stay as in the reference). ``"auto"`` resolves to fp32 here on every device: the bf16
+        vocoder misses the fidelity bound on the fixture model (log-mel of its waveform, see
+        ``tests/test_precision.py``), so it is never picked implicitly. Returns the dtype chosen;
+        :class:`InputError` for an unknown name."""
+        dtype = resolve_precision(precision, self.device)
+        if isinstance(precision, str) and precision.strip().lower() == "auto":
+            dtype = torch.float32
+        self.compute_dtype = dtype
+        self._drop_lowp()
+        return self.compute_dtype
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu") -> "HiFT":
+    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu",
+                 precision: str = "fp32") -> "HiFT":
         """Build from ``cosyvoice3.yaml`` and load ``hift.pt`` strictly (either weight-norm key
-        style, optional ``generator.`` prefix); float32 (f0 predictor float64), eval mode."""
+        style, optional ``generator.`` prefix); float32 weights (f0 predictor float64), eval mode.
+        ``precision``: see :meth:`set_precision`."""
         from .weights import load_hift_weights
 
         dev = resolve_device(device)
         cfg = load_config(model_dir)
         hift = cls(cfg.hift, source_noise_state(cfg.flow, cfg.hift))
         hift.load_state_dict(load_hift_weights(Path(cfg.model_dir) / "hift.pt", cfg.hift), strict=True)
-        return hift.to(dev).eval()
+        hift = hift.to(dev).eval()
+        hift.set_precision(precision)
+        return hift
 
     @property
     def device(self) -> torch.device:
@@ -254,23 +299,28 @@ class HiFT(nn.Module):
         spec = torch.stft(source.squeeze(1), self.n_fft, self.hop, self.n_fft, window=self.stft_window,
                           return_complex=True)
         s = torch.cat([spec.real, spec.imag], dim=1)  # (1, 2*bins, 120 T + 1)
-        x = lookahead_conv(self.conv_pre, mel, finalize)
+        g = self._generator()  # the conv stack in compute_dtype (these modules for float32)
+        dtype = self.compute_dtype
+        x = lookahead_conv(g["conv_pre"], mel.to(dtype), finalize)
+        s = s.to(dtype)
         if not finalize:
             s = s[:, :, :s.shape[2] - self.frame_upsample * self.cfg.conv_pre_look_right]
-        for i, (up, rate) in enumerate(zip(self.ups, self.cfg.upsample_rates)):
+        for i, (up, rate) in enumerate(zip(g["ups"], self.cfg.upsample_rates)):
             x = F.leaky_relu(x, self.cfg.lrelu_slope)
             x = causal_conv(up, x.repeat_interleave(rate, dim=2))
-            if i == len(self.ups) - 1:
+            if i == len(g["ups"]) - 1:
                 # One reflected sample on the left aligns x with the source STFT's extra frame.
                 x = F.pad(x, (1, 0), mode="reflect")
-            si = self.source_downs[i](F.pad(s, (self.source_downs[i].stride[0] - 1, 0)))
-            x = x + self.source_resblocks[i](si)
-            blocks = self.resblocks[i * self.n_res:(i + 1) * self.n_res]
+            down = g["source_downs"][i]
+            si = down(F.pad(s, (down.stride[0] - 1, 0)))
+            x = x + g["source_resblocks"][i](si)
+            blocks = g["resblocks"][i * self.n_res:(i + 1) * self.n_res]
             acc = blocks[0](x)
             for b in blocks[1:]:
                 acc = acc + b(x)
             x = acc / self.n_res
-        x = causal_conv(self.conv_post, F.leaky_relu(x, POST_SLOPE))
+        # conv_post stays float32: exp() of its magnitude half would amplify bf16 rounding.
+        x = causal_conv(self.conv_post, F.leaky_relu(x.float(), POST_SLOPE))
         bins = self.n_fft // 2 + 1
         mag = torch.exp(x[:, :bins]).clamp(max=1e2)
         phase = torch.sin(x[:, bins:])  # upstream takes sin() of the predicted phase (spec Q8)

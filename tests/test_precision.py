@@ -1,0 +1,197 @@
+"""Precision policy (fp32 | bf16 | auto) and the fidelity bound of the fast paths on the fixtures.
+
+A fast path may be the default only if its mel stays within MEAN_BOUND / MAX_BOUND (natural-log mel
+units) of the float32 path. The flow is held to it on every recorded upstream flow call; the vocoder
+on the log-mel of its waveform (the same mel the flow prompt uses), chained the way the engine runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MODEL_DIR, load_fixture
+from cosyllama import precision as prec
+from cosyllama.audio import mel_spectrogram
+from cosyllama.config import load_config
+from cosyllama.errors import InputError
+from cosyllama.flow import Flow
+from cosyllama.precision import resolve_precision
+from cosyllama.vocoder import HiFT
+
+MEAN_BOUND = 0.01
+MAX_BOUND = 0.1
+E2E = ["cross_lingual_nonstream", "cross_lingual_stream", "instruct2_nonstream", "instruct2_stream",
+       "zero_shot_nonstream", "zero_shot_nonstream_speed1.5", "zero_shot_stream"]
+
+
+def mel_diff(a, b) -> tuple[float, float]:
+    d = (torch.as_tensor(a).double() - torch.as_tensor(b).double()).abs()
+    return float(d.mean()), float(d.max())
+
+
+def t(x):
+    return torch.from_numpy(np.asarray(x))
+
+
+@pytest.fixture(scope="module")
+def flow_bf16():
+    return Flow.from_dir(MODEL_DIR, precision="bf16")
+
+
+@pytest.fixture(scope="module")
+def hifts():
+    return HiFT.from_dir(MODEL_DIR), HiFT.from_dir(MODEL_DIR, precision="bf16")
+
+
+# ----------------------------------------------------------------------------------------------
+# resolve_precision
+
+
+def test_names_resolve():
+    assert resolve_precision("fp32") is torch.float32
+    assert resolve_precision("FP32") is torch.float32
+    assert resolve_precision("float32") is torch.float32
+    assert resolve_precision("bf16") is torch.bfloat16
+    assert resolve_precision("bfloat16") is torch.bfloat16
+    assert resolve_precision(None) is torch.float32
+    assert resolve_precision(torch.bfloat16) is torch.bfloat16
+
+
+@pytest.mark.parametrize("bad", ["fp16", "", "int8", "bf-16", torch.float16])
+def test_bad_names_are_refused_with_the_allowed_ones(bad):
+    with pytest.raises(InputError, match="fp32, bf16, auto"):
+        resolve_precision(bad)
+
+
+def test_auto_follows_the_cpu(monkeypatch):
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
+    assert resolve_precision("auto", "cpu") is torch.bfloat16
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
+    assert resolve_precision("auto", "cpu") is torch.float32
+
+
+def test_cpu_flag_detection_reads_proc_cpuinfo():
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    expected = any(f in text.split() for f in ("avx512_bf16", "amx_bf16"))
+    assert prec.cpu_has_native_bf16() == expected
+
+
+def test_modules_refuse_bad_precision_and_default_to_fp32():
+    flow = Flow.from_dir(MODEL_DIR)
+    assert flow.precision is torch.float32
+    with pytest.raises(InputError, match="precision"):
+        flow.set_precision("half")
+    with pytest.raises(InputError, match="precision"):
+        HiFT.from_dir(MODEL_DIR, precision="fp8")
+    with pytest.raises(InputError, match="n_timesteps"):
+        flow.set_n_timesteps(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Flow
+
+
+def test_flow_bf16_stays_within_bound_on_every_recorded_call(flow_bf16):
+    worst = (0.0, 0.0)
+    for case in E2E:
+        arr, meta = load_fixture(f"e2e_{case}")
+        prompt = (t(arr["in_flow_prompt_speech_token"]), t(arr["in_prompt_speech_feat"]))
+        tokens, emb = t(arr["flow_tokens"]), t(arr["in_flow_embedding"])
+        for k, call in enumerate(meta["meta"]["flow_calls"]):
+            mel = flow_bf16.inference(tokens[:, :call["n_tokens"]], *prompt, emb, streaming=call["streaming"],
+                                      finalize=call["finalize"])
+            assert mel.dtype == torch.float32
+            mean, mx = mel_diff(mel, arr[f"flow_call{k}_mel"])
+            assert mean <= MEAN_BOUND and mx <= MAX_BOUND, f"{case} call {k}: mean {mean:.4g} max {mx:.4g}"
+            worst = (max(worst[0], mean), max(worst[1], mx))
+    print(f"flow bf16 vs upstream fp32 mel, worst over e2e calls: mean {worst[0]:.2e} max {worst[1]:.2e}")
+
+
+def test_flow_bf16_streaming_and_full_within_bound(flow_bf16):
+    fx = load_fixture("flow")[0]
+    a = (t(fx["token"]), t(fx["prompt_token"]), t(fx["prompt_feat"]), t(fx["embedding"]))
+    for mel, ref in ((flow_bf16.inference(*a), fx["mel"]),
+                     (flow_bf16.inference(*a, streaming=True, finalize=True), fx["mel_streaming_attention_finalize"]),
+                     (flow_bf16.inference(a[0][:, :int(fx["stream_chunk1_n_tokens"][0])], *a[1:], streaming=True,
+                                          finalize=False), fx["stream_chunk1_mel"])):
+        mean, mx = mel_diff(mel, ref)
+        assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)
+
+
+def test_switching_back_to_fp32_is_the_reference_bit_for_bit():
+    fx = load_fixture("flow")[0]
+    a = (t(fx["token"]), t(fx["prompt_token"]), t(fx["prompt_feat"]), t(fx["embedding"]))
+    flow = Flow.from_dir(MODEL_DIR)
+    ref = flow.inference(*a)
+    assert flow.set_precision("bf16") is torch.bfloat16
+    fast = flow.inference(*a)
+    assert not torch.equal(fast, ref)  # the fast path really ran
+    flow.set_precision("fp32")
+    assert torch.equal(flow.inference(*a), ref)
+
+
+def test_fast_path_follows_new_weights():
+    fx = load_fixture("flow")[0]
+    a = (t(fx["token"]), t(fx["prompt_token"]), t(fx["prompt_feat"]), t(fx["embedding"]))
+    flow = Flow.from_dir(MODEL_DIR, precision="bf16")
+    before = flow.inference(*a)
+    sd = {k: v.clone() for k, v in flow.state_dict().items()}
+    sd["decoder.estimator.transformer_blocks.0.ff.ff.2.bias"] += 1.0
+    flow.load_state_dict(sd)
+    assert not torch.equal(flow.inference(*a), before)
+
+
+def test_fewer_steps_is_an_explicit_option():
+    fx = load_fixture("flow")[0]
+    a = (t(fx["token"]), t(fx["prompt_token"]), t(fx["prompt_feat"]), t(fx["embedding"]))
+    flow = Flow.from_dir(MODEL_DIR, n_timesteps=5)
+    assert flow.decoder.n_timesteps == 5
+    assert Flow.from_dir(MODEL_DIR).decoder.n_timesteps == 10
+    assert flow.inference(*a).shape == fx["mel"].shape
+
+
+# ----------------------------------------------------------------------------------------------
+# Vocoder
+
+
+def test_vocoder_auto_stays_fp32_because_bf16_misses_the_bound(hifts):
+    """The opt-in bf16 vocoder is measured here; it misses the bound on the fixture model, which is
+    why ``auto`` never picks it. If it ever meets the bound, this test says so (then reconsider)."""
+    assert HiFT.from_dir(MODEL_DIR, precision="auto").compute_dtype is torch.float32
+    ref_hift, fast = hifts
+    feat = load_config(MODEL_DIR).feat
+    arr, meta = load_fixture("e2e_zero_shot_stream")
+    mel = torch.cat([t(arr[f"flow_call{k}_mel"]) for k in range(len(meta["meta"]["flow_calls"]))], dim=2)
+    ref, wav = ref_hift.inference(mel), fast.inference(mel)
+    assert wav.dtype == torch.float32 and wav.shape == ref.shape
+    mean, mx = mel_diff(mel_spectrogram(wav, feat), mel_spectrogram(ref, feat))
+    print(f"vocoder bf16 vs fp32, log-mel of the waveform: mean {mean:.3g} max {mx:.3g}")
+    assert not (mean <= MEAN_BOUND and mx <= MAX_BOUND)
+
+
+def test_vocoder_bf16_streaming_prefix_is_consistent(hifts):
+    """The streaming contract (a prefix call's samples equal the start of a later call) holds for the
+    fast path too: its convs are as causal as the reference's."""
+    _, fast = hifts
+    arr, _ = load_fixture("e2e_zero_shot_nonstream")
+    mel = t(arr["flow_call0_mel"])
+    full = fast.inference(mel, finalize=True)
+    part = fast.inference(mel[:, :, :40], finalize=False)
+    assert torch.equal(part, full[:, :part.shape[1]]) or (part - full[:, :part.shape[1]]).abs().max() <= 2e-3
+
+
+def test_vocoder_fp32_unchanged_after_bf16_use():
+    arr, _ = load_fixture("e2e_zero_shot_nonstream")
+    mel = t(arr["flow_call0_mel"])
+    h = HiFT.from_dir(MODEL_DIR)
+    ref = h.inference(mel)
+    h.set_precision("bf16")
+    h.inference(mel)
+    h.set_precision("fp32")
+    assert torch.equal(h.inference(mel), ref)
