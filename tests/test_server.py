@@ -184,7 +184,7 @@ def test_disconnect_frees_sequence(client, server, tts):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
                 assert r.status_code == 200
-                next(r.iter_bytes())
+                next(chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
                 assert client.get("/health").json()["active_sequences"] == 1
             # leaving the block closes the connection mid-stream
             cut = time.monotonic()
@@ -229,6 +229,8 @@ def test_bad_requests_get_json_errors(client):
     _assert_error(client.post("/v1/voices", files={"audio": ("p.wav", wav, "audio/wav")}, data={"id": "a b"}),
                   422, contains="a b")
     _assert_error(client.post("/v1/voices", files={"audio": ("p.wav", b"\0" * 1_000_001, "audio/wav")}), 413)
+    _assert_error(client.post("/v1/voices", files={"audio": ("p.wav", b"\0" * 2_000_000, "audio/wav")}), 413,
+                  "request_too_large", "body")
     silent = io.BytesIO()
     sf.write(silent, np.zeros(24_000, np.float32), 24_000, format="WAV")
     _assert_error(client.post("/v1/voices", files={"audio": ("s.wav", silent.getvalue(), "audio/wav")}), 400,
@@ -250,19 +252,22 @@ def test_bad_requests_get_json_errors(client):
 
 def test_full_server_answers_503(tts, server):
     srv = LoopbackServer(create_app(tts, max_concurrent=1, max_queue=0))
+    tts.llm.delay = 0.01  # the first request must still be running when the second comes
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             body = {"input": "A long sentence that takes a while to speak, one word after another.",
-                    "voice": "en", "stream": True, "response_format": "pcm"}
+                    "voice": "en", "stream": True, "response_format": "pcm", "greedy": True}
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
-                next(r.iter_bytes())
+                next(chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
                 with httpx.Client(base_url=srv.url, timeout=60) as c2:
                     busy = c2.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"})
                 _assert_error(busy, 503, "server_busy")
                 assert busy.headers["retry-after"] == "1"
+            tts.llm.delay = 0.0
             _wait_idle(c)
             assert c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"}).status_code == 200
     finally:
+        tts.llm.delay = 0.0
         srv.stop()
 
 

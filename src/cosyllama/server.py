@@ -48,6 +48,7 @@ DEFAULT_MAX_INPUT_CHARS = 4096  # characters of text per request
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for a running slot
 RETRY_AFTER_S = 1  # seconds, sent with 503
+BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 PCM_BYTES = 2  # 16-bit samples on the wire
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
 
@@ -225,6 +226,35 @@ class _AudioStream(StreamingResponse):
                 await self._cleanup()
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413 (by its Content-Length) or is
+    cut off (a chunked body is counted as it arrives), before anything parses it."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            msg = f"the request body is larger than {self.limit} bytes"
+            response = JSONResponse({"error": {"message": msg, "type": "request_too_large"}}, status_code=413)
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    return {"type": "http.disconnect"}  # stop reading; the request fails as abandoned
+            return message
+
+        return await self.app(scope, counted, send)
+
+
 # ----------------------------------------------------------------------------------------------
 # The app
 
@@ -279,6 +309,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
             await run_in_threadpool(scheduler.close)
 
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
+    # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
+    app.add_middleware(_BodyLimit, limit=max(max_prompt_bytes, 6 * max_input_chars) + BODY_SLACK_BYTES)
     app.state.tts, app.state.scheduler, app.state.limits = tts, scheduler, limits
 
     # -- errors -----------------------------------------------------------------------------------
