@@ -70,7 +70,8 @@ def run_streams(sched: BatchScheduler, cfg, n: int, tokens: int) -> dict:
 
 def direct_decode_rate(llm, cfg, tokens: int) -> float:
     """Decode tokens/s of one request through plain ``generate`` (no scheduler), prefill excluded."""
-    it = generate(llm, make_prefill(cfg, 0), PROMPT_TEXT_TOKENS, DecodeOptions(seed=0, max_len=tokens, ignore_stop=True))
+    opts = DecodeOptions(seed=0, max_len=tokens, ignore_stop=True)
+    it = generate(llm, make_prefill(cfg, 0), PROMPT_TEXT_TOKENS, opts)
     next(it)
     t0 = time.perf_counter()
     return sum(1 for _ in it) / (time.perf_counter() - t0)
@@ -92,7 +93,8 @@ def main(argv=None) -> int:
     rows = []
     try:
         # warm-up, and the no-scheduler reference for one stream (decode only, prefill excluded)
-        list(generate(llm, make_prefill(cfg, 99), PROMPT_TEXT_TOKENS, DecodeOptions(seed=0, max_len=8, ignore_stop=True)))
+        warm = DecodeOptions(seed=0, max_len=8, ignore_stop=True)
+        list(generate(llm, make_prefill(cfg, 99), PROMPT_TEXT_TOKENS, warm))
         direct = max(direct_decode_rate(llm, cfg, args.tokens) for _ in range(args.repeat))
         print(f"{llm!r}\nprefill {len(make_prefill(cfg, 0))} positions, {args.tokens} tokens per stream, "
               f"best of {args.repeat}")
