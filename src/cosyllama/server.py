@@ -363,8 +363,10 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
             if not done:
                 done = True
                 watcher.cancel()
-                await run_in_threadpool(job.close)
-                g.release()
+                try:
+                    await run_in_threadpool(job.close)
+                finally:
+                    g.release()
 
         try:
             try:
