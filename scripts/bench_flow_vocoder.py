@@ -1,11 +1,22 @@
-"""Time the flow (DiT CFM) and the HiFT vocoder at the real Fun-CosyVoice3-0.5B sizes.
+"""Time the flow (DiT CFM) and the HiFT vocoder at the real Fun-CosyVoice3-0.5B sizes, per precision.
 
 Builds both modules with random weights straight from configs (no model files), then times one
-non-streaming synthesis of ``--out-s`` seconds after a ``--prompt-s`` seconds prompt. Random weights
-give noise audio but the real amount of work. Prints seconds of compute per second of audio, and
-the same numbers as JSON in the ``cosyllama bench`` layout (``flow`` / ``vocoder`` lists).
+non-streaming synthesis of ``--out-s`` seconds after a ``--prompt-s`` seconds prompt, for every
+variant in the same process, interleaved round by round (so a load change on a shared machine hits
+all variants alike); the median and best of ``--repeats`` rounds are kept. Random weights give noise
+audio but the real amount of work. Also reports each fast variant's fidelity against float32 on the
+same inputs (mel mean/max abs difference, natural-log mel units; for the vocoder the log-mel of its
+waveform), and the time to the first streaming chunk through the engine's :class:`Token2Wav`.
 
-    python scripts/bench_flow_vocoder.py                 # 2 threads, CPU, fp32
+Flow variants: ``fp32`` (reference eager), ``bf16`` (``Flow.set_precision("bf16")``, what ``auto``
+picks on CPUs with AVX512-BF16/AMX), ``fp32-fast`` (the bf16 solver's re-arranged float32 twin:
+shows what restructuring alone gives), ``bf16-res16`` (bf16 residual stream too — measured, not
+offered), and ``bf16-steps<N>`` (fewer Euler steps: an explicit quality trade).
+Vocoder variants: ``fp32`` and the opt-in ``bf16``.
+
+    python scripts/bench_flow_vocoder.py                          # 2 threads, CPU
+    python scripts/bench_flow_vocoder.py --repeats 3 --profile    # + where the flow time goes
+    python scripts/bench_flow_vocoder.py --flow-variants fp32,bf16,bf16-steps5 --stream
     python scripts/bench_flow_vocoder.py --device cuda
 """
 
@@ -13,14 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from cosyllama.config import FlowConfig, HiftConfig
+from cosyllama.config import FeatConfig, FlowConfig, HiftConfig
 from cosyllama.device import resolve_device
-from cosyllama.flow import Flow
+from cosyllama.flow import FastDiT, Flow
 from cosyllama.vocoder import HiFT, source_noise_state
 
 TOKEN_RATE = 25  # speech tokens per second
@@ -40,6 +53,8 @@ FULL_HIFT = HiftConfig(
     source_resblock_kernel_sizes=(7, 7, 11), source_resblock_dilation_sizes=((1, 3, 5),) * 3, lrelu_slope=0.1,
     audio_limit=0.99, conv_pre_look_right=4, f0_num_class=1, f0_in_channels=80, f0_cond_channels=512,
 )
+FEAT = FeatConfig(n_fft=1920, num_mels=80, sampling_rate=24000, hop_size=480, win_size=1920, fmin=0.0,
+                  fmax=None, center=False)
 
 
 def sync(dev: torch.device) -> None:
@@ -47,16 +62,88 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def timed(fn, dev: torch.device, repeats: int) -> float:
-    """Best wall time of ``repeats`` runs, in seconds."""
-    best = float("inf")
-    for _ in range(repeats):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def timed_once(fn, dev: torch.device) -> tuple[float, float, object]:
+    """(wall s, process CPU s, result) of one call."""
+    sync(dev)
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = fn()
+    sync(dev)
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+def mel_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a.double().cpu() - b.double().cpu()).abs()
+    return {"mean_abs": float(d.mean()), "max_abs": float(d.max())}
+
+
+class FlowVariant:
+    """One way of running the flow: ``run(token, prompt_token, prompt_feat, emb, streaming, finalize)``."""
+
+    def __init__(self, name: str, flow: Flow):
+        self.name, self.flow = name, flow
+        self.steps = 10
+        self.solver = None
+        if name.startswith("bf16-steps"):
+            self.steps = int(name[len("bf16-steps"):])
+            self.precision = "bf16"
+        elif name in ("fp32", "bf16"):
+            self.precision = name
+        elif name == "fp32-fast":
+            self.precision, self.solver = "fp32", FastDiT(flow.decoder.estimator, torch.float32)
+        elif name == "bf16-res16":
+            self.precision = "fp32"
+            self.solver = FastDiT(flow.decoder.estimator, torch.bfloat16, residual_dtype=torch.bfloat16)
+        else:
+            raise SystemExit(f"unknown flow variant {name!r}")
+
+    @torch.inference_mode()
+    def run(self, token, prompt_token, prompt_feat, emb, streaming=False, finalize=True) -> torch.Tensor:
+        flow = self.flow
+        flow.set_precision(self.precision)
+        flow.decoder.n_timesteps = self.steps
+        try:
+            if self.solver is None:
+                return flow.inference(token, prompt_token, prompt_feat, emb, streaming=streaming, finalize=finalize)
+            inp = flow.prepare(token, prompt_token, prompt_feat, emb, finalize)
+            dec = flow.decoder
+            x = self.solver.solve(dec.rand_noise[:, :, :inp.mu.shape[2]], inp.mu, inp.spks, inp.cond,
+                                  dec.time_grid(), dec.cfg_rate, streaming)
+            return x[:, :, inp.prompt_frames:]
+        finally:
+            flow.decoder.n_timesteps = 10
+
+
+def profile_flow(variant: FlowVariant, args) -> dict:
+    """Share of one flow call's self CPU time per kind of op."""
+    kinds = {"gemm": ("addmm", "mm", "bmm", "linear_pointwise", "matmul", "linear"),
+             "attention": ("scaled_dot_product", "flash_attention"),
+             "conv": ("convolution", "conv1d", "conv2d")}
+    with torch.profiler.profile() as prof:
+        variant.run(*args)
+    tot: dict[str, float] = {"gemm": 0.0, "attention": 0.0, "conv": 0.0, "glue": 0.0}
+    for ev in prof.key_averages():
+        kind = next((k for k, keys in kinds.items() if any(s in ev.key for s in keys)), "glue")
+        tot[kind] += ev.self_cpu_time_total / 1e6
+    all_s = sum(tot.values()) or 1.0
+    return {k: round(v / all_s, 3) for k, v in tot.items()}
+
+
+def first_chunk_time(flow: Flow, hift: HiFT, tokens: list[int], prompt, sample_rate: int) -> tuple[float, int]:
+    """Seconds until :meth:`Token2Wav.stream` yields its first chunk when all tokens are ready."""
+    from cosyllama.engine import Token2Wav
+
+    t2w = Token2Wav(flow, hift, sample_rate)
+    t0 = time.perf_counter()
+    for chunk in t2w.stream(iter(tokens), prompt, segment=0):
+        return time.perf_counter() - t0, chunk.samples.size
+    return float("nan"), 0
+
+
+def summary(walls: list[float], cpus: list[float], audio_s: float) -> dict:
+    return {"seconds_per_audio_second": statistics.median(walls) / audio_s,
+            "best_seconds_per_audio_second": min(walls) / audio_s,
+            "cpu_seconds_per_audio_second": statistics.median(cpus) / audio_s,
+            "wall_s": walls, "cpu_s": cpus}
 
 
 def main() -> None:
@@ -65,7 +152,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--prompt-s", type=float, default=3.0, help="prompt length in seconds (default 3)")
     ap.add_argument("--out-s", type=float, default=10.0, help="generated audio in seconds (default 10)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed runs per stage; the best is kept")
+    ap.add_argument("--repeats", type=int, default=2, help="interleaved timing rounds; median and best kept")
+    ap.add_argument("--flow-variants", default="fp32,bf16", help="comma list (see the module doc)")
+    ap.add_argument("--vocoder-variants", default="fp32,bf16", help="comma list: fp32, bf16")
+    ap.add_argument("--profile", action="store_true", help="also split one flow call per variant by op kind")
+    ap.add_argument("--stream", action="store_true", help="also time the first streaming chunk per variant")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
 
@@ -82,28 +173,110 @@ def main() -> None:
     token = torch.randint(0, FULL_FLOW.vocab_size, (1, o_tok))
     prompt_feat = torch.randn(1, 2 * p_tok, 80) - 5.0
     emb = torch.randn(1, 192)
-    mel = torch.randn(1, 80, 2 * o_tok, device=dev) - 5.0
-
-    # Warm-up on a short input (allocator, oneDNN/cuDNN kernel selection), then time the real size.
-    flow.inference(token[:, :10], prompt_token[:, :10], prompt_feat[:, :20], emb)
-    hift.inference(mel[:, :, :20])
     audio_s = o_tok / TOKEN_RATE
-    t_flow = timed(lambda: flow.inference(token, prompt_token, prompt_feat, emb), dev, a.repeats)
-    t_voc = timed(lambda: hift.inference(mel), dev, a.repeats)
+    inputs = (token, prompt_token, prompt_feat, emb)
 
-    variant = f"torch-fp32-{dev.type}-{a.threads}t" if dev.type == "cpu" else f"torch-fp32-{dev.type}"
+    fvars = [FlowVariant(n.strip(), flow) for n in a.flow_variants.split(",") if n.strip()]
+    vnames = [n.strip() for n in a.vocoder_variants.split(",") if n.strip()]
+    if "fp32" not in [v.name for v in fvars] or "fp32" not in vnames:
+        raise SystemExit("fp32 must be among the variants: fidelity is measured against it")
+
+    # Warm-up on a short input (allocator, oneDNN kernel selection, bf16 weight copies).
+    for v in fvars:
+        v.run(token[:, :10], prompt_token[:, :10], prompt_feat[:, :20], emb)
+    for name in vnames:
+        hift.set_precision(name)
+        hift.inference(torch.randn(1, 80, 20, device=dev) - 5.0)
+
+    # Flow: interleaved rounds.
+    f_wall = {v.name: [] for v in fvars}
+    f_cpu = {v.name: [] for v in fvars}
+    mels: dict[str, torch.Tensor] = {}
+    for r in range(a.repeats):
+        for v in (fvars if r % 2 == 0 else fvars[::-1]):
+            w, c, mel = timed_once(lambda: v.run(*inputs), dev)
+            f_wall[v.name].append(round(w, 3))
+            f_cpu[v.name].append(round(c, 3))
+            mels[v.name] = mel
+            print(f"  round {r} flow {v.name:12s} {w:7.2f} s wall {c:7.2f} s cpu", flush=True)
+    ref_mel = mels["fp32"]
+    # The vocoder is fed the fp32 flow's mel (noise-like with random weights, but the real shapes).
+    v_wall = {n: [] for n in vnames}
+    v_cpu = {n: [] for n in vnames}
+    wavs: dict[str, torch.Tensor] = {}
+    for r in range(a.repeats):
+        for n in (vnames if r % 2 == 0 else vnames[::-1]):
+            hift.set_precision(n)
+            w, c, wav = timed_once(lambda: hift.inference(ref_mel), dev)
+            v_wall[n].append(round(w, 3))
+            v_cpu[n].append(round(c, 3))
+            wavs[n] = wav
+            print(f"  round {r} vocoder {n:9s} {w:7.2f} s wall {c:7.2f} s cpu", flush=True)
+
+    from cosyllama.audio import mel_spectrogram
+
+    ref_wav_mel = mel_spectrogram(wavs["fp32"].float().cpu(), FEAT)
+    f_ref = statistics.median(f_wall["fp32"])
+    flow_rows = []
+    for v in fvars:
+        row = {"variant": f"torch-{v.name}-{dev.type}" + (f"-{a.threads}t" if dev.type == "cpu" else ""),
+               "precision": v.precision, "n_timesteps": v.steps, **summary(f_wall[v.name], f_cpu[v.name], audio_s),
+               "speedup_vs_fp32": f_ref / statistics.median(f_wall[v.name]),
+               "cpu_speedup_vs_fp32": statistics.median(f_cpu["fp32"]) / statistics.median(f_cpu[v.name]),
+               "mel_vs_fp32": mel_diff(mels[v.name], ref_mel),
+               "prompt_s": p_tok / TOKEN_RATE, "audio_s": audio_s, "params": n_flow}
+        if a.profile:
+            row["time_share"] = profile_flow(v, inputs)
+        flow_rows.append(row)
+    v_ref = statistics.median(v_wall["fp32"])
+    voc_rows = []
+    for n in vnames:
+        voc_rows.append({"variant": f"torch-{n}-{dev.type}" + (f"-{a.threads}t" if dev.type == "cpu" else ""),
+                         "precision": n, **summary(v_wall[n], v_cpu[n], audio_s),
+                         "speedup_vs_fp32": v_ref / statistics.median(v_wall[n]),
+                         "wav_logmel_vs_fp32": mel_diff(mel_spectrogram(wavs[n].float().cpu(), FEAT), ref_wav_mel),
+                         "audio_s": audio_s, "params": n_hift})
+
+    stream_rows = []
+    if a.stream:
+        from cosyllama.engine import FlowPrompt
+
+        prompt = FlowPrompt(prompt_token.int(), prompt_feat, emb)
+        toks = token[0].tolist()
+        for v in fvars:
+            if v.solver is not None or v.steps != 10:
+                continue
+            flow.set_precision(v.precision)
+            hift.set_precision("fp32")
+            ttfc, n = first_chunk_time(flow, hift, toks, prompt, FULL_HIFT.sampling_rate)
+            stream_rows.append({"flow": v.name, "vocoder": "fp32", "first_chunk_s": ttfc,
+                                "first_chunk_audio_s": n / FULL_HIFT.sampling_rate})
+        flow.set_precision("fp32")
+
     result = {
-        "machine": {"threads": a.threads, "device": str(dev),
-                    "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None},
-        "flow": [{"variant": variant, "seconds_per_audio_second": t_flow / audio_s, "wall_s": t_flow,
-                  "prompt_s": p_tok / TOKEN_RATE, "audio_s": audio_s, "params": n_flow}],
-        "vocoder": [{"variant": variant, "seconds_per_audio_second": t_voc / audio_s, "wall_s": t_voc,
-                     "audio_s": audio_s, "params": n_hift}],
+        "machine": {"threads": a.threads, "device": str(dev), "loadavg_at_end": os.getloadavg(),
+                    "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "flow": flow_rows, "vocoder": voc_rows, "streaming": stream_rows,
     }
-    print(f"flow    ({n_flow / 1e6:.1f} M params, {p_tok / TOKEN_RATE:.1f} s prompt + {audio_s:.1f} s, "
-          f"10 Euler steps x CFG batch 2): {t_flow:7.2f} s wall = {t_flow / audio_s:.3f} s per audio second")
-    print(f"vocoder ({n_hift / 1e6:.1f} M params, {audio_s:.1f} s):"
-          f"{' ' * 39}{t_voc:7.2f} s wall = {t_voc / audio_s:.3f} s per audio second")
+    print(f"\nflow ({n_flow / 1e6:.1f} M params, {p_tok / TOKEN_RATE:.1f} s prompt + {audio_s:.1f} s, CFG batch 2), "
+          f"{a.threads} threads, load {os.getloadavg()[0]:.1f}")
+    print(f"  {'variant':14s} {'s/audio-s':>9s} {'best':>7s} {'cpu s/s':>8s} {'speedup':>8s} {'cpu-spdup':>9s}"
+          f" {'mel mean':>9s} {'mel max':>8s}")
+    for v, row in zip(fvars, flow_rows):
+        print(f"  {v.name:14s} {row['seconds_per_audio_second']:9.3f} {row['best_seconds_per_audio_second']:7.3f} "
+              f"{row['cpu_seconds_per_audio_second']:8.3f} {row['speedup_vs_fp32']:8.2f} "
+              f"{row['cpu_speedup_vs_fp32']:9.2f} {row['mel_vs_fp32']['mean_abs']:9.4f} "
+              f"{row['mel_vs_fp32']['max_abs']:8.4f}" + (f"  {row['time_share']}" if a.profile else ""))
+    print(f"vocoder ({n_hift / 1e6:.1f} M params, {audio_s:.1f} s)")
+    for n, row in zip(vnames, voc_rows):
+        print(f"  {n:14s} {row['seconds_per_audio_second']:9.3f} {row['best_seconds_per_audio_second']:7.3f} "
+              f"{row['cpu_seconds_per_audio_second']:8.3f} {row['speedup_vs_fp32']:8.2f} {'':9s} "
+              f"{row['wav_logmel_vs_fp32']['mean_abs']:9.4f} {row['wav_logmel_vs_fp32']['max_abs']:8.4f}"
+              "  (log-mel of the waveform)")
+    for row in stream_rows:
+        print(f"first streaming chunk, flow {row['flow']}: {row['first_chunk_s']:.2f} s "
+              f"({row['first_chunk_audio_s']:.2f} s of audio)")
     print(json.dumps(result))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))

@@ -389,17 +389,20 @@ class FastDiT:
         for s, (_, dt) in enumerate(grid):
             h = const + F.linear(x.transpose(1, 2), self.w_in_x)  # (2, N, dim) float32
             h = dit.input_embed.conv_pos_embed(h) + h
-            h = h.to(res)
+            h = h.to(res)  # a fresh tensor: updated in place below
             for blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f) in zip(self.blocks, mods):
-                n1 = F.layer_norm(h, (dim,), (ones + sc_a[s]).to(res), sh_a[s].to(res), eps).to(dt_)
+                # LayerNorm on the residual rounded to the compute dtype, modulation as its affine
+                # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
+                n1 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_a[s]).to(dt_), sh_a[s].to(dt_), eps)
                 qkv = blk["qkv"](n1)
                 self._rotate_head0_(qkv, self.heads, cos, sin)
                 q, k, v = qkv.unflatten(-1, (3, self.heads, self.dim_head)).permute(2, 0, 3, 1, 4)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, D), N-major
                 o = blk["out"](o.transpose(1, 2).flatten(2))
-                h = torch.addcmul(h, o.to(res), g_a[s].to(res))
-                n2 = F.layer_norm(h, (dim,), (ones + sc_f[s]).to(res), sh_f[s].to(res), eps).to(dt_)
-                h = torch.addcmul(h, blk["ff2"](blk["ff1"](n2)).to(res), g_f[s].to(res))
+                # Same-dtype in-place update: a mixed-dtype addcmul takes a slow unvectorized path.
+                h.addcmul_(o.to(res), g_a[s].to(res))
+                n2 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_f[s]).to(dt_), sh_f[s].to(dt_), eps)
+                h.addcmul_(blk["ff2"](blk["ff1"](n2)).to(res), g_f[s].to(res))
             h = F.layer_norm(h.float(), (dim,), ones + f_scale[s], f_shift[s], eps)
             v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2, mel, N)
             x = x + dt * ((1.0 + cfg_rate) * v[0:1] - cfg_rate * v[1:2])
