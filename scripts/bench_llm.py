@@ -4,8 +4,11 @@ Uses a full-size random-weight model directory (real Fun-CosyVoice3-0.5B shapes:
 24 layers, 14 heads, 2 KV heads, intermediate 4864, text vocab 151936, speech vocab 6761), made
 once with ``make_model(size="full")`` in the cache directory; GGUFs are converted once beside it.
 Every configuration decodes the same forced length (stop ids masked, RAS sampling with a fixed
-seed) after the same prefill, so the work is equal. Prints one table; ``--json`` writes the
-``cosyllama bench`` ``llm`` list.
+seed) after the same prefill, so the work is equal. All configurations are loaded at once and
+timed in interleaved rounds; by default each one's fastest round is reported, because other
+processes on a shared machine only ever slow a run down (llama.cpp's spinning thread barriers
+suffer most when a core is taken). Prints one table; ``--json`` writes the ``cosyllama bench``
+``llm`` list.
 
     python scripts/bench_llm.py                               # 2 threads, speech+merged x F16,Q8_0,Q4_K_M
     python scripts/bench_llm.py --types Q8_0 --layouts speech --no-torch --n-batch 64 --flash-attn on
@@ -92,11 +95,10 @@ def run_once(backend, prefill: Prefill, n_decode: int, seed: int) -> tuple[float
     return t1 - t0, time.perf_counter() - t1, n
 
 
-def measure(name: str, backend, prefill: Prefill, n_decode: int, repeat: int) -> dict:
-    run_once(backend, prefill, 8, seed=1)  # warm-up: first-touch of weights, graph allocation
-    runs = [run_once(backend, prefill, n_decode, seed=0) for _ in range(repeat)]
-    pre = statistics.median(r[0] for r in runs)
-    dec = statistics.median(r[1] for r in runs)
+def summarize(name: str, runs: list[tuple[float, float, int]], prefill: Prefill, stat: str) -> dict:
+    pick = min if stat == "best" else statistics.median
+    pre = pick(r[0] for r in runs)
+    dec = pick(r[1] for r in runs)
     n = runs[0][2]
     row = {"prefill_tokens": len(prefill), "decode_tokens": n, "prefill_s": pre, "decode_s": dec,
            "tokens_per_s": n / dec, "rtf": (pre + dec) / (n / TOKENS_PER_SECOND)}
@@ -114,7 +116,9 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=150, help="prefill positions (sos, text, task, prompt speech)")
     ap.add_argument("--prompt-speech", type=int, default=100, help="of which prompt speech tokens")
     ap.add_argument("--decode", type=int, default=250, help="forced number of generated tokens")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3, help="rounds over all configurations")
+    ap.add_argument("--stat", choices=["best", "median"], default="best",
+                    help="per configuration: fastest round (robust to other load) or the median")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--n-batch", type=int, default=None, help="llama.cpp n_batch/n_ubatch")
     ap.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto")
@@ -126,25 +130,34 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f} (other processes on these cores skew every number)")
     model_dir = ensure_model(args.model_dir or args.cache / "model")
     prefill, _ = make_prefill(args.prefill, args.prompt_speech)
-    rows = []
-
+    # All backends stay loaded and the rounds interleave them, so a burst of load from other
+    # processes hits every configuration alike; --stat best then reports each one's quietest run.
+    configs: list[tuple[dict, object]] = []
     if not args.no_torch:
         from cosyllama.llm.torch_backend import TorchLLM
-        b = TorchLLM.from_dir(model_dir)
-        rows.append({"backend": "torch", "layout": None, "type": "F32",
-                     **measure("torch fp32", b, prefill, args.decode, args.repeat)})
-        del b
-
+        configs.append(({"backend": "torch", "layout": None, "type": "F32"}, TorchLLM.from_dir(model_dir)))
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
     fa = {"auto": None, "on": True, "off": False}[args.flash_attn]
     extra = {"n_batch": args.n_batch} if args.n_batch else {}
     for layout in args.layouts.split(","):
         for type in args.types.split(","):
             path = ensure_gguf(model_dir, args.cache / "gguf", layout, type)
-            with LlamaCppLLM(path, model_dir, n_threads=args.threads, kv_type=args.kv_type, flash_attn=fa,
-                             n_seq_max=1, **extra) as b:
-                rows.append({"backend": "llamacpp", "layout": layout, "type": type,
-                             **measure(f"llama.cpp {layout} {type}", b, prefill, args.decode, args.repeat)})
+            b = LlamaCppLLM(path, model_dir, n_threads=args.threads, kv_type=args.kv_type, flash_attn=fa,
+                            n_seq_max=1, **extra)
+            configs.append(({"backend": "llamacpp", "layout": layout, "type": type}, b))
+    runs: list[list] = [[] for _ in configs]
+    for _, b in configs:
+        run_once(b, prefill, 8, seed=1)  # warm-up: first touch of the weights, graph allocation
+    for r in range(args.repeat):
+        for i, (_, b) in enumerate(configs):
+            runs[i].append(run_once(b, prefill, args.decode, seed=0))
+        print(f"round {r + 1}/{args.repeat} done (load average {os.getloadavg()[0]:.2f})", flush=True)
+    rows = []
+    for (meta, b), rs in zip(configs, runs):
+        name = "torch fp32" if meta["backend"] == "torch" else f"llama.cpp {meta['layout']} {meta['type']}"
+        rows.append({**meta, **summarize(name, rs, prefill, args.stat)})
+        if hasattr(b, "close"):
+            b.close()
 
     torch_row = next((r for r in rows if r["backend"] == "torch"), None)
     print(f"\n{'backend':<10} {'layout':<7} {'type':<7} {'prefill':>7} {'decode':>6} {'tok/s':>7} {'LLM RTF':>8} "
