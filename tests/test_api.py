@@ -15,7 +15,7 @@ CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
 
 @pytest.fixture(scope="module")
 def tts():
-    return load(MODEL_DIR)
+    return load(MODEL_DIR, precision="fp32")  # the reference path the fixtures hold
 
 
 def _call(tts, call, **kw):
@@ -45,7 +45,7 @@ def test_compat_facade_equals_native(tts):
 
     _, meta = load_fixture("e2e_zero_shot_nonstream")
     call = meta["meta"]["call"]
-    cv = AutoModel(model_dir=str(MODEL_DIR))
+    cv = AutoModel(model_dir=str(MODEL_DIR), precision="fp32")
     cv.tts.llm = tts.llm  # share the loaded LLM; greedy below keeps both deterministic
     native = _call(tts, call).audio()
     import cosyllama.tts as T
@@ -66,12 +66,12 @@ def test_compat_registered_speaker_round_trip(tts, tmp_path):
 
     d = tmp_path / "model"
     shutil.copytree(MODEL_DIR, d)
-    cv = AutoModel(model_dir=str(d))
+    cv = AutoModel(model_dir=str(d), precision="fp32")
     _, meta = load_fixture("e2e_zero_shot_nonstream")
     call = meta["meta"]["call"]
     assert cv.add_zero_shot_spk(call["prompt_text"], str(FIXTURES / call["prompt_wav"]), "me")
     cv.save_spkinfo()
-    cv2 = AutoModel(model_dir=str(d))
+    cv2 = AutoModel(model_dir=str(d), precision="fp32")
     assert cv2.list_available_spks() == ["me"]
     a = tts.zero_shot(call["tts_text"], voice=cv2.tts.voices.get("me"), greedy=True).audio()
     ref = load_fixture("e2e_zero_shot_nonstream")[0]["speech"][0]
@@ -117,7 +117,7 @@ def test_api_user_errors(tts):
 # -- CLI -------------------------------------------------------------------------------------------
 
 def _synth(tmp_path, *extra):
-    return ["synth", "--model-dir", str(MODEL_DIR), "--out", str(tmp_path / "o.wav"), *extra]
+    return ["synth", "--model-dir", str(MODEL_DIR), "--out", str(tmp_path / "o.wav"), "--precision", "fp32", *extra]
 
 
 def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):

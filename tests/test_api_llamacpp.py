@@ -21,7 +21,7 @@ def gguf_f32(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tts_llama(gguf_f32):
-    return load(MODEL_DIR, llm="llamacpp", gguf=gguf_f32)
+    return load(MODEL_DIR, llm="llamacpp", gguf=gguf_f32, precision="fp32")
 
 
 @pytest.mark.parametrize("case", CASES)

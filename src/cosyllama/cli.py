@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speed", type=float, default=1.0, help="speaking-rate factor (non-streaming)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    s.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="flow compute: auto = bf16 where the CPU/GPU has it natively, else fp32 (the reference)")
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.set_defaults(func=cmd_synth)
 
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
     v.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers to offload to a GPU")
+    v.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="flow compute precision (default auto)")
     v.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 503 (default 16)")
     v.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default 4096)")
     v.add_argument("--voices", help="voice file (written by VoiceStore.save) to register at start")

@@ -27,11 +27,11 @@ SPKINFO_NAME = "spk2info.pt"
 
 class CosyVoice3:
     def __init__(self, model_dir: str, load_llama_cpp: bool = False, gguf_model_path: str | None = None,
-                 device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0,
+                 device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto",
                  load_trt: bool = False, load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1):
         self.model_dir = str(model_dir)
         self.tts = TTS(model_dir, llm="llamacpp" if load_llama_cpp else "torch", gguf=gguf_model_path,
-                       device=device, threads=threads, n_gpu_layers=n_gpu_layers)
+                       device=device, threads=threads, n_gpu_layers=n_gpu_layers, precision=precision)
         self.sample_rate = self.tts.sample_rate
         spk = Path(model_dir) / SPKINFO_NAME
         if spk.is_file():

@@ -492,8 +492,9 @@ def load_tts(args):
         backend = LlamaCppLLM(args.gguf, args.model_dir, n_threads=threads,
                               n_gpu_layers=getattr(args, "n_gpu_layers", 0),
                               n_seq_max=getattr(args, "parallel", 8))
-        return TTS(args.model_dir, llm="llamacpp", device=device, threads=threads, llm_backend=backend)
-    return TTS(args.model_dir, llm="torch", device=device, threads=threads)
+        return TTS(args.model_dir, llm="llamacpp", device=device, threads=threads, llm_backend=backend,
+                   precision=getattr(args, "precision", "auto"))
+    return TTS(args.model_dir, llm="torch", device=device, threads=threads, precision=getattr(args, "precision", "auto"))
 
 
 def serve(args) -> None:

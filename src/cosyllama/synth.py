@@ -67,10 +67,11 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
         raise InputError(f"GGUF file {args.gguf!r} does not exist")
 
     t0 = time.perf_counter()
-    tts = TTS(args.model_dir, llm=llm, gguf=args.gguf, device=args.device, threads=args.threads)
+    tts = TTS(args.model_dir, llm=llm, gguf=args.gguf, device=args.device, threads=args.threads,
+              precision=args.precision)
     load_s = time.perf_counter() - t0
     progress(f"loaded {args.model_dir} (llm: {llm}{', ' + Path(args.gguf).name if args.gguf else ''}, "
-             f"device: {tts.device}) in {load_s:.1f} s")
+             f"device: {tts.device}, flow {tts.token2wav.flow.precision}) in {load_s:.1f} s")
 
     opts = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed)
     if mode == "zero-shot":

@@ -119,12 +119,14 @@ class TTS:
 
     llm: ``"torch"`` (float32 PyTorch) or ``"llamacpp"`` (needs ``gguf``). device: ``"cpu"`` or
     ``"cuda"`` for the flow and vocoder (and the torch LLM); n_gpu_layers: llama.cpp layers to
-    offload. threads: torch CPU threads (process-wide) and llama.cpp threads.
+    offload. threads: torch CPU threads (process-wide) and llama.cpp threads. precision: flow
+    compute, ``"auto"`` (bf16 where the CPU/GPU does it natively, else fp32), ``"fp32"`` (the
+    reference path) or ``"bf16"``; the vocoder stays fp32 unless ``"bf16"`` is asked for.
     """
 
     def __init__(self, model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None,
                  device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0,
-                 llm_backend: LLMBackend | None = None):
+                 llm_backend: LLMBackend | None = None, precision: str = "auto"):
         if llm not in LLM_CHOICES:
             raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
         if llm == "llamacpp" and gguf is None and llm_backend is None:
@@ -153,8 +155,8 @@ class TTS:
             from .llm.llamacpp_backend import LlamaCppLLM
 
             self.llm = LlamaCppLLM(gguf, self.model_dir, n_threads=threads, n_gpu_layers=n_gpu_layers)
-        self.token2wav = Token2Wav(Flow.from_dir(self.model_dir, self.device),
-                                   HiFT.from_dir(self.model_dir, self.device), self.sample_rate,
+        self.token2wav = Token2Wav(Flow.from_dir(self.model_dir, self.device, precision=precision),
+                                   HiFT.from_dir(self.model_dir, self.device, precision=precision), self.sample_rate,
                                    lookahead=self.config.flow.pre_lookahead_len,
                                    token_mel_ratio=self.config.token_mel_ratio)
         self.token_source = DirectTokens(self.llm)
@@ -301,6 +303,7 @@ class TTS:
 
 
 def load(model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None, device: str = "cpu",
-         threads: int | None = None, n_gpu_layers: int = 0) -> TTS:
+         threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto") -> TTS:
     """Load a CosyVoice3 model directory; see :class:`TTS`."""
-    return TTS(model_dir, llm=llm, gguf=gguf, device=device, threads=threads, n_gpu_layers=n_gpu_layers)
+    return TTS(model_dir, llm=llm, gguf=gguf, device=device, threads=threads, n_gpu_layers=n_gpu_layers,
+               precision=precision)
