@@ -62,7 +62,8 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
         assert r["tokens_per_s"] > 0 and r["rtf"] > 0
     for part in ("flow", "vocoder"):
         assert res[part] and all(r["variant"] and r["seconds_per_audio_second"] > 0 for r in res[part])
-    assert [r["llm"] for r in res["pipeline"]] == ["torch fp32", "llamacpp speech Q8_0"]
+    assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] and res["flow"][0]["mel_max_abs_diff_vs_fp32"] == 0
+    assert [(r["llm"], r["flow"]) for r in res["pipeline"]][:2] == [("torch fp32", "fp32"), ("llamacpp speech Q8_0", "fp32")]
     for r in res["pipeline"]:
         assert r["rtf"] > 0 and r["first_chunk_s"] > 0 and r["peak_rss_mb"] > 0 and r["flow"]
 

@@ -29,7 +29,9 @@ from .errors import InputError
 TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged")
                                           for t in ("F16", "Q8_0", "Q4_K_M")]
-PIPELINE_CONFIGS = [("torch", None, None), ("llamacpp", "speech", "Q8_0")]
+# (LLM backend, GGUF layout, GGUF type, flow precision): the all-reference path, then the product default
+PIPELINE_CONFIGS = [("torch", None, None, "fp32"), ("llamacpp", "speech", "Q8_0", "fp32"),
+                    ("llamacpp", "speech", "Q8_0", "auto")]
 PARTS = ("llm", "flow", "vocoder", "pipeline")
 BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
               "behind the quiet hills of the old town.")
@@ -168,8 +170,21 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 # Flow and vocoder
 
 
+FLOW_VARIANTS = ("fp32", "bf16")
+
+
+def _time(fn, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return _median(times), out
+
+
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
                      progress: Progress) -> tuple[list[dict], list[dict]]:
+    """Flow per precision (fidelity vs fp32 on the same inputs), then the vocoder, fp32 and bf16."""
     from .flow import Flow
     from .vocoder import HiFT
 
@@ -181,28 +196,32 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     emb = torch.randn(1, 192, generator=g)
     flow_rows, voc_rows = [], []
     flow = Flow.from_dir(model_dir)
-    flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up
-    mel = None
-    if "flow" in parts or "vocoder" in parts:
-        times = []
-        for _ in range(repeat if "flow" in parts else 1):
-            t0 = time.perf_counter()
-            mel = flow.inference(tokens, prompt_tokens, prompt_feat, emb)
-            times.append(time.perf_counter() - t0)
+    mel_ref = None
+    for variant in FLOW_VARIANTS if "flow" in parts else ("fp32",):
+        flow.set_precision(variant)
+        flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
+        secs, mel = _time(lambda: flow.inference(tokens, prompt_tokens, prompt_feat, emb), repeat)
+        if mel_ref is None:
+            mel_ref = mel
+        diff = (mel - mel_ref).abs()
         if "flow" in parts:
-            flow_rows.append({"variant": "fp32", "seconds_per_audio_second": _median(times) / output_s})
-            progress(f"flow fp32: {flow_rows[-1]['seconds_per_audio_second']:.3f} s per audio second")
+            flow_rows.append({"variant": variant, "seconds_per_audio_second": secs / output_s,
+                              "mel_mean_abs_diff_vs_fp32": float(diff.mean()),
+                              "mel_max_abs_diff_vs_fp32": float(diff.max())})
+            progress(f"flow {variant}: {secs / output_s:.3f} s per audio second "
+                     f"(mel vs fp32: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f})")
     del flow
     if "vocoder" in parts:
         hift = HiFT.from_dir(model_dir)
-        hift.inference(mel[:, :, :20])
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            hift.inference(mel)
-            times.append(time.perf_counter() - t0)
-        voc_rows.append({"variant": "fp32", "seconds_per_audio_second": _median(times) / output_s})
-        progress(f"vocoder fp32: {voc_rows[-1]['seconds_per_audio_second']:.3f} s per audio second")
+        wav_ref = None
+        for variant in ("fp32", "bf16"):
+            hift.set_precision(variant)
+            hift.inference(mel_ref[:, :, :20])
+            secs, wav = _time(lambda: hift.inference(mel_ref), repeat)
+            wav_ref = wav if wav_ref is None else wav_ref
+            voc_rows.append({"variant": variant, "seconds_per_audio_second": secs / output_s,
+                             "wav_max_abs_diff_vs_fp32": float((wav - wav_ref).abs().max())})
+            progress(f"vocoder {variant}: {secs / output_s:.3f} s per audio second")
     return flow_rows, voc_rows
 
 
@@ -215,7 +234,8 @@ def pipeline_worker(spec: dict) -> dict:
     from .tts import TTS, SynthesisOptions
 
     torch.set_num_threads(spec["threads"])
-    tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"])
+    tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"],
+              precision=spec["precision"])
     wav = spec["prompt_wav"]
     n = spec["decode_tokens"]
     opts = SynthesisOptions(greedy=True, ignore_stop=True, max_tokens=n)
@@ -236,7 +256,8 @@ def pipeline_worker(spec: dict) -> dict:
             if first is None and chunk.samples.size:
                 first = time.perf_counter() - t0
         firsts.append(first)
-    return {"rtf": _median(rtfs), "first_chunk_s": _median(firsts), "peak_rss_mb": peak_rss_mb(),
+    flow = "bf16" if tts.token2wav.flow.precision == torch.bfloat16 else "fp32"
+    return {"flow": flow, "rtf": _median(rtfs), "first_chunk_s": _median(firsts), "peak_rss_mb": peak_rss_mb(),
             "llm_s": syn.timings.llm, "token2wav_s": syn.timings.token2wav}
 
 
@@ -244,9 +265,9 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
                  progress: Progress) -> list[dict]:
     rows = []
     wav = prompt_wav(prompt_s)
-    for backend_name, layout, type_name in PIPELINE_CONFIGS:
+    for backend_name, layout, type_name, precision in PIPELINE_CONFIGS:
         spec = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "prompt_wav": str(wav),
-                "decode_tokens": round(output_s * TOKEN_RATE), "repeat": repeat}
+                "decode_tokens": round(output_s * TOKEN_RATE), "repeat": repeat, "precision": precision}
         label = "torch fp32" if backend_name == "torch" else f"llamacpp {layout} {type_name}"
         if layout:
             spec["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
@@ -256,7 +277,7 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
         if proc.returncode != 0:
             raise RuntimeError(f"pipeline worker for {label} failed:\n{proc.stderr[-4000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append({"llm": label, "flow": "fp32", **r})
+        rows.append({"llm": label, **r})
         progress(f"  RTF {r['rtf']:.3f}, first chunk {r['first_chunk_s']:.2f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
     return rows
 
@@ -291,14 +312,19 @@ def format_table(res: dict) -> str:
         for t in ("F16", "Q8_0", "Q4_K_M"):
             if ("speech", t) in by and ("merged", t) in by:
                 lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
-    for part in ("flow", "vocoder"):
-        for r in res[part]:
-            lines.append(f"{part} {r['variant']}: {r['seconds_per_audio_second']:.3f} s per second of audio")
+    if res["flow"] or res["vocoder"]:
+        lines.append("")
+    for r in res["flow"]:
+        lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
+                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})")
+    for r in res["vocoder"]:
+        lines.append(f"vocoder {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
+                     f"(wav vs fp32: max {r['wav_max_abs_diff_vs_fp32']:.4f})")
     if res["pipeline"]:
-        lines += ["", f"{'pipeline':<24}{'RTF':>8}{'first chunk s':>15}{'peak RSS MB':>13}"]
+        lines += ["", f"{'pipeline LLM':<24}{'flow':<6}{'RTF':>8}{'first chunk s':>15}{'peak RSS MB':>13}"]
         for r in res["pipeline"]:
             fc = f"{r['first_chunk_s']:.2f}" if r["first_chunk_s"] is not None else "-"
-            lines.append(f"{r['llm']:<24}{r['rtf']:>8.3f}{fc:>15}{r['peak_rss_mb']:>13.0f}")
+            lines.append(f"{r['llm']:<24}{r['flow']:<6}{r['rtf']:>8.3f}{fc:>15}{r['peak_rss_mb']:>13.0f}")
     return "\n".join(lines)
 
 
