@@ -29,3 +29,7 @@ class DeviceError(CosyllamaError, ValueError):
 
 class MissingDependencyError(CosyllamaError, ImportError):
     """An optional extra is needed for the requested feature."""
+
+
+class BackendBusyError(CosyllamaError, RuntimeError):
+    """Every sequence slot (or the KV memory) of an LLM backend is in use; retry later."""

@@ -35,7 +35,7 @@ import torch
 from .errors import CosyllamaError
 from .llm.backend import LLMBackend, Prefill
 from .llm.decode import DecodeOptions, TokenDecoder
-from .llm.llamacpp_backend import BackendBusyError  # llama_cpp itself is imported only when used
+from .errors import BackendBusyError
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
 DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence

@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import CosyllamaError, InputError, MissingDependencyError
-from .llm.llamacpp_backend import BackendBusyError
+from .errors import BackendBusyError
 from .scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from .voices import check_voice_id
 

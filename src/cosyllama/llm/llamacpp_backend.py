@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..config import load_config
-from ..errors import CheckpointError, CosyllamaError, DeviceError, InputError, MissingDependencyError
+from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError, MissingDependencyError
 from ..weights import load_llm_weights
 from .backend import Prefill
 from .gguf import inspect_gguf, llm_fingerprint
@@ -41,10 +41,6 @@ _CELL_ROUND = 256
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 _GGML_LOG_LEVEL_CONT = 5
-
-
-class BackendBusyError(CosyllamaError, RuntimeError):
-    """Every sequence slot (or the KV memory) of the llama.cpp context is in use; retry later."""
 
 
 # ----------------------------------------------------------------------------------------------
