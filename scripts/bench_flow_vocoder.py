@@ -34,6 +34,7 @@ import torch
 from cosyllama.config import FeatConfig, FlowConfig, HiftConfig
 from cosyllama.device import resolve_device
 from cosyllama.flow import FastDiT, Flow
+from cosyllama.precision import resolve_precision
 from cosyllama.vocoder import HiFT, source_noise_state
 
 TOKEN_RATE = 25  # speech tokens per second
@@ -99,7 +100,8 @@ class FlowVariant:
     @torch.inference_mode()
     def run(self, token, prompt_token, prompt_feat, emb, streaming=False, finalize=True) -> torch.Tensor:
         flow = self.flow
-        flow.set_precision(self.precision)
+        if flow.precision != resolve_precision(self.precision):  # switching re-packs the bf16 weights
+            flow.set_precision(self.precision)
         flow.decoder.n_timesteps = self.steps
         try:
             if self.solver is None:

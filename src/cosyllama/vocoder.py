@@ -260,6 +260,7 @@ class HiFT(nn.Module):
             dtype = torch.float32
         self.compute_dtype = dtype
         self._drop_lowp()
+        self._generator()  # build the low-precision copies now (no-op for float32)
         return self.compute_dtype
 
     @classmethod
