@@ -118,13 +118,18 @@ def _tensor_plan(w: Mapping[str, torch.Tensor], cfg: LLMConfig, layout: str) -> 
     def add(name: str, key: str) -> None:
         plan.append(_TensorPlan(name, tuple(w[key].shape), lambda: _f32(w[key])))
 
-    if layout == "speech":
-        add("token_embd.weight", "speech_embedding.weight")
-    else:
-        # Built only when written, so peak memory holds one merged table at a time.
+    def add_table(name: str, speech_key: str) -> None:
+        """Speech layout: the speech table alone. Merged: text rows (the tied text embedding, as in
+        the published files) then the speech rows; built only when written, so peak memory holds
+        one merged table at a time."""
+        if layout == "speech":
+            add(name, speech_key)
+            return
         rows = q.vocab_size + cfg.vocab_size
-        plan.append(_TensorPlan("token_embd.weight", (rows, q.hidden_size), lambda: np.concatenate(
-            [_f32(w["embed_tokens.weight"]), _f32(w["speech_embedding.weight"])])))
+        plan.append(_TensorPlan(name, (rows, q.hidden_size), lambda: np.concatenate(
+            [_f32(w["embed_tokens.weight"]), _f32(w[speech_key])])))
+
+    add_table("token_embd.weight", "speech_embedding.weight")
     for i in range(q.num_hidden_layers):
         src, dst = f"layers.{i}.", f"blk.{i}."
         add(dst + "attn_norm.weight", src + "input_layernorm.weight")
@@ -137,13 +142,7 @@ def _tensor_plan(w: Mapping[str, torch.Tensor], cfg: LLMConfig, layout: str) -> 
         add(dst + "ffn_up.weight", src + "mlp.up_proj.weight")
         add(dst + "ffn_down.weight", src + "mlp.down_proj.weight")
     add("output_norm.weight", "norm.weight")
-    if layout == "speech":
-        add("output.weight", "llm_decoder.weight")
-    else:
-        # Text rows carry the (tied) text embedding, as in the published files; they are never read.
-        rows = q.vocab_size + cfg.vocab_size
-        plan.append(_TensorPlan("output.weight", (rows, q.hidden_size), lambda: np.concatenate(
-            [_f32(w["embed_tokens.weight"]), _f32(w["llm_decoder.weight"])])))
+    add_table("output.weight", "llm_decoder.weight")  # merged: the text rows are never read
     return plan
 
 
