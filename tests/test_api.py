@@ -170,3 +170,16 @@ def test_cli_missing_model_files(tmp_path, capsys):
                "--prompt-wav", str(FIXTURES / "wavs/prompt_en_16k.wav")])
     err = capsys.readouterr().err
     assert rc == 2 and "lacks cosyvoice3.yaml" in err and "must contain" in err
+
+
+def test_voice_conversion_renders_every_source_token(tts):
+    src = FIXTURES / "wavs/prompt_ru_24k.wav"
+    prompt = FIXTURES / "wavs/prompt_en_16k.wav"
+    inp = tts.frontend.vc(src, prompt)
+    syn = tts.voice_conversion(src, prompt)
+    audio = syn.audio()
+    n = len(inp.source_speech_tokens)
+    assert syn.timings.tokens == [inp.source_speech_tokens.tolist()]
+    assert audio.shape == (n * 960,) and np.isfinite(audio).all() and np.abs(audio).max() <= 0.99
+    streamed = tts.voice_conversion(src, prompt, stream=True).audio()
+    assert streamed.shape == audio.shape
