@@ -56,7 +56,7 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
     assert set(res["machine"]) >= {"cpu", "threads", "gpu"} and res["machine"]["threads"] == 1
     configs = {(r["backend"], r["layout"], r["type"]) for r in res["llm"]}
     assert configs == {("torch", None, "F32")} | {("llamacpp", lay, t) for lay in ("speech", "merged")
-                                                 for t in ("F16", "Q8_0", "Q4_K_M")}
+                                                 for t in ("F16", "Q8_0", "Q4_K_M", "Q4_0")}
     for r in res["llm"]:
         assert r["decode_tokens"] == 25 and r["prefill_tokens"] == 25 + 41 + 2
         assert r["tokens_per_s"] > 0 and r["rtf"] > 0

@@ -27,8 +27,8 @@ import torch
 from .errors import InputError
 
 TOKEN_RATE = 25  # speech tokens per second of audio
-LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged")
-                                          for t in ("F16", "Q8_0", "Q4_K_M")]
+LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
+LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged") for t in LLM_TYPES]
 # (LLM backend, GGUF layout, GGUF type, flow precision): the all-reference path, then the product default
 PIPELINE_CONFIGS = [("torch", None, None, "fp32"), ("llamacpp", "speech", "Q8_0", "fp32"),
                     ("llamacpp", "speech", "Q8_0", "auto")]
@@ -309,7 +309,7 @@ def format_table(res: dict) -> str:
             lines.append(f"{r['backend']:<10}{r['layout'] or '-':<8}{r['type']:<8}{r['prefill_tokens']:>8}"
                          f"{r['decode_tokens']:>8}{r['tokens_per_s']:>9.1f}{r['rtf']:>9.3f}{ratio:>9}")
         by = {(r["layout"], r["type"]): r["tokens_per_s"] for r in res["llm"]}
-        for t in ("F16", "Q8_0", "Q4_K_M"):
+        for t in LLM_TYPES:
             if ("speech", t) in by and ("merged", t) in by:
                 lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
     if res["flow"] or res["vocoder"]:
