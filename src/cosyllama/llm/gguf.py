@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..config import QWEN_DIR, LLMConfig, load_config
-from ..errors import CheckpointError, InputError, ModelDirError
+from ..errors import CheckpointError, InputError, MissingDependencyError, ModelDirError
 from ..weights import load_llm_weights
 
 LAYOUTS = ("speech", "merged")
@@ -192,11 +192,19 @@ def _text_vocabulary(qwen_dir: Path, n_text: int) -> tuple[list[str], list[int],
     return tokens, types, merges, eos
 
 
+def _import_gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise MissingDependencyError("GGUF files need the gguf package: pip install 'cosyllama[llama]'") from None
+    return gguf
+
+
 def _write_f32(path: Path, w: Mapping[str, torch.Tensor], cfg: LLMConfig, qwen_dir: Path, layout: str,
                fingerprint: str, progress: Progress | None, *, cosyllama_keys: bool = True) -> None:
     """Write the F32 GGUF. ``cosyllama_keys=False`` leaves out our metadata (tests use it to
     imitate a merged file converted by another tool)."""
-    import gguf
+    gguf = _import_gguf()
 
     q = cfg.qwen
     n_text = q.vocab_size
@@ -400,8 +408,7 @@ def _read_header(path: Path, buf) -> tuple[dict, list[_TensorInfo]]:
     """
     import struct
 
-    import gguf
-
+    gguf = _import_gguf()
     pos = 0
 
     def take(fmt: str):
