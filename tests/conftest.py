@@ -19,3 +19,14 @@ def load_fixture(name: str) -> tuple[dict, dict]:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return MODEL_DIR
+
+
+def synthesize_call(tts, call: dict, **kw):
+    """Run one recorded e2e call (its ``meta.call``) through the public API, greedy."""
+    wav = FIXTURES / call["prompt_wav"]
+    opts = dict(stream=call["stream"], speed=call["speed"], greedy=True, **kw)
+    if call["mode"] == "zero_shot":
+        return tts.zero_shot(call["tts_text"], wav, call["prompt_text"], **opts)
+    if call["mode"] == "cross_lingual":
+        return tts.cross_lingual(call["tts_text"], wav, **opts)
+    return tts.instruct(call["tts_text"], call["instruct_text"], wav, **opts)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture
+from conftest import FIXTURES, MODEL_DIR, load_fixture, synthesize_call
 from cosyllama import InputError, load
 from cosyllama.cli import main
 
@@ -18,21 +18,11 @@ def tts():
     return load(MODEL_DIR, precision="fp32")  # the reference path the fixtures hold
 
 
-def _call(tts, call, **kw):
-    wav = FIXTURES / call["prompt_wav"]
-    opts = dict(stream=call["stream"], speed=call["speed"], greedy=True, **kw)
-    if call["mode"] == "zero_shot":
-        return tts.zero_shot(call["tts_text"], wav, call["prompt_text"], **opts)
-    if call["mode"] == "cross_lingual":
-        return tts.cross_lingual(call["tts_text"], wav, **opts)
-    return tts.instruct(call["tts_text"], call["instruct_text"], wav, **opts)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_e2e_every_recorded_mode(tts, case):
     a, meta = load_fixture(case)
     m = meta["meta"]
-    syn = _call(tts, m["call"])
+    syn = synthesize_call(tts, m["call"])
     chunks = list(syn)
     assert [c.samples.size for c in chunks] == m["chunk_lengths"]
     assert syn.timings.tokens == [a["flow_tokens"][0].tolist()]
@@ -41,22 +31,26 @@ def test_e2e_every_recorded_mode(tts, case):
 
 
 def test_compat_facade_equals_native(tts):
+    """Same call, same seed: the facade's dicts hold exactly the native API's audio."""
+    import torch
+
     from cosyllama.compat import AutoModel
 
     _, meta = load_fixture("e2e_zero_shot_nonstream")
     call = meta["meta"]["call"]
+    wav = str(FIXTURES / call["prompt_wav"])
     cv = AutoModel(model_dir=str(MODEL_DIR), precision="fp32")
-    cv.tts.llm = tts.llm  # share the loaded LLM; greedy below keeps both deterministic
-    native = _call(tts, call).audio()
-    import cosyllama.tts as T
-
-    outs = list(cv.inference_zero_shot(call["tts_text"], call["prompt_text"], str(FIXTURES / call["prompt_wav"])))
-    # the facade samples with RAS like upstream; compare greedy through the same options instead
-    assert len(outs) == 1 and outs[0]["tts_speech"].shape[0] == 1
-    greedy = T.SynthesisOptions(greedy=True)
-    via_facade = cv.tts.zero_shot(call["tts_text"], FIXTURES / call["prompt_wav"], call["prompt_text"],
-                                  options=greedy).audio()
-    np.testing.assert_array_equal(via_facade, native)
+    torch.manual_seed(123)  # upstream scripts seed globally; the facade draws each call's seed from it
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    native = tts.zero_shot(call["tts_text"], wav, call["prompt_text"], seed=seed).audio()
+    torch.manual_seed(123)
+    outs = list(cv.inference_zero_shot(call["tts_text"], call["prompt_text"], wav))
+    assert len(outs) == 1 and outs[0]["tts_speech"].dtype == torch.float32 and outs[0]["tts_speech"].dim() == 2
+    np.testing.assert_array_equal(outs[0]["tts_speech"][0].numpy(), native)
+    torch.manual_seed(123)
+    streamed = torch.cat([o["tts_speech"] for o in cv.inference_zero_shot(call["tts_text"], call["prompt_text"],
+                                                                          wav, stream=True)], dim=1)
+    assert streamed.shape == outs[0]["tts_speech"].shape
 
 
 def test_compat_registered_speaker_round_trip(tts, tmp_path):

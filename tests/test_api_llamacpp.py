@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture  # noqa: E402
+from conftest import FIXTURES, MODEL_DIR, load_fixture, synthesize_call  # noqa: E402
 from gguf_cache import tiny_gguf  # noqa: E402
 
 from cosyllama import load  # noqa: E402
@@ -27,15 +27,7 @@ def tts_llama(gguf_f32):
 @pytest.mark.parametrize("case", CASES)
 def test_e2e_llamacpp_f32_tokens_identical(tts_llama, case):
     a, meta = load_fixture(case)
-    call = meta["meta"]["call"]
-    wav = FIXTURES / call["prompt_wav"]
-    opts = dict(stream=call["stream"], speed=call["speed"], greedy=True)
-    if call["mode"] == "zero_shot":
-        syn = tts_llama.zero_shot(call["tts_text"], wav, call["prompt_text"], **opts)
-    elif call["mode"] == "cross_lingual":
-        syn = tts_llama.cross_lingual(call["tts_text"], wav, **opts)
-    else:
-        syn = tts_llama.instruct(call["tts_text"], call["instruct_text"], wav, **opts)
+    syn = synthesize_call(tts_llama, meta["meta"]["call"])
     speech = syn.audio()
     assert syn.timings.tokens == [a["flow_tokens"][0].tolist()]
     assert np.abs(speech - a["speech"][0]).max() <= 1e-3

@@ -9,6 +9,10 @@ import::
 Same method names and arguments; each yield is ``{"tts_speech": float32 tensor (1, N)}`` at 24 kHz.
 A thin layer over :class:`cosyllama.tts.TTS`; arguments the reference accepts but that have no
 meaning here (``load_trt``, ``load_vllm``, ``fp16``, ``trt_concurrent``) are accepted and ignored.
+
+Reproducibility works as upstream scripts expect: each call draws its sampling seed from torch's
+global generator, so ``torch.manual_seed(s)`` (or upstream's ``set_all_random_seed``) before a call
+makes it repeatable, while the sampling itself runs on a private generator.
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from .tts import TTS, SynthesisOptions
 from .voices import VoiceStore
 
 SPKINFO_NAME = "spk2info.pt"
+
+
+def _call_seed() -> int:
+    """A per-call seed drawn from torch's global generator (see the module docstring)."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
 class CosyVoice3:
@@ -50,7 +59,7 @@ class CosyVoice3:
 
     def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav, zero_shot_spk_id: str = "",
                             stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend)
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
         if zero_shot_spk_id:
             chunks = self.tts.zero_shot(tts_text, voice=zero_shot_spk_id, options=opts)
         else:
@@ -59,20 +68,20 @@ class CosyVoice3:
 
     def inference_cross_lingual(self, tts_text: str, prompt_wav, zero_shot_spk_id: str = "", stream: bool = False,
                                 speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend)
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
         wav = None if zero_shot_spk_id else prompt_wav
         return self._dicts(self.tts.cross_lingual(tts_text, wav, voice=self._voice(zero_shot_spk_id), options=opts))
 
     def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav, zero_shot_spk_id: str = "",
                             stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend)
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
         wav = None if zero_shot_spk_id else prompt_wav
         return self._dicts(self.tts.instruct(tts_text, instruct_text, wav, voice=self._voice(zero_shot_spk_id),
                                              options=opts))
 
     def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0) -> Iterator[dict]:
         return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav,
-                                                     options=SynthesisOptions(stream=stream, speed=speed)))
+                                                     options=SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())))
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav, zero_shot_spk_id: str) -> bool:
         self.tts.add_voice(zero_shot_spk_id, prompt_wav, prompt_text)
