@@ -14,15 +14,21 @@ from .errors import InputError
 SUBTYPES = {"pcm16": "PCM_16", "float": "FLOAT"}
 
 
-def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, out_format: str = "pcm16") -> None:
-    """Write mono audio; 16-bit PCM (default) or 32-bit float."""
-    import soundfile as sf
-
+def check_out_path(path: str | Path) -> Path:
+    """Refuse an output path that cannot be written, before any synthesis work."""
     path = Path(path)
     if path.suffix.lower() != ".wav":
         raise InputError(f"--out must be a .wav file, got {str(path)!r}")
     if not path.parent.is_dir():
         raise InputError(f"cannot write {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    return path
+
+
+def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, out_format: str = "pcm16") -> None:
+    """Write mono audio; 16-bit PCM (default) or 32-bit float."""
+    import soundfile as sf
+
+    path = check_out_path(path)
     try:
         sf.write(path, np.asarray(samples, dtype=np.float32), sample_rate, subtype=SUBTYPES[out_format])
     except (OSError, RuntimeError) as e:
@@ -65,6 +71,7 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
         raise InputError(f"prompt audio {args.prompt_wav!r} does not exist")
     if args.gguf and not Path(args.gguf).is_file():
         raise InputError(f"GGUF file {args.gguf!r} does not exist")
+    check_out_path(args.out)
 
     t0 = time.perf_counter()
     tts = TTS(args.model_dir, llm=llm, gguf=args.gguf, device=args.device, threads=args.threads,
