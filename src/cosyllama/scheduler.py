@@ -23,19 +23,20 @@ for the consumer: its sequence is freed at the next step and its iterator raises
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import queue
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator
 
 import torch
 
-from .errors import CosyllamaError
+from .errors import BackendBusyError, CosyllamaError
 from .llm.backend import LLMBackend, Prefill
 from .llm.decode import DecodeOptions, TokenDecoder
-from .errors import BackendBusyError
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
 DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence
@@ -138,6 +139,10 @@ class BatchScheduler:
         self.batch_hist: dict[int, int] = {}
         self._thread = threading.Thread(target=self._run, name="cosyllama-scheduler", daemon=True)
         self._thread.start()
+        # A worker still inside llama.cpp when the interpreter exits aborts the process
+        # ("terminate called without an active exception"); stop it first if nobody closed us.
+        ref = weakref.ref(self)
+        atexit.register(lambda: (s := ref()) is not None and s.close())
 
     # -- token-source API ---------------------------------------------------------------------
 

@@ -26,8 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from .errors import CosyllamaError, InputError, MissingDependencyError
-from .errors import BackendBusyError
+from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
 from .scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from .voices import check_voice_id
 
