@@ -104,6 +104,8 @@ def test_api_user_errors(tts):
         tts.cross_lingual("Hello.")
     with pytest.raises(InputError, match="transcript"):
         tts.zero_shot("Hello.", wav)
+    with pytest.raises(InputError, match="transcript"):
+        tts.zero_shot("Hello.", wav, "")
     with pytest.raises(InputError, match="speed"):
         tts.cross_lingual("Hello.", wav, speed=1.5, stream=True)
 

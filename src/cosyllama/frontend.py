@@ -187,7 +187,7 @@ class Frontend:
         given) or a prompt audio source (then ``prompt_text`` is required). One input per segment.
         """
         if not isinstance(voice, PromptFeatures):
-            if prompt_text is None:
+            if not prompt_text:
                 raise InputError("zero-shot needs the transcript of the prompt audio (prompt_text); "
                                  "use cross-lingual mode for a prompt without one")
             voice = self.make_voice(voice, prompt_text)

@@ -174,21 +174,18 @@ class TTS:
         self.voices.add(voice_id, voice)
         return voice
 
-    def _voice(self, voice: PromptFeatures | str | None, prompt_wav: AudioSource | None,
-               prompt_text: str | None = None, need_text: bool = False) -> PromptFeatures:
+    def _voice(self, voice: PromptFeatures | str | None,
+               prompt_wav: AudioSource | None) -> PromptFeatures | AudioSource:
+        """The registered or given voice, else the prompt clip; the frontend turns a clip into a
+        voice (and checks what each mode needs of it)."""
         if voice is not None and prompt_wav is not None:
             raise InputError("give either a voice or a prompt_wav, not both")
         if isinstance(voice, str):
-            voice = self.voices.get(voice)
-        if voice is None:
-            if prompt_wav is None:
-                raise InputError("this mode needs a prompt: give prompt_wav (a 16 kHz+ clip up to 30 s) "
-                                 "or a registered voice")
-            if need_text and not prompt_text:
-                raise InputError("zero-shot needs the transcript of the prompt audio (prompt_text); "
-                                 "use cross-lingual mode for a prompt without one")
-            voice = self.make_voice(prompt_wav, prompt_text)
-        return voice
+            return self.voices.get(voice)
+        if voice is None and prompt_wav is None:
+            raise InputError("this mode needs a prompt: give prompt_wav (a 16 kHz+ clip up to 30 s) "
+                             "or a registered voice")
+        return voice if voice is not None else prompt_wav
 
     # -- modes ------------------------------------------------------------------------------------
 
@@ -198,8 +195,7 @@ class TTS:
         """Clone the prompt's voice saying ``text``; the LLM continues the prompt's transcript."""
         opts = self._options(options, kw)
         t0 = time.perf_counter()
-        v = self._voice(voice, prompt_wav, prompt_text, need_text=True)
-        inputs = self.frontend.zero_shot(text, v, prompt_text if prompt_wav is None else None,
+        inputs = self.frontend.zero_shot(text, self._voice(voice, prompt_wav), prompt_text,
                                          text_frontend=opts.text_frontend, russian_numbers=opts.russian_numbers)
         return self._run(inputs, opts, time.perf_counter() - t0)
 
