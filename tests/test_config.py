@@ -65,25 +65,27 @@ def test_missing_file_named(tmp_path, name):
     assert all(f in str(e.value) for f in REQUIRED_FILES)
 
 
-def test_checkpoint_missing_and_unexpected_keys(tmp_path):
-    cfg = load_config(MODEL_DIR)
+def _load_edited_llm(tmp_path, edit):
+    """Load a copy of the fixture llm.pt after ``edit(state_dict)`` changed it."""
     sd = torch.load(MODEL_DIR / "llm.pt", weights_only=True)
-    sd.pop("llm_decoder.weight")
-    sd["llm_decoder.bias"] = torch.zeros(6761)
+    edit(sd)
     p = tmp_path / "llm.pt"
     torch.save(sd, p)
+    return load_llm_weights(p, load_config(MODEL_DIR).llm)
+
+
+def test_checkpoint_missing_and_unexpected_keys(tmp_path):
+    def edit(sd):
+        sd.pop("llm_decoder.weight")
+        sd["llm_decoder.bias"] = torch.zeros(6761)
+
     with pytest.raises(CheckpointError, match=r"missing keys: llm_decoder\.weight.*unexpected keys: llm_decoder\.bias"):
-        load_llm_weights(p, cfg.llm)
+        _load_edited_llm(tmp_path, edit)
 
 
 def test_checkpoint_wrong_shape(tmp_path):
-    cfg = load_config(MODEL_DIR)
-    sd = torch.load(MODEL_DIR / "llm.pt", weights_only=True)
-    sd["speech_embedding.weight"] = torch.zeros(6564, 16)
-    p = tmp_path / "llm.pt"
-    torch.save(sd, p)
     with pytest.raises(CheckpointError, match=r"speech_embedding\.weight \(6564, 16\) \(expected \(6761, 16\)\)"):
-        load_llm_weights(p, cfg.llm)
+        _load_edited_llm(tmp_path, lambda sd: sd.update({"speech_embedding.weight": torch.zeros(6564, 16)}))
 
 
 def test_checkpoint_not_a_checkpoint(tmp_path):
