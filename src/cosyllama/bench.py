@@ -18,13 +18,14 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import InputError
+from .progress import LineProgress as Progress
+from .progress import counting_progress
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
@@ -36,7 +37,6 @@ PARTS = ("llm", "flow", "vocoder", "pipeline")
 BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
               "behind the quiet hills of the old town.")
 
-Progress = Callable[[str], None]
 
 
 def cache_dir() -> Path:
@@ -68,7 +68,6 @@ def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         progress(f"converting the LLM to {out.name} (once)")
-        from .cli import counting_progress
 
         convert(model_dir, out, layout=layout, type=type_name, progress=counting_progress(progress))
     return out

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 
 from .errors import CosyllamaError
+from .progress import counting_progress
+from .progress import to_stderr as _progress
 
 EXIT_USAGE = 2
 
@@ -18,24 +20,6 @@ EXIT_USAGE = 2
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own usage errors: one line, exit 2
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def counting_progress(report=_progress):
-    """Adapter for ``progress(stage, done, total)`` callbacks: one line per stage at 0/25/50/75/100 %."""
-    shown: dict[str, int] = {}
-
-    def cb(stage: str, done: int, total: int) -> None:
-        pct = 100 * done // max(total, 1)
-        step = pct // 25 * 25
-        if shown.get(stage, -1) < step:
-            shown[stage] = step
-            report(f"  {stage}: {done}/{total} ({step} %)")
-
-    return cb
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import torch
 
 from ..config import QWEN_DIR, LLMConfig, load_config
 from ..errors import CheckpointError, InputError, MissingDependencyError, ModelDirError
+from ..progress import StageProgress as Progress
 from ..weights import load_llm_weights
 
 LAYOUTS = ("speech", "merged")
@@ -70,8 +71,7 @@ _FTYPE_ALL_F32 = 0  # llama.cpp's LLAMA_FTYPE_ALL_F32, recorded in general.file_
 # Token types of the GGUF tokenizer (llama.cpp's llama_token_type values).
 _TOK_NORMAL, _TOK_CONTROL, _TOK_USER_DEFINED, _TOK_UNUSED = 1, 3, 4, 5
 
-Progress = Callable[[str, int, int], None]
-"""``progress(stage, done, total)``; stage is ``"write"`` (tensors written) or ``"quantize"``."""
+# Progress callbacks here: progress(stage, done, total), stage "write" (tensors written) or "quantize".
 
 
 # ----------------------------------------------------------------------------------------------
