@@ -1,0 +1,147 @@
+"""What this machine can do at best: the ceilings behind the speed targets.
+
+Measures, in one run:
+
+* memory read bandwidth (sum over a 1 GiB float32 tensor, 1 and all threads, best of ``--repeats``);
+* matrix-product throughput at the DiT's real shapes (2 CFG rows x 650 frames against the block
+  matrices of Fun-CosyVoice3-0.5B), float32 and bfloat16, through the same pre-packed oneDNN
+  linear that the flow's bf16 solver uses;
+
+and turns them into lower bounds:
+
+* LLM decode: every weight of every layer is read once per token (the token table only one row),
+  so ``tokens/s <= bandwidth / bytes per token``; bytes per token come from each GGUF's tensors;
+* flow: the DiT's matrix products for 3 s prompt + 10 s output (10 Euler steps, batch of 2 for
+  classifier-free guidance) at the measured bf16 throughput; attention, norms and glue come on top.
+
+    python scripts/roofline.py                                  # GGUFs from `cosyllama bench`'s cache
+    python scripts/roofline.py --gguf a.gguf --gguf b.gguf --json roofline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from cosyllama.synthetic import SIZES
+
+TOKEN_RATE = 25  # speech tokens per second of audio
+MEL_RATE = 50  # mel frames per second
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def read_bandwidth(threads: int, repeats: int) -> float:
+    """GB/s of a streaming read (a sum over 1 GiB) with ``threads`` threads."""
+    torch.set_num_threads(threads)
+    a = torch.ones(1 << 28, dtype=torch.float32)
+    t = best_time(lambda: a.sum(), repeats)
+    return a.numel() * 4 / t / 1e9
+
+
+def dit_shapes() -> list[tuple[int, int]]:
+    """(in, out) of the matrix products of one DiT block: fused q/k/v, out, feed-forward in/out."""
+    s = SIZES["full"]
+    d, ff = s.dit_dim, s.dit_dim * 2
+    return [(d, 3 * d), (d, d), (d, ff), (ff, d)]
+
+
+def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> float:
+    """Throughput of one DiT block's matrix products on ``rows`` rows (pre-packed oneDNN linear)."""
+    torch.set_num_threads(threads)
+    ops = []
+    flops = 0
+    for k, n in dit_shapes():
+        x = torch.randn(rows, k).to(dtype)
+        w = torch.randn(n, k).to(dtype)
+        b = torch.zeros(n, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        ops.append((x, packed, b))
+        flops += 2 * rows * k * n
+
+    def run():
+        for x, p, b in ops:
+            torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+
+    return flops / best_time(run, repeats) / 1e9
+
+
+def flow_gemm_seconds_per_audio_s(gflops: float, prompt_s: float, output_s: float, steps: int = 10) -> dict:
+    s = SIZES["full"]
+    frames = round((prompt_s + output_s) * MEL_RATE)
+    macs_block = sum(k * n for k, n in dit_shapes())
+    gemm = 2.0 * steps * 2 * frames * s.dit_depth * macs_block  # FLOPs: 2 CFG rows
+    attn = 2.0 * steps * 2 * s.dit_depth * 2 * frames * frames * s.dit_dim  # QK^T and PV
+    return {"frames": frames, "gemm_tflop": gemm / 1e12, "attention_tflop": attn / 1e12,
+            "gemm_bound_s_per_audio_s": gemm / (gflops * 1e9) / output_s}
+
+
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes read per decoded token: all tensors but the token table, plus one row of it."""
+    from gguf import GGUFReader
+
+    total = 0
+    for t in GGUFReader(str(path)).tensors:
+        n = int(t.n_bytes)
+        if t.name == "token_embd.weight":
+            n //= int(t.shape[-1]) if len(t.shape) > 1 else 1  # rows are the last axis in gguf-py
+        total += n
+    return total
+
+
+def default_ggufs() -> list[Path]:
+    root = Path(os.environ.get("COSYLLAMA_CACHE", Path.home() / ".cache" / "cosyllama")) / "gguf"
+    return sorted(root.glob("full-random-seed*/llm-*.gguf"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gguf", type=Path, action="append", help="GGUF files (default: the bench cache's)")
+    ap.add_argument("--prompt-s", type=float, default=3.0)
+    ap.add_argument("--output-s", type=float, default=10.0)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    res: dict = {"threads": args.threads}
+    res["read_gb_s"] = {str(t): round(read_bandwidth(t, args.repeats), 1) for t in sorted({1, args.threads})}
+    bw = max(res["read_gb_s"].values())
+    rows = 2 * round((args.prompt_s + args.output_s) * MEL_RATE)
+    res["gemm_gflops"] = {name: round(gemm_gflops(dt, rows, args.threads, args.repeats), 1)
+                          for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    res["flow"] = {name: flow_gemm_seconds_per_audio_s(g, args.prompt_s, args.output_s)
+                   for name, g in res["gemm_gflops"].items()}
+    print(f"memory read: {res['read_gb_s']} GB/s (by threads)")
+    print(f"DiT matrix products ({rows} rows): {res['gemm_gflops']} GFLOP/s")
+    for name, f in res["flow"].items():
+        print(f"flow {name}: {f['gemm_tflop']:.2f} TFLOP of matrix products (+{f['attention_tflop']:.2f} attention) "
+              f"for {args.output_s:g} s -> >= {f['gemm_bound_s_per_audio_s']:.2f} s per audio second")
+    res["llm"] = {}
+    for path in args.gguf or default_ggufs():
+        b = gguf_bytes_per_token(path)
+        tok_s = bw * 1e9 / b
+        res["llm"][path.name] = {"mb_per_token": round(b / 1e6, 1), "max_tokens_per_s": round(tok_s, 1),
+                                 "min_llm_rtf_decode": round(TOKEN_RATE / tok_s, 3)}
+        print(f"{path.name}: {b / 1e6:.0f} MB per token -> <= {tok_s:.0f} tokens/s "
+              f"(decode-only LLM RTF >= {TOKEN_RATE / tok_s:.3f}) at {bw:.1f} GB/s")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
