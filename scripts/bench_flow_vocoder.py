@@ -12,12 +12,15 @@ Flow variants: ``fp32`` (reference eager), ``bf16`` (``Flow.set_precision("bf16"
 picks on CPUs with AVX512-BF16/AMX), ``fp32-fast`` (the bf16 solver's re-arranged float32 twin:
 shows what restructuring alone gives), ``bf16-res16`` (bf16 residual stream too — measured, not
 offered), and ``bf16-steps<N>`` (fewer Euler steps: an explicit quality trade).
-Vocoder variants: ``fp32`` and the opt-in ``bf16``.
+Vocoder variants: ``fp32`` and the opt-in ``bf16`` (the default channels-last conv stack), and
+``fp32-ref`` / ``bf16-ref`` (the module-by-module reference path, ``HiFT.fast = False``).
 
     python scripts/bench_flow_vocoder.py                          # 2 threads, CPU
     python scripts/bench_flow_vocoder.py --repeats 3 --profile    # + where the flow time goes
     python scripts/bench_flow_vocoder.py --flow-variants fp32,bf16,bf16-steps5 --stream
     python scripts/bench_flow_vocoder.py --device cuda
+    python scripts/bench_flow_vocoder.py --flow-variants fp32 --repeats 1 \
+        --vocoder-variants fp32,fp32-ref,bf16,bf16-ref --vocoder-profile     # vocoder only matters
 """
 
 from __future__ import annotations
@@ -130,6 +133,30 @@ def profile_flow(variant: FlowVariant, args) -> dict:
     return {k: round(v / all_s, 3) for k, v in tot.items()}
 
 
+def set_vocoder(hift: HiFT, name: str) -> None:
+    """``fp32`` / ``bf16``: the fast conv stack; a ``-ref`` suffix: the reference path."""
+    precision, _, path = name.partition("-")
+    if path not in ("", "ref") or precision not in ("fp32", "bf16"):
+        raise SystemExit(f"unknown vocoder variant {name!r}")
+    hift.fast = path != "ref"
+    hift.set_precision(precision)
+
+
+def profile_vocoder(hift: HiFT, name: str, mel: torch.Tensor) -> dict:
+    """Share of one vocoder call's self CPU time per kind of op."""
+    kinds = {"f0_float64": ("_slow_conv2d",), "conv": ("convolution", "conv1d", "conv2d"),
+             "stft": ("fft", "stft"), "sin": ("aten::sin",), "reorder/copy/pad": ("copy_", "fill_", "pad", "cat")}
+    set_vocoder(hift, name)
+    with torch.profiler.profile() as prof:
+        hift.inference(mel)
+    tot: dict[str, float] = {k: 0.0 for k in [*kinds, "other elementwise/glue"]}
+    for ev in prof.key_averages():
+        kind = next((k for k, keys in kinds.items() if any(s in ev.key for s in keys)), "other elementwise/glue")
+        tot[kind] += ev.self_cpu_time_total / 1e6
+    all_s = sum(tot.values()) or 1.0
+    return {k: round(v / all_s, 3) for k, v in tot.items()}
+
+
 def first_chunk_time(flow: Flow, hift: HiFT, tokens: list[int], prompt, sample_rate: int) -> tuple[float, int]:
     """Seconds until :meth:`Token2Wav.stream` yields its first chunk when all tokens are ready."""
     from cosyllama.engine import Token2Wav
@@ -156,8 +183,10 @@ def main() -> None:
     ap.add_argument("--out-s", type=float, default=10.0, help="generated audio in seconds (default 10)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved timing rounds; median and best kept")
     ap.add_argument("--flow-variants", default="fp32,bf16", help="comma list (see the module doc)")
-    ap.add_argument("--vocoder-variants", default="fp32,bf16", help="comma list: fp32, bf16")
+    ap.add_argument("--vocoder-variants", default="fp32,bf16",
+                    help="comma list: fp32, bf16, fp32-ref, bf16-ref")
     ap.add_argument("--profile", action="store_true", help="also split one flow call per variant by op kind")
+    ap.add_argument("--vocoder-profile", action="store_true", help="also split one vocoder call per variant")
     ap.add_argument("--stream", action="store_true", help="also time the first streaming chunk per variant")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
@@ -187,7 +216,7 @@ def main() -> None:
     for v in fvars:
         v.run(token[:, :10], prompt_token[:, :10], prompt_feat[:, :20], emb)
     for name in vnames:
-        hift.set_precision(name)
+        set_vocoder(hift, name)
         hift.inference(torch.randn(1, 80, 20, device=dev) - 5.0)
 
     # Flow: interleaved rounds.
@@ -208,7 +237,7 @@ def main() -> None:
     wavs: dict[str, torch.Tensor] = {}
     for r in range(a.repeats):
         for n in (vnames if r % 2 == 0 else vnames[::-1]):
-            hift.set_precision(n)
+            set_vocoder(hift, n)
             w, c, wav = timed_once(lambda: hift.inference(ref_mel), dev)
             v_wall[n].append(round(w, 3))
             v_cpu[n].append(round(c, 3))
@@ -237,7 +266,10 @@ def main() -> None:
                          "precision": n, **summary(v_wall[n], v_cpu[n], audio_s),
                          "speedup_vs_fp32": v_ref / statistics.median(v_wall[n]),
                          "wav_logmel_vs_fp32": mel_diff(mel_spectrogram(wavs[n].float().cpu(), FEAT), ref_wav_mel),
+                         "wav_max_abs_vs_fp32": float((wavs[n].float() - wavs["fp32"].float()).abs().max()),
                          "audio_s": audio_s, "params": n_hift})
+        if a.vocoder_profile:
+            voc_rows[-1]["time_share"] = profile_vocoder(hift, n, ref_mel)
 
     stream_rows = []
     if a.stream:
@@ -249,7 +281,7 @@ def main() -> None:
             if v.solver is not None or v.steps != 10:
                 continue
             flow.set_precision(v.precision)
-            hift.set_precision("fp32")
+            set_vocoder(hift, "fp32")
             ttfc, n = first_chunk_time(flow, hift, toks, prompt, FULL_HIFT.sampling_rate)
             stream_rows.append({"flow": v.name, "vocoder": "fp32", "first_chunk_s": ttfc,
                                 "first_chunk_audio_s": n / FULL_HIFT.sampling_rate})
@@ -275,7 +307,7 @@ def main() -> None:
         print(f"  {n:14s} {row['seconds_per_audio_second']:9.3f} {row['best_seconds_per_audio_second']:7.3f} "
               f"{row['cpu_seconds_per_audio_second']:8.3f} {row['speedup_vs_fp32']:8.2f} {'':9s} "
               f"{row['wav_logmel_vs_fp32']['mean_abs']:9.4f} {row['wav_logmel_vs_fp32']['max_abs']:8.4f}"
-              "  (log-mel of the waveform)")
+              f"  (log-mel of the waveform; wav max diff {row['wav_max_abs_vs_fp32']:.1e})" + (f"  {row['time_share']}" if a.vocoder_profile else ""))
     for row in stream_rows:
         print(f"first streaming chunk, flow {row['flow']}: {row['first_chunk_s']:.2f} s "
               f"({row['first_chunk_audio_s']:.2f} s of audio)")

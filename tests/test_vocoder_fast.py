@@ -1,0 +1,165 @@
+"""The vocoder's fast conv stack (channels-last activations, polyphase upsampling convs) against the
+module-by-module reference path it replaces by default."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import MODEL_DIR, load_fixture
+from cosyllama.config import load_config
+from cosyllama.vocoder import (HiFT, ResBlock, Snake, _FastConv, _FastResBlock, _FastSnake, _FastUpsample,
+                               causal_conv, source_noise_state)
+
+CL = torch.channels_last
+# Fast vs reference waveform on the fixture model. The two paths differ only by float rounding
+# (oneDNN's channels-last kernels sum in another order; the upsampling taps are pre-summed); the
+# fixture model drives exp() magnitudes to the 100 clamp, which scales that rounding up to ~1.5e-4
+# (the reference path alone moves by up to 6.4e-5 between 1 and 2 threads). A misplaced sample,
+# tap or phase shows up as >1e-2.
+FAST_WAV_ATOL = 4e-4
+
+
+def t(x):
+    return torch.from_numpy(np.asarray(x))
+
+
+def cl(x: torch.Tensor) -> torch.Tensor:
+    return x[:, :, None, :].contiguous(memory_format=CL)
+
+
+def ncw(x: torch.Tensor) -> torch.Tensor:
+    return x[:, :, 0, :]
+
+
+@pytest.fixture(scope="module")
+def hift():
+    return HiFT.from_dir(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def fx():
+    return load_fixture("hift")[0]
+
+
+def both(h: HiFT, mel: torch.Tensor, finalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    try:
+        h.fast = False
+        ref = h.inference(mel, finalize=finalize)
+        h.fast = True
+        return h.inference(mel, finalize=finalize), ref
+    finally:
+        h.fast = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks, in float64 so that "equal" means equal to ~1e-12
+
+
+@pytest.mark.parametrize("rate, k", [(8, 16), (5, 11), (3, 7), (2, 2), (4, 3), (3, 1), (2, 9)])
+def test_polyphase_upsample_equals_nearest_then_causal_conv(rate, k):
+    torch.manual_seed(rate * 100 + k)
+    conv = nn.Conv1d(6, 5, k).double()
+    x = torch.randn(1, 6, 13, dtype=torch.float64)
+    ref = causal_conv(conv, x.repeat_interleave(rate, dim=2))
+    up = _FastUpsample(conv, rate, torch.float64)
+    out = up(cl(x))
+    assert out.is_contiguous(memory_format=CL)
+    assert out.shape == (1, 5, 1, 13 * rate)
+    assert torch.allclose(ncw(out), ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("k, dilation, stride", [(3, 1, 1), (7, 3, 1), (11, 5, 1), (1, 1, 1)])
+def test_fast_causal_conv_equals_left_padded_conv(k, dilation, stride):
+    torch.manual_seed(k + dilation)
+    conv = nn.Conv1d(4, 7, k, dilation=dilation, stride=stride).double()
+    x = torch.randn(1, 4, 50, dtype=torch.float64)
+    out = _FastConv(conv, torch.float64)(cl(x))
+    assert out.shape == (1, 7, 1, 50) and out.is_contiguous(memory_format=CL)
+    assert torch.allclose(ncw(out), causal_conv(conv, x), rtol=0, atol=1e-12)
+
+
+def test_fast_strided_conv_equals_reference_source_down():
+    torch.manual_seed(3)
+    conv = nn.Conv1d(18, 8, 30, stride=15).double()
+    s = torch.randn(1, 18, 15 * 8 + 1, dtype=torch.float64)
+    ref = conv(F.pad(s, (14, 0)))
+    out = _FastConv(conv, torch.float64, causal=False)(cl(F.pad(s, (14, 0))))
+    assert out.shape == ref[:, :, None, :].shape
+    assert torch.allclose(ncw(out), ref, rtol=0, atol=1e-12)
+
+
+def test_fast_snake_is_bit_identical_and_resblock_close():
+    torch.manual_seed(0)
+    rb = ResBlock(16, 7, (1, 3, 5))
+    for m in rb.modules():
+        if isinstance(m, Snake):
+            m.alpha.data.uniform_(0.2, 3.0)
+    x = torch.randn(1, 16, 301) * 2
+    with torch.no_grad():
+        snake = rb.activations1[1]
+        assert torch.equal(ncw(_FastSnake(snake, torch.float32)(cl(x))), snake(x))
+        ref = rb(x)
+        out = _FastResBlock(rb, torch.float32)(cl(x))
+    assert out.is_contiguous(memory_format=CL)
+    assert (ncw(out) - ref).abs().max() <= 1e-5 * ref.abs().max()
+    x_in = cl(x)
+    before = x_in.clone()
+    _FastResBlock(rb, torch.float32)(x_in)
+    assert torch.equal(x_in, before), "a resblock must not modify its input (three blocks share it)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole vocoder
+
+
+@pytest.mark.parametrize("key", ["mel", "mel_full", "mel_b"])
+@pytest.mark.parametrize("finalize", [True, False])
+def test_fast_path_matches_reference_path_on_fixture_mels(key, finalize, hift, fx):
+    assert hift.fast, "the fast path is the default"
+    out, ref = both(hift, t(fx[key]), finalize)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert (out - ref).abs().max() <= FAST_WAV_ATOL
+
+
+def test_fast_path_matches_reference_at_full_model_widths():
+    """The real model's channel counts (512 -> 256/128/64) with random weights: signals stay far
+    from the clamp here, so the two paths agree to float32 rounding of the output scale."""
+    cfg = load_config(MODEL_DIR)
+    hcfg = dataclasses.replace(cfg.hift, base_channels=512, f0_cond_channels=64)
+    torch.manual_seed(0)
+    h = HiFT(hcfg, source_noise_state(cfg.flow, hcfg)).eval()
+    mel = torch.randn(1, 80, 24) - 5.0
+    for finalize in (True, False):
+        out, ref = both(h, mel, finalize)
+        assert out.shape == ref.shape
+        assert (out - ref).abs().max() <= 1e-5 * max(ref.abs().max().item(), 1e-3)
+
+
+def test_fast_path_follows_weight_changes(hift, fx):
+    mel = t(fx["mel_b"])
+    h = HiFT.from_dir(MODEL_DIR)
+    before = h.inference(mel)
+    with torch.no_grad():
+        h.resblocks[4].convs1[1].weight.mul_(1.5)  # in place: the prepared copies must notice
+    out, ref = both(h, mel)
+    assert (out - ref).abs().max() <= FAST_WAV_ATOL
+    assert (out - before).abs().max() > 1e-2
+    h.load_state_dict(hift.state_dict())
+    assert torch.equal(h.inference(mel), hift.inference(mel))
+
+
+def test_fast_bf16_stays_near_reference_bf16(hift, fx):
+    """The opt-in bf16 vocoder runs the same fast stack with bf16 weights; it stays as close to the
+    float32 output as the module-by-module bf16 path does."""
+    mel = t(fx["mel_full"])
+    h = HiFT.from_dir(MODEL_DIR, precision="bf16")
+    ref32 = hift.inference(mel)
+    out, ref = both(h, mel)
+    err_fast, err_ref = (out - ref32).abs().mean(), (ref - ref32).abs().mean()
+    assert err_fast <= 2 * err_ref + 1e-4
