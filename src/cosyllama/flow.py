@@ -5,13 +5,17 @@ Pipeline of one call: token embedding -> pre-lookahead conv (3-token right conte
 guidance, started from a fixed noise buffer. Module attribute names equal the keys of ``flow.pt``
 so the checkpoint loads strictly.
 
-Streaming (spec §7.5) keeps no cache: every call recomputes prompt + all tokens so far. The caller
-chooses ``streaming`` (50-frame block-causal DiT attention) and ``finalize`` (whether the last 3
-tokens are real content or only look-ahead), and slices off what it already emitted.
+Streaming (spec §7.5): every call covers prompt + all tokens so far. The caller chooses
+``streaming`` (50-frame block-causal DiT attention) and ``finalize`` (whether the last 3 tokens are
+real content or only look-ahead), and slices off what it already emitted. The reference recomputes
+everything on every call; a per-request :class:`FlowStreamCache` passed to :meth:`Flow.inference`
+lets a streaming, non-final call compute only the frames after the blocks an earlier call of the
+same request already finished (same result; see the class).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,7 @@ ROPE_BASE = 10_000.0
 CONV_POS_KERNEL = 31
 CONV_POS_GROUPS = 16
 LN_EPS = 1e-6
+CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)  # input frames back that one conv position embedding frame reads
 LOOKAHEAD_SLOPE = 0.01  # F.leaky_relu default slope, as upstream uses in the pre-lookahead layer
 
 
@@ -129,9 +134,9 @@ class InputEmbedding(nn.Module):
         self.proj = nn.Linear(in_dim, dim)
         self.conv_pos_embed = CausalConvPositionEmbedding(dim)
 
-    def forward(self, x, cond, mu, spks):
+    def forward(self, x, cond, mu, spks, past: "_StepCache | None" = None):
         h = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
-        return self.conv_pos_embed(h) + h
+        return (self.conv_pos_embed(h) if past is None else past.conv_pos(self.conv_pos_embed, h)) + h
 
 
 class RotaryTable(nn.Module):
@@ -194,13 +199,18 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # index 1 was a Dropout upstream
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x ``(B, N, dim)``; mask ``(N, N)`` bool (True = may attend) or None for full attention."""
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, mask: torch.Tensor | None, kv=None) -> torch.Tensor:
+        """x ``(B, N, dim)``; mask ``(N, N)`` bool (True = may attend) or None for full attention.
+        Streaming cache: ``kv(k, v)`` returns K and V with earlier frames' in front (then x, angles
+        and the mask rows cover only the new frames)."""
         q = apply_rotary(self.to_q(x), angles)
         k = apply_rotary(self.to_k(x), angles)
         v = self.to_v(x)
+        if kv is not None:
+            k, v = kv(k, v)
         b, n, _ = q.shape
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        q = q.view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(b, t.shape[1], self.heads, -1).transpose(1, 2) for t in (k, v))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         # Upstream then zeroes positions its mask's last query row excludes: never any, with these masks.
         return self.to_out[0](o.transpose(1, 2).reshape(b, n, -1))
@@ -225,17 +235,21 @@ class DiTBlock(nn.Module):
         self.attn = Attention(dim, heads, dim_head)
         self.ff = FeedForward(dim, ff_mult)
 
-    def forward(self, h, c, angles, mask):
+    def forward(self, h, c, angles, mask, kv=None):
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(c)
         n1 = F.layer_norm(h, h.shape[-1:], eps=LN_EPS) * (1 + scale_a[:, None]) + shift_a[:, None]
-        h = h + gate_a[:, None] * self.attn(n1, angles, mask)
+        h = h + gate_a[:, None] * self.attn(n1, angles, mask, kv)
         n2 = F.layer_norm(h, h.shape[-1:], eps=LN_EPS) * (1 + scale_f[:, None]) + shift_f[:, None]
         return h + gate_f[:, None] * self.ff(n2)
 
 
 class DiT(nn.Module):
     """Velocity estimator. All tensors channels-first like upstream: x, mu, cond ``(B, 80, N)``,
-    spks ``(B, 80)``, t ``(B,)``; returns ``(B, 80, N)``."""
+    spks ``(B, 80)``, t ``(B,)``; returns ``(B, 80, N)``.
+
+    With ``past`` (a :class:`_StepCache`, streaming only) x, mu, cond hold only frames
+    ``past.start..N-1`` and so does the result: the same operations on fewer rows, the earlier
+    frames' K/V and conv input coming from the cache."""
 
     def __init__(self, cfg: FlowConfig):
         super().__init__()
@@ -249,16 +263,19 @@ class DiT(nn.Module):
         self.norm_out = AdaLNFinal(dim)
         self.proj_out = nn.Linear(dim, cfg.out_channels)
 
-    def forward(self, x, mu, t, spks, cond, streaming: bool = False) -> torch.Tensor:
-        n = x.shape[2]
+    def forward(self, x, mu, t, spks, cond, streaming: bool = False,
+                past: "_StepCache | None" = None) -> torch.Tensor:
+        m = x.shape[2]
+        start = 0 if past is None else past.start
+        n = start + m
         c = self.time_embed(t)
-        spks = spks[:, None, :].expand(-1, n, -1)
-        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)
-        angles = self.rotary_embed(n)
+        spks = spks[:, None, :].expand(-1, m, -1)
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, past)
+        angles = self.rotary_embed(n)[start:]
         # Full attention needs no mask (an all-True mask is the same computation, slower on GPU).
-        mask = chunk_attention_mask(n, self.static_chunk_size, x.device) if streaming else None
-        for block in self.transformer_blocks:
-            h = block(h, c, angles, mask)
+        mask = chunk_attention_mask(n, self.static_chunk_size, x.device)[start:] if streaming else None
+        for i, block in enumerate(self.transformer_blocks):
+            h = block(h, c, angles, mask, None if past is None else functools.partial(past.kv, i))
         return self.proj_out(self.norm_out(h, c)).transpose(1, 2)
 
 
@@ -322,6 +339,9 @@ class FastDiT:
     statistics, the residual stream, the modulation, the input/output projections, the conv
     position embedding, the CFG combination and the Euler update stay float32. Noise in and mel out
     are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
+
+    Streaming cache: :meth:`solve_from` resumes from a :class:`FlowStreamCache` the way the
+    reference DiT does (see :class:`_StepCache`).
     """
 
     def __init__(self, dit: DiT, dtype: torch.dtype, residual_dtype: torch.dtype = torch.float32):
@@ -373,40 +393,218 @@ class FastDiT:
               grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool) -> torch.Tensor:
         """noise, mu, cond ``(1, mel, N)``; spks ``(1, mel)``; grid = ``[(t, dt), ...]``.
         Returns x at t=1, ``(1, mel, N)`` float32."""
+        return self.solve_from(noise, mu, spks, cond, grid, cfg_rate, streaming)
+
+    def solve_from(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                   grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool,
+                   cache: "FlowStreamCache | None" = None, keep: int = 0) -> torch.Tensor:
+        """:meth:`solve`; with ``cache`` (streaming only) only frames ``cache.frames..N-1`` are
+        computed and returned, and the cache is extended to frames ``0..keep-1`` (see
+        :class:`_StepCache`)."""
         dit, dt_, res = self.dit, self.dtype, self.residual_dtype
         n = mu.shape[2]
+        start = cache.frames if cache is not None else 0
+        m = n - start  # frames computed here
         eps = LN_EPS
         dim = self.dim
         mods, (f_scale, f_shift) = self._modulations(torch.cat([t for t, _ in grid]))
         # Constant part of the input projection; row 1 of the CFG batch (mu, spks, cond zeroed) is the bias.
-        rest = torch.cat([cond.transpose(1, 2), mu.transpose(1, 2), spks[:, None, :].expand(-1, n, -1)], dim=-1)
-        const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, n, -1)])
-        ang = dit.rotary_embed(n)[:, ::2]  # (N, r/2): one angle per interleaved pair
+        rest = torch.cat([cond[:, :, start:].transpose(1, 2), mu[:, :, start:].transpose(1, 2),
+                          spks[:, None, :].expand(-1, m, -1)], dim=-1)
+        const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, m, -1)])
+        ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
         cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over the q/k axis
-        mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device) if streaming else None
+        mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
         ones = torch.ones(dim, device=mu.device)
-        x = noise
+        x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
-            h = const + F.linear(x.transpose(1, 2), self.w_in_x)  # (2, N, dim) float32
-            h = dit.input_embed.conv_pos_embed(h) + h
+            past = None if cache is None else _StepCache(cache, s, keep, streaming)
+            h = const + F.linear(x.transpose(1, 2), self.w_in_x)  # (2, m, dim) float32
+            cpe = dit.input_embed.conv_pos_embed
+            h = (cpe(h) if past is None else past.conv_pos(cpe, h)) + h
             h = h.to(res)  # a fresh tensor: updated in place below
-            for blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f) in zip(self.blocks, mods):
+            for i, (blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f)) in enumerate(zip(self.blocks, mods)):
                 # LayerNorm on the residual rounded to the compute dtype, modulation as its affine
                 # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
                 n1 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_a[s]).to(dt_), sh_a[s].to(dt_), eps)
                 qkv = blk["qkv"](n1)
                 self._rotate_head0_(qkv, self.heads, cos, sin)
-                q, k, v = qkv.unflatten(-1, (3, self.heads, self.dim_head)).permute(2, 0, 3, 1, 4)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, D), N-major
+                q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]  # (B, m, dim) views
+                if past is not None:
+                    k, v = past.kv(i, k, v)  # (B, N, dim): cached frames first
+                q, k, v = (t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, m, D), m-major
+                del q, k, v, qkv
                 o = blk["out"](o.transpose(1, 2).flatten(2))
                 # Same-dtype in-place update: a mixed-dtype addcmul takes a slow unvectorized path.
                 h.addcmul_(o.to(res), g_a[s].to(res))
                 n2 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_f[s]).to(dt_), sh_f[s].to(dt_), eps)
                 h.addcmul_(blk["ff2"](blk["ff1"](n2)).to(res), g_f[s].to(res))
             h = F.layer_norm(h.float(), (dim,), ones + f_scale[s], f_shift[s], eps)
-            v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2, mel, N)
+            v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2, mel, m)
             x = x + dt * ((1.0 + cfg_rate) * v[0:1] - cfg_rate * v[1:2])
         return x.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-request streaming cache
+
+DEFAULT_STREAM_CACHE_MB = 2048.0  # per request; ~1100 frames (22 s, prompt included) at full size, bf16
+
+
+class FlowStreamCache:
+    """What one streaming request's flow calls can reuse from its earlier calls.
+
+    Why it is valid: in a streaming, non-final call (block-causal attention over
+    ``static_chunk_size``-frame blocks, the real next 3 tokens as look-ahead) a frame depends only
+    on frames of its own and earlier blocks: the mask hides later blocks, the two position convs
+    are causal, the pre-lookahead layer reads the actual next tokens, and the ODE starts from the
+    same fixed noise prefix. So frames of blocks an earlier call of the request completed have,
+    at every Euler step and block and in both CFG rows, the same hidden states in every later call
+    that extends its tokens. Such a call computes only its new frames, attending to the cached K
+    (after RoPE) and V of the earlier ones; the result equals recomputing from scratch up to float
+    rounding: the reference itself does not reproduce earlier blocks bit for bit from call to call
+    (their attention runs over more, masked, keys, which rounds differently), so cached frames
+    differ from recomputed ones by ~1e-6 at fp32 (observed <= 3e-6 on mels of magnitude ~10), and
+    at bf16 by its own rounding (~2e-3). A call with nothing to reuse runs the same operations as
+    the uncached path.
+
+    Held (per Euler step): for each DiT block K and V of the cached frames for both CFG rows,
+    each ``(2, frames, inner)`` in the solver's dtype; the last ``CONV_CONTEXT`` (60) input-projection
+    frames ``(2, 60, dim)`` float32 (what the position convs of the next frames read back); plus the
+    finished mel of the cached frames and the prompt/token ids they came from. K/V dominate:
+    ``steps x blocks x 2 rows x 2 x inner`` values per frame = 1.8 MB per frame at full size in
+    bf16 (10 x 22 x 2 x 2 x 1024 x 2 bytes), 3.6 MB in fp32; ~5 MB fixed for the conv context.
+
+    Bound: the K/V kept never exceed ``max_mb`` megabytes (MiB; default
+    ``DEFAULT_STREAM_CACHE_MB`` = 2048, i.e. ~1100 frames = 22 s of prompt + speech in bf16, half
+    that in fp32) nor ``max_frames`` frames if given. Past the bound the cache keeps its prefix and
+    later calls recompute the frames after it every time (slower, same result); a bound below one
+    block (e.g. ``max_mb=0``) disables caching. The count is rounded down to whole blocks.
+
+    Validity: every call checks that the cache belongs to it — same module and weights (any
+    ``load_state_dict`` / ``.to()`` / ``set_precision`` invalidates), compute dtype, steps, prompt
+    mel and speaker embedding, and prompt + token ids that start with the ids of the call that
+    filled it (its look-ahead tokens included); otherwise the cache is dropped and the call
+    recomputes from scratch (``rebuilds`` counts it). Only streaming, non-final calls use it; any
+    other call leaves it alone. The frames kept are whole blocks, so a later call never resumes
+    inside a block.
+
+    One object per request, never shared between requests or threads; :meth:`clear` frees it.
+    Counters for tests and benchmarks: ``calls``, ``reused_frames``, ``computed_frames``,
+    ``rebuilds``, ``last_start`` (frames taken from the cache by the last call).
+    """
+
+    def __init__(self, max_mb: float = DEFAULT_STREAM_CACHE_MB, max_frames: int | None = None):
+        if not max_mb >= 0 or (max_frames is not None and max_frames < 0):
+            raise InputError(f"stream cache bounds must be >= 0, got max_mb={max_mb!r}, max_frames={max_frames!r}")
+        self.max_mb = float(max_mb)
+        self.max_frames = max_frames
+        self.calls = self.reused_frames = self.computed_frames = self.rebuilds = self.last_start = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Free everything cached (the counters stay)."""
+        self.frames = 0  # cached frames, a whole number of attention blocks
+        # (step, block) -> K (after RoPE), V of the cached frames, each (2, frames, inner)
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.conv: dict[int, torch.Tensor] = {}  # step -> input-projection frames before `frames` (2, <=60, dim)
+        self.mel: torch.Tensor | None = None  # (1, mel, frames) float32: x at t=1
+        self._key: tuple = ()  # what besides the ids the frames depend on
+        self._ids: torch.Tensor | None = None  # (1, P+T) prompt + token ids of the call that filled it
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        ts = [t for kv in self.kv.values() for t in kv] + list(self.conv.values())
+        ts += [self.mel] if self.mel is not None else []
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def limit_frames(self, bytes_per_frame: int, chunk: int) -> int:
+        """Most frames this cache may hold at ``bytes_per_frame`` (K/V bytes), a multiple of ``chunk``."""
+        frames = int(self.max_mb * 2**20 // bytes_per_frame)
+        if self.max_frames is not None:
+            frames = min(frames, self.max_frames)
+        return frames // chunk * chunk
+
+    def start(self, key: tuple, ids: torch.Tensor, n: int, chunk: int) -> int:
+        """Frames a call of ``n`` frames with this ``key`` and these ``ids`` may take from the
+        cache; drops the cache (counted in ``rebuilds``) when it does not belong to the call."""
+        if self.frames == 0:
+            self.clear()
+            return 0
+        old = self._ids
+        ok = (len(key) == len(self._key) and all(_same(a, b) for a, b in zip(key, self._key))
+              and old is not None and ids.shape[1] >= old.shape[1] and torch.equal(ids[:, :old.shape[1]], old)
+              and self.frames % chunk == 0 and self.frames <= n)
+        if not ok:
+            self.clear()
+            self.rebuilds += 1
+            return 0
+        return self.frames
+
+    def commit(self, key: tuple, ids: torch.Tensor, keep: int, mel: torch.Tensor) -> None:
+        """After a solve that stored frames ``0..keep-1``: remember them and what they belong to."""
+        self.frames = keep
+        self.mel = mel[:, :, :keep].clone()
+        self._key = tuple(k.clone() if isinstance(k, torch.Tensor) else k for k in key)
+        self._ids = ids.clone()
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+    return a is b or a == b
+
+
+class _StepCache:
+    """One Euler step of a solve that resumes from ``cache`` at frame ``start = cache.frames`` (a
+    whole number of attention blocks) and leaves the cache holding frames ``0..keep-1``. Both
+    solvers (reference DiT and :class:`FastDiT`) call it at the same two places:
+
+    * :meth:`conv_pos` — the causal conv position embedding of the new frames. A frame reads
+      ``CONV_CONTEXT`` (60) input-projection frames back (two k=31 convs), so the cache keeps the
+      last 60 before ``start``; with them the unpadded convs give exactly the new frames (with all
+      frames from 0, the module's own zero padding does).
+    * :meth:`kv` — per block, the new frames' K (after RoPE) and V with the cached frames' put
+      in front: ``(B, N, inner)``, what the new queries attend to.
+
+    Entries are replaced one by one as the solve goes (old and new caches never both exist whole),
+    so the caller must :meth:`FlowStreamCache.commit` afterwards, or clear the cache if it fails."""
+
+    def __init__(self, cache: FlowStreamCache, step: int, keep: int, streaming: bool):
+        if not streaming:
+            raise ValueError("the streaming cache needs the block-causal (streaming) mask")
+        self.cache, self.step, self.keep = cache, step, keep
+        self.start = cache.frames
+        self.store = keep > self.start
+
+    def conv_pos(self, cpe: CausalConvPositionEmbedding, h: torch.Tensor) -> torch.Tensor:
+        """``h (B, m, dim)``: input projection of frames ``start..N-1`` -> their position embedding."""
+        start, keep = self.start, self.keep
+        if start == 0:
+            hx, first, y = h, 0, cpe(h)  # hx holds frames first..N-1
+        else:
+            ctx = self.cache.conv[self.step]
+            hx, first = torch.cat([ctx, h], dim=1), start - ctx.shape[1]
+            if first == 0:
+                y = cpe(hx)[:, start:]
+            else:
+                y = cpe.conv2(cpe.conv1(hx.transpose(1, 2))).transpose(1, 2)
+        if self.store:
+            self.cache.conv[self.step] = hx[:, max(keep - CONV_CONTEXT, 0) - first:keep - first].clone()
+        return y
+
+    def kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated), V ``(B, m, inner)`` of the new frames -> those of all N frames."""
+        slot = (self.step, block)
+        if self.start:
+            k0, v0 = self.cache.kv[slot]
+            k, v = torch.cat([k0, k], dim=1), torch.cat([v0, v], dim=1)
+        if self.store:  # a copy unless k/v already are exactly the frames kept
+            self.cache.kv[slot] = (k[:, :self.keep].contiguous(), v[:, :self.keep].contiguous())
+        return k, v
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,11 +625,14 @@ class CFM(nn.Module):
         # float32: the reference solver below. bfloat16: the mixed-precision solver (FastDiT).
         self.compute_dtype = torch.float32
         self._fast: FastDiT | None = None  # weights re-laid-out for the fast solver, built on first use
+        self._weights_version = 0  # bumped on every change below: streaming caches check it
         self.estimator.register_load_state_dict_post_hook(lambda *_: self.drop_fast_cache())
 
     def drop_fast_cache(self) -> None:
-        """Forget the fast solver's weight copies (after weights, dtype or device change)."""
+        """Forget the fast solver's weight copies (after weights, dtype or device change); streaming
+        caches filled before no longer match and are rebuilt on their next call."""
         self._fast = None
+        self._weights_version += 1
 
     def _apply(self, fn, *args, **kwargs):  # .to() / .cuda() / .float(): copies must follow
         self.drop_fast_cache()
@@ -450,30 +651,82 @@ class CFM(nn.Module):
                 dt = t_span[step + 1] - t
         return out
 
-    def forward(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
-                streaming: bool = False) -> torch.Tensor:
-        """mu, cond ``(1, 80, N)``, spks ``(1, 80)`` -> ODE state at t=1 ``(1, 80, N)`` float32."""
-        n = mu.shape[2]
+    def _check_length(self, n: int) -> None:
         if n > self.rand_noise.shape[2]:
             raise InputError(f"flow input of {n} mel frames (prompt included) exceeds the "
                              f"{self.rand_noise.shape[2]}-frame noise buffer (300 s)")
+
+    def _fast_solver(self) -> FastDiT:
+        if self._fast is None or self._fast.dtype != self.compute_dtype:
+            self._fast = FastDiT(self.estimator, self.compute_dtype)
+        return self._fast
+
+    def kv_bytes_per_frame(self) -> int:
+        """Bytes a streaming cache holds per mel frame: K and V of both CFG rows, every block and step."""
+        blk = self.estimator.transformer_blocks
+        inner = blk[0].attn.to_k.out_features if len(blk) else 0
+        item = torch.empty(0, dtype=self.compute_dtype).element_size()
+        return self.n_timesteps * len(blk) * 2 * 2 * inner * item
+
+    def forward_cached(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                       cache: FlowStreamCache, key: tuple, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with ``streaming=True``, resuming from ``cache`` where it belongs to this
+        call (``key``: what besides the ids the frames depend on; ``ids``: prompt + token ids) and
+        leaving it filled with this call's complete blocks, within its bound. Same output."""
+        n = mu.shape[2]
+        self._check_length(n)
+        chunk = self.estimator.static_chunk_size
+        key = (self, self._weights_version, self.compute_dtype, self.n_timesteps, self.cfg_rate, chunk) + tuple(key)
+        start = keep = 0
+        if chunk > 0 and len(self.estimator.transformer_blocks):
+            start = cache.start(key, ids, n, chunk)
+            keep = max(start, min(n // chunk * chunk, cache.limit_frames(self.kv_bytes_per_frame(), chunk)))
+        if keep == 0:  # nothing to reuse or keep (bound below one block): plain recomputation
+            cache.clear()
+            return self.forward(mu, spks, cond, streaming=True)
+        cache.calls += 1
+        cache.last_start = start
+        cache.reused_frames += start
+        cache.computed_frames += n - start
+        if start == n:  # the same call again
+            return cache.mel[:, :, :n].clone()
+        try:
+            x = self.forward(mu, spks, cond, streaming=True, cache=cache, keep=keep)
+        except BaseException:
+            cache.clear()  # possibly half replaced
+            raise
+        if start:
+            x = torch.cat([cache.mel[:, :, :start], x], dim=2)
+        cache.commit(key, ids, keep, x)
+        return x
+
+    def forward(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False,
+                cache: FlowStreamCache | None = None, keep: int = 0) -> torch.Tensor:
+        """mu, cond ``(1, 80, N)``, spks ``(1, 80)`` -> ODE state at t=1 ``(1, 80, N)`` float32.
+
+        With ``cache`` (from :meth:`forward_cached`, which checks it belongs to these inputs): only
+        frames ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
+        ``0..keep-1`` (see :class:`_StepCache`)."""
+        n = mu.shape[2]
+        self._check_length(n)
         if self.compute_dtype != torch.float32:
-            if self._fast is None or self._fast.dtype != self.compute_dtype:
-                self._fast = FastDiT(self.estimator, self.compute_dtype)
-            return self._fast.solve(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),
-                                    cond.float(), self.time_grid(), self.cfg_rate, streaming)
-        x = self.rand_noise[:, :, :n].to(mu.dtype)
+            return self._fast_solver().solve_from(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),
+                                                  cond.float(), self.time_grid(), self.cfg_rate, streaming,
+                                                  cache, keep)
+        start = 0 if cache is None else cache.frames
+        x = self.rand_noise[:, :, start:n].to(mu.dtype)
         t_span = cosine_t_span(self.n_timesteps).to(mu.device)
         # Row 1 of the CFG batch is the unconditional branch: mu, spks and cond all zeroed.
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])[:, :, start:]
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])[:, :, start:]
         # t is accumulated (t += dt) and dt re-derived from it, as upstream does, so the times the
         # estimator sees carry the same float32 rounding.
         t = t_span[0:1]
         dt = t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2), spks_in, cond_in, streaming)
+            past = None if cache is None else _StepCache(cache, step - 1, keep, streaming)
+            v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2), spks_in, cond_in, streaming, past=past)
             v_cond, v_uncond = v[0:1], v[1:2]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             t = t + dt
@@ -580,7 +833,8 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
-                  embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor:
+                  embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,
+                  cache: FlowStreamCache | None = None) -> torch.Tensor:
         """Synthesize the mel of ``token``, conditioned on a prompt.
 
         Args:
@@ -591,13 +845,24 @@ class Flow(nn.Module):
             streaming: block-causal DiT attention (``static_chunk_size``-frame blocks) instead of full.
             finalize: True when ``token`` ends the utterance (3 zero frames of look-ahead); False when
                 its last 3 tokens are only look-ahead context, so they produce no frames.
+            cache: the request's :class:`FlowStreamCache`. Used by streaming, non-final calls only:
+                frames of attention blocks an earlier call of the request completed are taken from
+                it instead of recomputed (same mel up to float rounding; at fp32 the cached calls
+                run the re-arranged float32 solver, within ~1e-6 of the reference), and this call's
+                complete blocks are added to it. Ignored by other calls.
 
         Returns:
             ``(1, 80, 2T)`` float32 natural-log mel (``2(T-3)`` frames when ``finalize`` is False),
             prompt frames removed, on this module's device.
         """
         inp = self.prepare(token, prompt_token, prompt_feat, embedding, finalize)
-        feat = self.decoder(inp.mu, inp.spks, inp.cond, streaming)
+        if cache is not None and streaming and not finalize:
+            dev = self.device
+            ids = torch.cat([prompt_token, token], dim=1).to(dev, torch.long).clamp_min(0)
+            key = (inp.prompt_frames, prompt_feat.to(dev, torch.float32), embedding.to(dev, torch.float32))
+            feat = self.decoder.forward_cached(inp.mu, inp.spks, inp.cond, cache, key, ids)
+        else:
+            feat = self.decoder(inp.mu, inp.spks, inp.cond, streaming)
         return feat[:, :, inp.prompt_frames:]
 
     def _check_inputs(self, token, prompt_token, prompt_feat, embedding, finalize) -> None:

@@ -1,0 +1,335 @@
+"""Per-request streaming cache of the flow (FlowStreamCache): cached streaming calls give the mel
+of recomputing everything, within float rounding, and an unusable cache is never used.
+
+Tolerances: a cached call takes earlier blocks' K/V from an earlier call, where the reference
+recomputes them with attention over more (masked) keys, which rounds differently: ~3e-6 at fp32 on
+mels of magnitude ~10, ~2e-3 at bf16 (its own rounding). A wrong cache (wrong frames, positions or
+conv context) is off by 0.1-10: see test_a_corrupted_cache_is_visible. The audio is not compared
+tightly: the tiny random fixture vocoder turns a 1e-6 mel change into ~1e-2 of audio (and bf16
+differences into sign flips), so the tests compare the mel the engine feeds the vocoder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import MODEL_DIR, load_fixture
+from cosyllama.engine import FlowPrompt, Token2Wav
+from cosyllama.errors import InputError
+from cosyllama.flow import DEFAULT_STREAM_CACHE_MB, Flow, FlowStreamCache
+from cosyllama.vocoder import HiFT
+
+TOL = {"fp32": 2e-5, "bf16": 1e-2}
+STREAM_CASES = ["cross_lingual_stream", "instruct2_stream", "zero_shot_stream"]
+N_TOKENS = 300  # with the 50-token fixture prompt: non-final calls of 28, 78, 178, 278 tokens
+
+
+@pytest.fixture(scope="module")
+def flows():
+    return {p: Flow.from_dir(MODEL_DIR, precision=p) for p in ("fp32", "bf16")}
+
+
+@pytest.fixture(scope="module")
+def hift():
+    return HiFT.from_dir(MODEL_DIR)
+
+
+def _prompt(case="zero_shot_stream") -> FlowPrompt:
+    a, _ = load_fixture(f"e2e_{case}")
+    return FlowPrompt(*(torch.from_numpy(a[k]) for k in
+                        ("in_flow_prompt_speech_token", "in_prompt_speech_feat", "in_flow_embedding")))
+
+
+def _tokens(n=N_TOKENS, seed=1) -> torch.Tensor:
+    return torch.randint(0, 6561, (1, n), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+
+
+def _schedule(n_tokens: int, p: int = 50) -> list[int]:
+    """Token counts of the engine's non-final streaming calls (hop 25 + pad, 50, 100, ...; +3 look-ahead)."""
+    ends, off, hop, pad = [], 0, 25, -p % 25
+    while n_tokens - off >= hop + (pad if off == 0 else 0) + 3:
+        h = hop + (pad if off == 0 else 0)
+        ends.append(off + h + 3)
+        off, hop = off + h, min(100, 2 * hop)
+    return ends
+
+
+def _diff(a, b) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a.double() - b.double()).abs().max())
+
+
+def _call(flow, tok, fp, n, cache=None):
+    return flow.inference(tok[:, :n], fp.tokens, fp.feat, fp.embedding, streaming=True, finalize=False,
+                          cache=cache)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cached_calls_equal_recomputing(flows, precision):
+    flow, fp, tok = flows[precision], _prompt(), _tokens()
+    cache = FlowStreamCache()
+    ends = _schedule(N_TOKENS)
+    assert ends == [28, 78, 178, 278]
+    starts = []
+    for n in ends:
+        ref = _call(flow, tok, fp, n)
+        got = _call(flow, tok, fp, n, cache)
+        assert got.dtype == torch.float32
+        assert _diff(got, ref) <= TOL[precision], (precision, n)
+        starts.append(cache.last_start)
+        assert cache.frames == 2 * (50 + n - 3)  # every block of the call kept (a multiple of 50)
+    # Each call resumed after the previous call's frames: only the new ones were computed.
+    assert starts == [0, 150, 250, 450]
+    assert cache.rebuilds == 0 and cache.calls == 4
+    assert cache.computed_frames == 2 * (50 + ends[-1] - 3)
+
+
+def test_first_cached_call_is_the_reference_computation(flows):
+    """At fp32 a call with nothing to reuse runs the reference ops (bit-equal on this CPU)."""
+    flow, fp, tok = flows["fp32"], _prompt(), _tokens()
+    ref, got = _call(flow, tok, fp, 78), _call(flow, tok, fp, 78, FlowStreamCache())
+    assert _diff(got, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("case", STREAM_CASES)
+def test_cached_calls_match_the_recorded_upstream_calls(flows, case):
+    """Every streaming flow call of the recorded end-to-end runs, made through one cache."""
+    arr, meta = load_fixture(f"e2e_{case}")
+    fp = _prompt(case)
+    tokens = torch.from_numpy(arr["flow_tokens"])
+    cache = FlowStreamCache()
+    for k, call in enumerate(meta["meta"]["flow_calls"]):
+        mel = flows["fp32"].inference(tokens[:, :call["n_tokens"]], fp.tokens, fp.feat, fp.embedding,
+                                      streaming=call["streaming"], finalize=call["finalize"], cache=cache)
+        assert _diff(mel, torch.from_numpy(arr[f"flow_call{k}_mel"])) <= TOL["fp32"], (case, k)
+    assert cache.rebuilds == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_corrupted_cache_is_visible(flows, precision):
+    """The cached K/V and conv context really are read: disturbing them changes the next call far
+    beyond the tolerance (so the equality tests above can fail)."""
+    flow, fp, tok = flows[precision], _prompt(), _tokens()
+    ref = _call(flow, tok, fp, 178)
+
+    def corrupted(edit):
+        cache = FlowStreamCache()
+        _call(flow, tok, fp, 78, cache)
+        edit(cache)
+        return _diff(_call(flow, tok, fp, 178, cache), ref)
+
+    def flip_k(cache, slots=None):  # the cached frames' keys in reverse order
+        for key in slots or list(cache.kv):
+            k, v = cache.kv[key]
+            cache.kv[key] = (k.flip(1), v)
+
+    def zero_conv(cache):
+        for s in cache.conv:
+            cache.conv[s] = torch.zeros_like(cache.conv[s])
+
+    assert corrupted(flip_k) > 0.1  # observed 0.25
+    assert corrupted(zero_conv) > 0.5  # observed 1.2
+    if precision == "fp32":  # one step's one block is enough to exceed the fp32 tolerance 1000-fold
+        assert corrupted(lambda c: flip_k(c, [(5, 1)])) > 1000 * TOL["fp32"]  # observed 0.046
+
+
+def _changed(fp: FlowPrompt, what: str) -> tuple[FlowPrompt, torch.Tensor]:
+    tok = _tokens()
+    if what == "tokens":  # an earlier token differs: the new call does not extend the cached one
+        tok = tok.clone()
+        tok[0, 10] = (tok[0, 10] + 1) % 6561
+    elif what == "lookahead_token":  # the last look-ahead token of the cached 78-token call differs
+        tok = tok.clone()
+        tok[0, 77] = (tok[0, 77] + 1) % 6561
+    elif what == "prompt_feat":
+        fp = FlowPrompt(fp.tokens, fp.feat + 0.5, fp.embedding)
+    elif what == "embedding":
+        fp = FlowPrompt(fp.tokens, fp.feat, fp.embedding.flip(1))
+    elif what == "prompt_tokens":
+        fp = FlowPrompt(fp.tokens.flip(1), fp.feat, fp.embedding)
+    return fp, tok
+
+
+@pytest.mark.parametrize("what", ["tokens", "lookahead_token", "prompt_feat", "embedding", "prompt_tokens",
+                                  "shorter", "weights", "steps"])
+def test_an_inconsistent_cache_is_rebuilt(what, hift):
+    flow = Flow.from_dir(MODEL_DIR)
+    fp, tok = _prompt(), _tokens()
+    cache = FlowStreamCache()
+    _call(flow, tok, fp, 78, cache)
+    assert cache.frames == 250
+    n = 178
+    if what == "shorter":  # fewer tokens than the cached call: not an extension
+        n = 53
+    elif what == "weights":
+        sd = {k: v.clone() for k, v in flow.state_dict().items()}
+        sd["decoder.estimator.transformer_blocks.0.ff.ff.2.bias"] += 1.0
+        flow.load_state_dict(sd)
+    elif what == "steps":
+        flow.set_n_timesteps(5)
+    else:
+        fp, tok = _changed(fp, what)
+    got = _call(flow, tok, fp, n, cache)
+    ref = _call(flow, tok, fp, n)
+    assert cache.rebuilds == 1 and cache.last_start == 0
+    assert _diff(got, ref) <= 1e-6  # recomputed from scratch (the reference ops)
+    # ... and the rebuilt cache serves the next call of the new inputs.
+    got = _call(flow, tok, fp, 278, cache)
+    assert cache.last_start == 2 * (50 + n - 3) and cache.rebuilds == 1
+    assert _diff(got, _call(flow, tok, fp, 278)) <= TOL["fp32"]
+
+
+def test_other_calls_leave_the_cache_alone(flows):
+    flow, fp, tok = flows["fp32"], _prompt(), _tokens()
+    cache = FlowStreamCache()
+    _call(flow, tok, fp, 78, cache)
+    before = (cache.frames, cache.calls, {k: v[0].clone() for k, v in cache.kv.items()})
+    for streaming, finalize in ((False, True), (True, True)):
+        out = flow.inference(tok[:, :100], fp.tokens, fp.feat, fp.embedding, streaming=streaming,
+                             finalize=finalize, cache=cache)
+        assert torch.equal(out, flow.inference(tok[:, :100], fp.tokens, fp.feat, fp.embedding,
+                                               streaming=streaming, finalize=finalize))
+    assert (cache.frames, cache.calls) == before[:2]
+    assert all(torch.equal(cache.kv[k][0], v) for k, v in before[2].items())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_bound_keeps_a_prefix_and_recomputes_the_rest(flows, precision):
+    flow, fp, tok = flows[precision], _prompt(), _tokens()
+    per_frame = flow.decoder.kv_bytes_per_frame()
+    # tiny model: 10 steps x 2 blocks x 2 (K, V) x 2 rows x 64 channels x 4 (fp32) / 2 (bf16) bytes
+    assert per_frame == 10 * 2 * 2 * 2 * 64 * (4 if precision == "fp32" else 2)
+    bound_mb = 230 * per_frame / 2**20  # room for 230 frames: 200 kept (whole blocks)
+    cache = FlowStreamCache(max_mb=bound_mb)
+    starts = []
+    for n in _schedule(N_TOKENS):
+        got = _call(flow, tok, fp, n, cache)
+        assert _diff(got, _call(flow, tok, fp, n)) <= TOL[precision], n
+        kv_bytes = sum(t.numel() * t.element_size() for kv in cache.kv.values() for t in kv)
+        assert kv_bytes <= bound_mb * 2**20
+        starts.append(cache.last_start)
+    assert starts == [0, 150, 200, 200]  # past the bound: the 200-frame prefix, the rest recomputed
+    assert cache.frames == 200 and cache.rebuilds == 0
+    # max_frames bounds the same way
+    cache = FlowStreamCache(max_frames=120)
+    for n in _schedule(N_TOKENS)[:3]:
+        assert _diff(_call(flow, tok, fp, n, cache), _call(flow, tok, fp, n)) <= TOL[precision]
+    assert cache.frames == 100 and cache.last_start == 100
+
+
+def test_a_bound_below_one_block_disables_caching(flows):
+    flow, fp, tok = flows["fp32"], _prompt(), _tokens()
+    for cache in (FlowStreamCache(max_mb=0), FlowStreamCache(max_frames=49)):
+        for n in _schedule(N_TOKENS)[:2]:
+            assert torch.equal(_call(flow, tok, fp, n, cache), _call(flow, tok, fp, n))  # the plain path
+        assert cache.frames == 0 and cache.calls == 0 and cache.nbytes == 0
+    with pytest.raises(InputError, match=">= 0"):
+        FlowStreamCache(max_mb=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Through the engine
+
+
+class _FlowSpy:
+    """Delegates to a Flow; records (first tokens, cache, cached frames at the call, finalize) per call."""
+
+    def __init__(self, flow):
+        self.flow, self.calls = flow, []
+
+    def __getattr__(self, name):
+        return getattr(self.flow, name)
+
+    def inference(self, token, prompt_token, prompt_feat, embedding, cache=None, **kw):
+        self.calls.append((token[0, :8].clone(), cache, None if cache is None else cache.frames, kw["finalize"]))
+        return self.flow.inference(token, prompt_token, prompt_feat, embedding, cache=cache, **kw)
+
+
+class _VocoderSpy:
+    """Delegates to a HiFT; keeps the last mel it was given."""
+
+    def __init__(self, hift):
+        self.hift, self.mel = hift, None
+
+    def inference(self, mel, finalize=True):
+        self.mel = mel.clone()
+        return self.hift.inference(mel, finalize=finalize)
+
+
+def _stream(flow, hift, mb, tokens, fp):
+    voc = _VocoderSpy(hift)
+    spy = _FlowSpy(flow)
+    chunks = list(Token2Wav(spy, voc, 24000, stream_cache_mb=mb).stream(iter(tokens), fp, 0))
+    return chunks, voc.mel, spy
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_engine_stream_with_cache_equals_without(flows, hift, precision):
+    fp, tokens = _prompt(), _tokens()[0].tolist()
+    plain, mel0, spy0 = _stream(flows[precision], hift, 0, tokens, fp)
+    cached, mel1, spy1 = _stream(flows[precision], hift, 2048, tokens, fp)
+    assert all(c[1] is None for c in spy0.calls)
+    caches = {id(c[1]) for c in spy1.calls if c[1] is not None}
+    assert len(caches) == 1
+    cache = next(c[1] for c in spy1.calls if c[1] is not None)
+    assert cache.reused_frames == 150 + 250 + 450 and cache.rebuilds == 0
+    assert [c.samples.size for c in cached] == [c.samples.size for c in plain]
+    assert [c.is_final for c in cached] == [c.is_final for c in plain]
+    # The mel the vocoder got last (all chunks): earlier chunks from cached calls.
+    assert mel1.shape == mel0.shape == (1, 80, 2 * len(tokens))
+    assert _diff(mel1, mel0) <= TOL[precision]
+    # The final call (full attention) is never given the cache, which is freed before it.
+    assert spy1.calls[-1][3] is True and spy1.calls[-1][1] is None
+    assert cache.nbytes == 0 and cache.frames == 0
+
+
+def test_engine_cache_default_follows_the_precision(flows, hift):
+    assert Token2Wav(flows["fp32"], hift, 24000).new_stream_cache() is None  # reference parity
+    c = Token2Wav(flows["bf16"], hift, 24000).new_stream_cache()
+    assert isinstance(c, FlowStreamCache) and c.max_mb == DEFAULT_STREAM_CACHE_MB
+    assert Token2Wav(flows["fp32"], hift, 24000, stream_cache_mb=64).new_stream_cache().max_mb == 64
+    assert Token2Wav(flows["bf16"], hift, 24000, stream_cache_mb=0).new_stream_cache() is None
+    with pytest.raises(InputError, match="stream_cache_mb"):
+        Token2Wav(flows["fp32"], hift, 24000, stream_cache_mb=-1)
+
+
+def test_interleaved_requests_have_their_own_caches(flows, hift):
+    flow = flows["bf16"]
+    fa, fb = _prompt("zero_shot_stream"), _prompt("instruct2_stream")
+    ta, tb = _tokens(seed=1)[0].tolist(), _tokens(seed=2)[0].tolist()
+    alone = {k: [c.samples for c in Token2Wav(flow, hift, 24000, stream_cache_mb=2048).stream(iter(t), f, 0)]
+             for k, t, f in (("a", ta, fa), ("b", tb, fb))}
+    spy = _FlowSpy(flow)
+    t2w = Token2Wav(spy, hift, 24000, stream_cache_mb=2048)
+    gens = {"a": t2w.stream(iter(ta), fa, 0), "b": t2w.stream(iter(tb), fb, 0)}
+    got = {"a": [], "b": []}
+    while gens:  # alternate one chunk at a time
+        for k in list(gens):
+            try:
+                got[k].append(next(gens[k]).samples)
+            except StopIteration:
+                del gens[k]
+    for k in "ab":
+        assert len(got[k]) == len(alone[k])
+        for g, w in zip(got[k], alone[k]):
+            np.testing.assert_array_equal(g, w)
+    used = [(head, cache) for head, cache, _, _ in spy.calls if cache is not None]
+    caches = {id(c): c for _, c in used}
+    assert len(caches) == 2  # one per request
+    for c in caches.values():  # each saw one request's tokens only, reused its frames, never rebuilt
+        heads = [h for h, cc in used if cc is c]
+        assert all(torch.equal(h, heads[0]) for h in heads)
+        assert c.rebuilds == 0 and c.reused_frames > 0 and c.nbytes == 0
+
+
+def test_closing_a_stream_frees_its_cache(flows, hift):
+    spy = _FlowSpy(flows["bf16"])
+    gen = Token2Wav(spy, hift, 24000).stream(iter(_tokens()[0].tolist()), _prompt(), 0)
+    next(gen)
+    next(gen)
+    cache = spy.calls[-1][1]
+    assert cache is not None and cache.frames == 250 and cache.nbytes > 0
+    gen.close()
+    assert cache.frames == 0 and cache.nbytes == 0 and cache.mel is None
