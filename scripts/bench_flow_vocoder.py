@@ -19,6 +19,13 @@ Vocoder variants: ``fp32`` and the opt-in ``bf16`` (the default channels-last co
     python scripts/bench_flow_vocoder.py --repeats 3 --profile    # + where the flow time goes
     python scripts/bench_flow_vocoder.py --flow-variants fp32,bf16,bf16-steps5 --stream
     python scripts/bench_flow_vocoder.py --device cuda
+    python scripts/bench_flow_vocoder.py --only-stream-cache --repeats 2   # streaming flow, K/V cache on/off
+
+``--stream-cache`` / ``--only-stream-cache``: the flow calls of one whole streaming synthesis
+through the engine (25 -> 50 -> 100 token hops, block-causal calls, then the final full-attention
+call; a stand-in vocoder), with the per-request flow cache (``FlowStreamCache``) and without,
+interleaved per round, for the plain fp32 and bf16 variants: total flow time, first chunk, final
+call, the cache's peak size and the mel difference between the two.
     python scripts/bench_flow_vocoder.py --flow-variants fp32 --repeats 1 \
         --vocoder-variants fp32,fp32-ref,bf16,bf16-ref --vocoder-profile     # vocoder only matters
 """
@@ -168,6 +175,93 @@ def first_chunk_time(flow: Flow, hift: HiFT, tokens: list[int], prompt, sample_r
     return float("nan"), 0
 
 
+class _TimedFlow:
+    """Delegates to a :class:`Flow`, timing each ``inference`` call and the cache size after it."""
+
+    def __init__(self, flow: Flow, dev: torch.device):
+        self.flow, self.dev, self.calls = flow, dev, []
+
+    def __getattr__(self, name):
+        return getattr(self.flow, name)
+
+    def inference(self, *args, **kw):
+        w, c, out = timed_once(lambda: self.flow.inference(*args, **kw), self.dev)
+        cache = kw.get("cache")
+        self.calls.append({"n_tokens": args[0].shape[1], "finalize": kw["finalize"], "wall_s": round(w, 3),
+                           "cpu_s": round(c, 3), "reused_frames": cache.last_start if cache else 0,
+                           "cache_mb": round(cache.nbytes / 2**20, 1) if cache else 0.0})
+        return out
+
+
+class _NullVocoder:
+    """Stands in for the vocoder so that only the flow is timed; keeps the last mel it got."""
+
+    def __init__(self, sample_rate: int, hop: int = 480):
+        self.hop, self.mel = hop, None
+
+    def inference(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        self.mel = mel
+        return torch.zeros(1, mel.shape[2] * self.hop)
+
+
+def stream_flow_once(flow: Flow, dev: torch.device, tokens: list[int], prompt, cache_mb: float) -> dict:
+    """One streaming synthesis through :class:`Token2Wav` (flow only): per-call times and the mel."""
+    from cosyllama.engine import Token2Wav
+
+    timed, voc = _TimedFlow(flow, dev), _NullVocoder(FULL_HIFT.sampling_rate)
+    for _ in Token2Wav(timed, voc, FULL_HIFT.sampling_rate, stream_cache_mb=cache_mb).stream(iter(tokens), prompt, 0):
+        pass
+    calls = timed.calls
+    return {"total_s": round(sum(c["wall_s"] for c in calls), 3), "first_chunk_s": calls[0]["wall_s"],
+            "final_s": calls[-1]["wall_s"], "non_final_s": round(sum(c["wall_s"] for c in calls[:-1]), 3),
+            "peak_cache_mb": max(c["cache_mb"] for c in calls), "calls": calls, "mel": voc.mel}
+
+
+def stream_cache_compare(flow: Flow, dev: torch.device, precisions: list[str], tokens: list[int], prompt,
+                         repeats: int) -> list[dict]:
+    """Streaming flow time with the per-request cache (default bound) and without, per precision,
+    the two interleaved round by round (order alternating)."""
+    from cosyllama.flow import DEFAULT_STREAM_CACHE_MB
+
+    rows = []
+    for prec in precisions:
+        flow.set_precision(prec)
+        stream_flow_once(flow, dev, tokens[:60], prompt, DEFAULT_STREAM_CACHE_MB)  # warm-up (cached path)
+        runs: dict[str, list[dict]] = {"recompute": [], "cache": []}
+        for r in range(repeats):
+            for name in (("recompute", "cache") if r % 2 == 0 else ("cache", "recompute")):
+                run = stream_flow_once(flow, dev, tokens, prompt, DEFAULT_STREAM_CACHE_MB if name == "cache" else 0)
+                runs[name].append(run)
+                print(f"  round {r} stream flow {prec} {name:9s} total {run['total_s']:7.2f} s, first chunk "
+                      f"{run['first_chunk_s']:6.2f} s, final {run['final_s']:6.2f} s, calls "
+                      f"{[c['wall_s'] for c in run['calls']]}", flush=True)
+        med = {k: {f: statistics.median(run[f] for run in v) for f in ("total_s", "first_chunk_s", "final_s",
+                                                                        "non_final_s")} for k, v in runs.items()}
+        d = (runs["cache"][-1]["mel"].double() - runs["recompute"][-1]["mel"].double()).abs()
+        rows.append({"precision": prec, "repeats": repeats, "recompute": med["recompute"], "cache": med["cache"],
+                     "total_speedup": med["recompute"]["total_s"] / med["cache"]["total_s"],
+                     "non_final_speedup": med["recompute"]["non_final_s"] / med["cache"]["non_final_s"],
+                     "total_ratios_per_round": [round(a["total_s"] / b["total_s"], 3)
+                                                for a, b in zip(runs["recompute"], runs["cache"])],
+                     "peak_cache_mb": runs["cache"][-1]["peak_cache_mb"],
+                     "mel_cache_vs_recompute": {"mean_abs": float(d.mean()), "max_abs": float(d.max())},
+                     "calls": {k: [c for c in v[-1]["calls"]] for k, v in runs.items()}})
+    return rows
+
+
+def print_stream_cache(rows: list[dict], audio_s: float, prompt_s: float, threads: int) -> None:
+    print(f"\nstreaming flow, {prompt_s:.1f} s prompt + {audio_s:.1f} s, {threads} threads, load "
+          f"{os.getloadavg()[0]:.1f}: recompute (reference) vs per-request K/V cache (medians)")
+    print(f"  {'precision':9s} {'total rec':>9s} {'total cache':>11s} {'speedup':>7s} {'non-final':>17s} "
+          f"{'final':>6s} {'1st chunk rec/cache':>20s} {'peak MB':>8s} {'mel max diff':>12s}")
+    for row in rows:
+        rec, cac = row["recompute"], row["cache"]
+        print(f"  {row['precision']:9s} {rec['total_s']:9.2f} {cac['total_s']:11.2f} {row['total_speedup']:7.2f} "
+              f"{rec['non_final_s']:7.2f} -> {cac['non_final_s']:6.2f} {cac['final_s']:6.2f} "
+              f"{rec['first_chunk_s']:9.2f} / {cac['first_chunk_s']:7.2f} {row['peak_cache_mb']:8.0f} "
+              f"{row['mel_cache_vs_recompute']['max_abs']:12.2e}")
+
+
 def summary(walls: list[float], cpus: list[float], audio_s: float) -> dict:
     return {"seconds_per_audio_second": statistics.median(walls) / audio_s,
             "best_seconds_per_audio_second": min(walls) / audio_s,
@@ -188,6 +282,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="also split one flow call per variant by op kind")
     ap.add_argument("--vocoder-profile", action="store_true", help="also split one vocoder call per variant")
     ap.add_argument("--stream", action="store_true", help="also time the first streaming chunk per variant")
+    ap.add_argument("--stream-cache", action="store_true",
+                    help="also time a streaming synthesis's flow calls with and without the K/V cache")
+    ap.add_argument("--only-stream-cache", action="store_true", help="only that (no other timing)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args()
 
@@ -215,6 +312,19 @@ def main() -> None:
     # Warm-up on a short input (allocator, oneDNN kernel selection, bf16 weight copies).
     for v in fvars:
         v.run(token[:, :10], prompt_token[:, :10], prompt_feat[:, :20], emb)
+    from cosyllama.engine import FlowPrompt
+
+    cache_precisions = [v.name for v in fvars if v.name in ("fp32", "bf16")]
+    stream_prompt = FlowPrompt(prompt_token.int(), prompt_feat, emb)
+    if a.only_stream_cache:
+        rows = stream_cache_compare(flow, dev, cache_precisions, token[0].tolist(), stream_prompt, a.repeats)
+        print_stream_cache(rows, audio_s, p_tok / TOKEN_RATE, a.threads)
+        result = {"machine": {"threads": a.threads, "device": str(dev), "loadavg_at_end": os.getloadavg()},
+                  "stream_cache": rows}
+        print(json.dumps(result))
+        if a.json:
+            a.json.write_text(json.dumps(result, indent=2))
+        return
     for name in vnames:
         set_vocoder(hift, name)
         hift.inference(torch.randn(1, 80, 20, device=dev) - 5.0)
@@ -286,12 +396,16 @@ def main() -> None:
             stream_rows.append({"flow": v.name, "vocoder": "fp32", "first_chunk_s": ttfc,
                                 "first_chunk_audio_s": n / FULL_HIFT.sampling_rate})
         flow.set_precision("fp32")
+    cache_rows = []
+    if a.stream_cache:
+        cache_rows = stream_cache_compare(flow, dev, cache_precisions, token[0].tolist(), stream_prompt, a.repeats)
+        flow.set_precision("fp32")
 
     result = {
         "machine": {"threads": a.threads, "device": str(dev), "loadavg_at_end": os.getloadavg(),
                     "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-        "flow": flow_rows, "vocoder": voc_rows, "streaming": stream_rows,
+        "flow": flow_rows, "vocoder": voc_rows, "streaming": stream_rows, "stream_cache": cache_rows,
     }
     print(f"\nflow ({n_flow / 1e6:.1f} M params, {p_tok / TOKEN_RATE:.1f} s prompt + {audio_s:.1f} s, CFG batch 2), "
           f"{a.threads} threads, load {os.getloadavg()[0]:.1f}")
@@ -311,6 +425,8 @@ def main() -> None:
     for row in stream_rows:
         print(f"first streaming chunk, flow {row['flow']}: {row['first_chunk_s']:.2f} s "
               f"({row['first_chunk_audio_s']:.2f} s of audio)")
+    if cache_rows:
+        print_stream_cache(cache_rows, audio_s, p_tok / TOKEN_RATE, a.threads)
     print(json.dumps(result))
     if a.json:
         a.json.write_text(json.dumps(result, indent=2))
