@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from .precision import resolve_precision
 F0_LOOKAHEAD = 3  # mel frames condnet.0 reads ahead (k=4)
 F0_CONV_KERNEL = 3
 F0_LAYERS = 5  # condnet convs, each followed by ELU
+F0_HISTORY = (F0_LAYERS - 1) * (F0_CONV_KERNEL - 1)  # mel frames back an f0 frame depends on (8)
 CONV_POST_KERNEL = 7
 POST_SLOPE = 0.01  # F.leaky_relu default; upstream uses it (not lrelu_slope) before conv_post
 SNAKE_EPS = 1e-9
@@ -183,6 +185,32 @@ class SourceModule(nn.Module):
     def forward(self, f0: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.l_linear(self.sine_waves(f0))).transpose(1, 2)
 
+    def continue_source(self, f0: torch.Tensor, phase: torch.Tensor,
+                        noise: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The source of the next frames of an utterance: ``f0 (1, n)`` (frames i..i+n-1) ->
+        ``((1, 1, n*up), phase)``, equal to those frames of :meth:`forward` on the utterance's whole
+        f0. ``phase`` ``(1, harmonics, 1)`` float64 is the running phase sum (zeros at the start);
+        ``noise`` is a CPU generator positioned at row ``i*up`` of the source-noise buffer.
+
+        Why this is exact: the sine phase is the only state, a running sum over all frames, and
+        :meth:`sine_waves` computes it with ``torch.cumsum`` on float32, which on CPU accumulates
+        in float64 and rounds each partial sum to float32 — so continuing the float64 sum gives the
+        same float32 phases. The per-sample increments are constant within a frame, and the linear
+        down-sampling reads two equal samples with weights 1/2 each, so the frame increment is
+        exactly the per-sample value computed at frame rate. Everything else is per sample."""
+        up = self.upsample
+        f0 = f0.float()
+        mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32, device=f0.device)
+        rad = ((f0[:, :, None] * mult / self.sample_rate) % 1).transpose(1, 2)  # (1, H, n)
+        acc = torch.cumsum(torch.cat([phase.to(rad.device, torch.float64), rad.double()], dim=2), dim=2)
+        cum = acc[:, :, 1:].float() * 2 * math.pi  # the reference's float32 cumsum, then its ops
+        sines = torch.sin(cum * up).repeat_interleave(up, dim=2).transpose(1, 2) * self.sine_amp
+        uv = (f0 > self.voiced_threshold).float().repeat_interleave(up, dim=1)[:, :, None]
+        amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        draws = torch.rand(1, f0.shape[1] * up, self.harmonics, generator=noise)
+        src = torch.tanh(self.l_linear(sines * uv + amp * draws.to(f0.device))).transpose(1, 2)
+        return src, acc[:, :, -1:]
+
 
 # ----------------------------------------------------------------------------------------------
 # Fast conv stack (the default): the same convolutions, laid out for oneDNN
@@ -311,6 +339,56 @@ class _FastGenerator:
 
 
 # ----------------------------------------------------------------------------------------------
+# Incremental (streaming) vocoding
+
+
+def decoder_history_frames(cfg: HiftConfig) -> int:
+    """Mel frames before an output frame that the decoder's output depends on: the causal receptive
+    field of conv_pre .. iSTFT (for the real config 28.7 frames: the 120-sample stage-0 resblocks
+    plus the 72-sample stage-0 source resblock dominate), rounded up, plus one frame of margin.
+    Recomputing the decoder on a window that starts this many frames before the first wanted
+    sample gives that sample exactly as a run over the whole mel would."""
+
+    def reach(k: int, dilations) -> int:  # one ResBlock, in its own samples
+        return (k - 1) * (sum(dilations) + len(dilations))
+
+    ups = cfg.upsample_rates
+    per_frame = [math.prod(ups[:i + 1]) for i in range(len(ups))]  # stage-i samples per mel frame
+    stft = per_frame[-1]  # source-STFT frames per mel frame
+    window = cfg.istft_n_fft / cfg.istft_hop_len / stft  # an STFT frame's span, in mel frames
+    # From an output sample backwards: iSTFT overlap, conv_post, the reflected sample of the last stage.
+    back = window + (CONV_POST_KERNEL - 1) / stft + 1 / stft
+    worst = back
+    for i in reversed(range(len(ups))):
+        res = max(reach(k, d) for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
+        res /= per_frame[i]
+        stride = stft // per_frame[i]
+        src = reach(cfg.source_resblock_kernel_sizes[i], cfg.source_resblock_dilation_sizes[i]) / per_frame[i]
+        worst = max(worst, back + res + src + (2 * stride if stride > 1 else 1) / stft + window)
+        taps = -(-(cfg.upsample_kernel_sizes[i] - 1) // ups[i])  # input frames the upsampling conv reads back
+        back += res + taps / (per_frame[i - 1] if i else 1)
+    return math.ceil(max(worst, back)) + 1
+
+
+@dataclass
+class VocoderStream:
+    """One utterance's progress through :meth:`HiFT.stream_step` (per request; never share one).
+    Holds only what later calls read: the last mel frames, the last source samples, the running
+    sine phase and the source-noise generator; independent of the utterance's length."""
+
+    frames: int = 0  # mel frames received
+    emitted: int = 0  # samples returned
+    finished: bool = False
+    mel: torch.Tensor | None = None  # (1, mel bins, n): received frames mel_start .. frames-1
+    mel_start: int = 0
+    f0_frames: int = 0  # the source exists for frames 0 .. f0_frames-1
+    source: torch.Tensor | None = None  # (1, 1, up * n): source of frames source_start .. f0_frames-1
+    source_start: int = 0
+    phase: torch.Tensor | None = None  # (1, harmonics, 1) float64 running phase sum
+    noise: torch.Generator | None = None  # at row up * f0_frames of the source-noise buffer
+
+
+# ----------------------------------------------------------------------------------------------
 # Generator
 
 
@@ -344,6 +422,7 @@ class HiFT(nn.Module):
             for k, dil in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes):
                 self.resblocks.append(ResBlock(ch, k, dil))
         self.n_res = n_res
+        self.history_frames = decoder_history_frames(cfg)
         self.conv_post = nn.Conv1d(base >> len(ups), 2 * bins, CONV_POST_KERNEL)
         # Periodic Hann computed in float64 then rounded, like upstream's scipy window.
         window = torch.hann_window(self.n_fft, periodic=True, dtype=torch.float64).float()
@@ -513,6 +592,71 @@ class HiFT(nn.Module):
         # conv_post stays float32: exp() of its magnitude half would amplify bf16 rounding.
         x = causal_conv(self.conv_post, F.leaky_relu(x.float(), POST_SLOPE))
         return self._synthesize(x, finalize)
+
+    # -- incremental streaming ------------------------------------------------------------
+
+    def new_stream(self) -> VocoderStream:
+        """A fresh per-utterance state for :meth:`stream_step`."""
+        g = torch.Generator(device="cpu")
+        g.set_state(self.m_source.noise_state)
+        return VocoderStream(phase=torch.zeros(1, self.m_source.harmonics, 1, dtype=torch.float64), noise=g)
+
+    @torch.inference_mode()
+    def stream_step(self, state: VocoderStream, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+        """Vocode the next mel frames of an utterance without re-running the earlier ones.
+
+        Appends ``mel`` ``(1, 80, n)`` (n >= 0) to the utterance and returns the samples that
+        ``inference(all mel so far, finalize)`` returns beyond those already returned, as
+        ``(1, m)`` float32 — equal to them up to float rounding (the f0 and source are continued
+        exactly; the decoder is re-run on a window reaching :attr:`history_frames` before the new
+        samples, which covers its receptive field). ``m`` may be 0 (fewer than 9 frames so far and
+        not finalizing). After a ``finalize=True`` call the state is spent.
+
+        Cost per call: the new frames plus about ``history_frames + 8`` frames of context,
+        instead of the whole utterance."""
+        if state.finished:
+            raise InputError("this vocoder stream was already finalized; start a new one with new_stream()")
+        if mel.dim() != 3 or mel.shape[0] != 1 or mel.shape[1] != self.cfg.in_channels:
+            raise InputError(f"vocoder mel must have shape (1, {self.cfg.in_channels}, n), got {tuple(mel.shape)}")
+        up = self.samples_per_frame
+        mel = mel.to(self.device, torch.float32)
+        state.mel = mel if state.mel is None else torch.cat([state.mel, mel], dim=2)
+        state.frames += mel.shape[2]
+        n = state.frames
+        if n * up > NOISE_SAMPLES:
+            raise InputError(f"vocoder input of {n * up} samples exceeds the {NOISE_SAMPLES}-sample (300 s) "
+                             "source-noise buffer")
+        # f0 and source of the frames whose f0 look-ahead is now known.
+        f0_end = n if finalize else max(n - F0_LOOKAHEAD, 0)
+        if f0_end > state.f0_frames:
+            lo = max(state.f0_frames - F0_HISTORY, state.mel_start)
+            f0 = self.predict_f0(state.mel[:, :, lo - state.mel_start:], finalize)[:, state.f0_frames - lo:]
+            src, state.phase = self.m_source.continue_source(f0, state.phase, state.noise)
+            state.source = src if state.source is None else torch.cat([state.source, src], dim=2)
+            state.f0_frames = f0_end
+        # Decoder on a window that starts history_frames before the first new sample.
+        end = n if finalize else n - F0_LOOKAHEAD - self.cfg.conv_pre_look_right - 1  # frames complete
+        state.finished = finalize
+        first = state.emitted // up
+        if end <= first:  # nothing new yet (or a finalize call that adds nothing)
+            return torch.zeros(1, 0, device=self.device)
+        start = max(first - self.history_frames, 0)
+        body_end = n if finalize else n - F0_LOOKAHEAD
+        body = state.mel[:, :, start - state.mel_start:body_end - state.mel_start]
+        src = state.source[:, :, (start - state.source_start) * up:(body_end - state.source_start) * up]
+        wav = self.decode(body, src, finalize)[:, state.emitted - start * up:]
+        state.emitted = end * up
+        # Forget what no later call reads.
+        if finalize:
+            state.mel = state.source = None
+        else:
+            keep = max(min(state.f0_frames - F0_HISTORY, end - self.history_frames), state.mel_start)
+            state.mel = state.mel[:, :, keep - state.mel_start:]
+            state.mel_start = keep
+            keep = max(end - self.history_frames, state.source_start)
+            state.source = state.source[:, :, (keep - state.source_start) * up:]
+            state.source_start = keep
+        return wav
 
     # -- entry point --------------------------------------------------------------------------
 
