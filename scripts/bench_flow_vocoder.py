@@ -213,6 +213,7 @@ def stream_flow_once(flow: Flow, dev: torch.device, tokens: list[int], prompt, c
         pass
     calls = timed.calls
     return {"total_s": round(sum(c["wall_s"] for c in calls), 3), "first_chunk_s": calls[0]["wall_s"],
+            "total_cpu_s": round(sum(c["cpu_s"] for c in calls), 3),
             "final_s": calls[-1]["wall_s"], "non_final_s": round(sum(c["wall_s"] for c in calls[:-1]), 3),
             "peak_cache_mb": max(c["cache_mb"] for c in calls), "calls": calls, "mel": voc.mel}
 
@@ -232,15 +233,18 @@ def stream_cache_compare(flow: Flow, dev: torch.device, precisions: list[str], t
             for name in (("recompute", "cache") if r % 2 == 0 else ("cache", "recompute")):
                 run = stream_flow_once(flow, dev, tokens, prompt, DEFAULT_STREAM_CACHE_MB if name == "cache" else 0)
                 runs[name].append(run)
-                print(f"  round {r} stream flow {prec} {name:9s} total {run['total_s']:7.2f} s, first chunk "
+                print(f"  round {r} stream flow {prec} {name:9s} total {run['total_s']:7.2f} s "
+                      f"({run['total_cpu_s']:7.2f} cpu s), first chunk "
                       f"{run['first_chunk_s']:6.2f} s, final {run['final_s']:6.2f} s, calls "
                       f"{[c['wall_s'] for c in run['calls']]}", flush=True)
         med = {k: {f: statistics.median(run[f] for run in v) for f in ("total_s", "first_chunk_s", "final_s",
-                                                                        "non_final_s")} for k, v in runs.items()}
+                                                                        "non_final_s", "total_cpu_s")}
+               for k, v in runs.items()}
         d = (runs["cache"][-1]["mel"].double() - runs["recompute"][-1]["mel"].double()).abs()
         rows.append({"precision": prec, "repeats": repeats, "recompute": med["recompute"], "cache": med["cache"],
                      "total_speedup": med["recompute"]["total_s"] / med["cache"]["total_s"],
                      "non_final_speedup": med["recompute"]["non_final_s"] / med["cache"]["non_final_s"],
+                     "total_cpu_speedup": med["recompute"]["total_cpu_s"] / med["cache"]["total_cpu_s"],
                      "total_ratios_per_round": [round(a["total_s"] / b["total_s"], 3)
                                                 for a, b in zip(runs["recompute"], runs["cache"])],
                      "peak_cache_mb": runs["cache"][-1]["peak_cache_mb"],
@@ -253,13 +257,13 @@ def print_stream_cache(rows: list[dict], audio_s: float, prompt_s: float, thread
     print(f"\nstreaming flow, {prompt_s:.1f} s prompt + {audio_s:.1f} s, {threads} threads, load "
           f"{os.getloadavg()[0]:.1f}: recompute (reference) vs per-request K/V cache (medians)")
     print(f"  {'precision':9s} {'total rec':>9s} {'total cache':>11s} {'speedup':>7s} {'non-final':>17s} "
-          f"{'final':>6s} {'1st chunk rec/cache':>20s} {'peak MB':>8s} {'mel max diff':>12s}")
+          f"{'final':>6s} {'1st chunk rec/cache':>20s} {'peak MB':>8s} {'mel max diff':>12s} {'cpu speedup':>11s}")
     for row in rows:
         rec, cac = row["recompute"], row["cache"]
         print(f"  {row['precision']:9s} {rec['total_s']:9.2f} {cac['total_s']:11.2f} {row['total_speedup']:7.2f} "
               f"{rec['non_final_s']:7.2f} -> {cac['non_final_s']:6.2f} {cac['final_s']:6.2f} "
               f"{rec['first_chunk_s']:9.2f} / {cac['first_chunk_s']:7.2f} {row['peak_cache_mb']:8.0f} "
-              f"{row['mel_cache_vs_recompute']['max_abs']:12.2e}")
+              f"{row['mel_cache_vs_recompute']['max_abs']:12.2e} {row['total_cpu_speedup']:11.2f}")
 
 
 def summary(walls: list[float], cpus: list[float], audio_s: float) -> dict:
