@@ -164,6 +164,45 @@ def profile_vocoder(hift: HiFT, name: str, mel: torch.Tensor) -> dict:
     return {k: round(v / all_s, 3) for k, v in tot.items()}
 
 
+def stream_mel_chunks(frames: int, token_mel_ratio: int = 2) -> list[int]:
+    """New mel frames per streaming call for ``frames`` of mel, on the engine's schedule (hop 25
+    tokens doubling to 100, 3 look-ahead tokens, prompt already a multiple of 25); the last entry
+    is the finalizing call."""
+    from cosyllama.engine import HOP_GROWTH, TOKEN_HOP, TOKEN_MAX_HOP
+
+    tokens, offset, hop, chunks = frames // token_mel_ratio, 0, TOKEN_HOP, []
+    while tokens - offset >= hop + 3:
+        chunks.append(token_mel_ratio * hop)
+        offset, hop = offset + hop, min(TOKEN_MAX_HOP, HOP_GROWTH * hop)
+    return chunks + [frames - token_mel_ratio * offset]
+
+
+def time_vocoder_stream(hift: HiFT, mel: torch.Tensor, dev: torch.device) -> dict:
+    """Vocoder seconds of one streaming synthesis: re-running on all mel so far (the reference
+    scheme) vs :meth:`HiFT.stream_step`, and the largest difference between what they emit."""
+    chunks = stream_mel_chunks(mel.shape[2])
+    out: dict = {"chunks": chunks}
+    wavs = {}
+    for mode in ("rerun", "stream_step"):
+        sync(dev)
+        t0, pos, pieces, emitted = time.perf_counter(), 0, [], 0
+        st = hift.new_stream()
+        for k, c in enumerate(chunks):
+            final = k == len(chunks) - 1
+            if mode == "rerun":
+                wav = hift.inference(mel[:, :, :pos + c], finalize=final)
+                pieces.append(wav[:, emitted:])
+                emitted = wav.shape[1]
+            else:
+                pieces.append(hift.stream_step(st, mel[:, :, pos:pos + c], final))
+            pos += c
+        sync(dev)
+        out[f"{mode}_s"] = time.perf_counter() - t0
+        wavs[mode] = torch.cat(pieces, dim=1)
+    out["max_abs_diff"] = float((wavs["rerun"] - wavs["stream_step"]).abs().max())
+    return out
+
+
 def first_chunk_time(flow: Flow, hift: HiFT, tokens: list[int], prompt, sample_rate: int) -> tuple[float, int]:
     """Seconds until :meth:`Token2Wav.stream` yields its first chunk when all tokens are ready."""
     from cosyllama.engine import Token2Wav
@@ -285,6 +324,8 @@ def main() -> None:
                     help="comma list: fp32, bf16, fp32-ref, bf16-ref")
     ap.add_argument("--profile", action="store_true", help="also split one flow call per variant by op kind")
     ap.add_argument("--vocoder-profile", action="store_true", help="also split one vocoder call per variant")
+    ap.add_argument("--vocoder-stream", action="store_true",
+                    help="also time the vocoder work of a streaming synthesis: re-run vs stream_step (fp32)")
     ap.add_argument("--stream", action="store_true", help="also time the first streaming chunk per variant")
     ap.add_argument("--stream-cache", action="store_true",
                     help="also time a streaming synthesis's flow calls with and without the K/V cache")
@@ -384,6 +425,13 @@ def main() -> None:
                          "audio_s": audio_s, "params": n_hift})
         if a.vocoder_profile:
             voc_rows[-1]["time_share"] = profile_vocoder(hift, n, ref_mel)
+    voc_stream = []
+    if a.vocoder_stream:
+        set_vocoder(hift, "fp32")
+        for r in range(a.repeats):
+            voc_stream.append(time_vocoder_stream(hift, ref_mel, dev))
+            print(f"  round {r} vocoder stream: re-run {voc_stream[-1]['rerun_s']:.2f} s, stream_step "
+                  f"{voc_stream[-1]['stream_step_s']:.2f} s", flush=True)
 
     stream_rows = []
     if a.stream:
@@ -409,7 +457,8 @@ def main() -> None:
         "machine": {"threads": a.threads, "device": str(dev), "loadavg_at_end": os.getloadavg(),
                     "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
-        "flow": flow_rows, "vocoder": voc_rows, "streaming": stream_rows, "stream_cache": cache_rows,
+        "flow": flow_rows, "vocoder": voc_rows, "vocoder_stream": voc_stream, "streaming": stream_rows,
+        "stream_cache": cache_rows,
     }
     print(f"\nflow ({n_flow / 1e6:.1f} M params, {p_tok / TOKEN_RATE:.1f} s prompt + {audio_s:.1f} s, CFG batch 2), "
           f"{a.threads} threads, load {os.getloadavg()[0]:.1f}")
@@ -426,6 +475,12 @@ def main() -> None:
               f"{row['cpu_seconds_per_audio_second']:8.3f} {row['speedup_vs_fp32']:8.2f} {'':9s} "
               f"{row['wav_logmel_vs_fp32']['mean_abs']:9.4f} {row['wav_logmel_vs_fp32']['max_abs']:8.4f}"
               f"  (log-mel of the waveform; wav max diff {row['wav_max_abs_vs_fp32']:.1e})" + (f"  {row['time_share']}" if a.vocoder_profile else ""))
+    if voc_stream:
+        rr = statistics.median(v["rerun_s"] for v in voc_stream)
+        ss = statistics.median(v["stream_step_s"] for v in voc_stream)
+        print(f"vocoder work of a streaming synthesis ({len(voc_stream[0]['chunks'])} calls, mel chunks "
+              f"{voc_stream[0]['chunks']}): re-run on all mel {rr / audio_s:.3f} s/s, stream_step "
+              f"{ss / audio_s:.3f} s/s ({rr / ss:.2f}x), max diff {max(v['max_abs_diff'] for v in voc_stream):.1e}")
     for row in stream_rows:
         print(f"first streaming chunk, flow {row['flow']}: {row['first_chunk_s']:.2f} s "
               f"({row['first_chunk_audio_s']:.2f} s of audio)")

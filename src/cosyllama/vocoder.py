@@ -174,7 +174,10 @@ class SourceModule(nn.Module):
         # same ops so the float32 rounding is the same. Its random initial phase lands on sample 0,
         # which the down-sampling never reads (spec Q5), so it is left out.
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample, mode="linear")
-        phase = torch.cumsum(rad, dim=2) * 2 * math.pi
+        # On CPU torch.cumsum of float32 accumulates in float64 and rounds each partial sum: we say
+        # so explicitly (bit-identical on CPU), so CUDA computes the same phase instead of a float32
+        # scan, and continue_source can carry the float64 sum from one streaming call to the next.
+        phase = torch.cumsum(rad.double(), dim=2).float() * 2 * math.pi
         phase = F.interpolate(phase * self.upsample, scale_factor=self.upsample, mode="nearest")
         sines = torch.sin(phase).transpose(1, 2) * self.sine_amp
         uv = (f0_up > self.voiced_threshold).float()
