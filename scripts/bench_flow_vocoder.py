@@ -279,11 +279,20 @@ def stream_cache_compare(flow: Flow, dev: torch.device, precisions: list[str], t
         med = {k: {f: statistics.median(run[f] for run in v) for f in ("total_s", "first_chunk_s", "final_s",
                                                                         "non_final_s", "total_cpu_s")}
                for k, v in runs.items()}
+        # Best: per call, the fastest round (the same work every round), summed: the estimate least
+        # disturbed by other load on a shared machine.
+        best = {k: {"calls_s": [min(run["calls"][i]["wall_s"] for run in v) for i in range(len(v[0]["calls"]))]}
+                for k, v in runs.items()}
+        for b in best.values():
+            b.update(total_s=round(sum(b["calls_s"]), 3), non_final_s=round(sum(b["calls_s"][:-1]), 3),
+                     first_chunk_s=b["calls_s"][0], final_s=b["calls_s"][-1])
         d = (runs["cache"][-1]["mel"].double() - runs["recompute"][-1]["mel"].double()).abs()
         rows.append({"precision": prec, "repeats": repeats, "recompute": med["recompute"], "cache": med["cache"],
                      "total_speedup": med["recompute"]["total_s"] / med["cache"]["total_s"],
                      "non_final_speedup": med["recompute"]["non_final_s"] / med["cache"]["non_final_s"],
                      "total_cpu_speedup": med["recompute"]["total_cpu_s"] / med["cache"]["total_cpu_s"],
+                     "best": best, "best_total_speedup": best["recompute"]["total_s"] / best["cache"]["total_s"],
+                     "best_non_final_speedup": best["recompute"]["non_final_s"] / best["cache"]["non_final_s"],
                      "total_ratios_per_round": [round(a["total_s"] / b["total_s"], 3)
                                                 for a, b in zip(runs["recompute"], runs["cache"])],
                      "peak_cache_mb": runs["cache"][-1]["peak_cache_mb"],
@@ -303,6 +312,13 @@ def print_stream_cache(rows: list[dict], audio_s: float, prompt_s: float, thread
               f"{rec['non_final_s']:7.2f} -> {cac['non_final_s']:6.2f} {cac['final_s']:6.2f} "
               f"{rec['first_chunk_s']:9.2f} / {cac['first_chunk_s']:7.2f} {row['peak_cache_mb']:8.0f} "
               f"{row['mel_cache_vs_recompute']['max_abs']:12.2e} {row['total_cpu_speedup']:11.2f}")
+    print("  best of rounds per call (summed):")
+    for row in rows:
+        rec, cac = row["best"]["recompute"], row["best"]["cache"]
+        print(f"  {row['precision']:9s} {rec['total_s']:9.2f} {cac['total_s']:11.2f} {row['best_total_speedup']:7.2f} "
+              f"{rec['non_final_s']:7.2f} -> {cac['non_final_s']:6.2f} {cac['final_s']:6.2f} "
+              f"{rec['first_chunk_s']:9.2f} / {cac['first_chunk_s']:7.2f}   non-final speedup "
+              f"{row['best_non_final_speedup']:.2f}")
 
 
 def summary(walls: list[float], cpus: list[float], audio_s: float) -> dict:
@@ -351,7 +367,7 @@ def main() -> None:
 
     fvars = [FlowVariant(n.strip(), flow) for n in a.flow_variants.split(",") if n.strip()]
     vnames = [n.strip() for n in a.vocoder_variants.split(",") if n.strip()]
-    if "fp32" not in [v.name for v in fvars] or "fp32" not in vnames:
+    if not a.only_stream_cache and ("fp32" not in [v.name for v in fvars] or "fp32" not in vnames):
         raise SystemExit("fp32 must be among the variants: fidelity is measured against it")
 
     # Warm-up on a short input (allocator, oneDNN kernel selection, bf16 weight copies).
