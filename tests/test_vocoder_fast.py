@@ -285,3 +285,12 @@ def test_stream_step_reproduces_end_to_end_speech(case, hift):
         assert pieces[-1].shape[1] == call["n_samples_out"]
     got = torch.cat(pieces, dim=1)
     assert (got - t(arr["speech"])).abs().max() <= 1e-3
+
+
+def test_fast_path_on_a_module_built_under_inference_mode(fx):
+    """Parameters created under inference_mode have no version counter; the fast path still runs."""
+    cfg = load_config(MODEL_DIR)
+    with torch.inference_mode():
+        h = HiFT(cfg.hift, source_noise_state(cfg.flow, cfg.hift)).eval()
+        out, ref = both(h, t(fx["mel_b"]))
+    assert out.shape == ref.shape and (out - ref).abs().max() <= FAST_WAV_ATOL

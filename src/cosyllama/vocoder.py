@@ -6,6 +6,11 @@ mel -> f0 (float64 conv predictor) -> harmonic sine source -> source STFT; mel -
 look-ahead convs (f0 ``condnet.0``: 3 frames, ``conv_pre``: 4 frames), which is what makes
 streaming by "re-run on the whole mel, emit only the new samples" exact (spec §8.4).
 
+Speed: :meth:`HiFT.decode` runs the conv stack channels-last (:class:`_FastGenerator`; same math
+as the module-by-module :meth:`HiFT.decode_reference`, up to float rounding). For streaming,
+:meth:`HiFT.stream_step` gives the samples of that re-run scheme while computing only the new
+frames plus the decoder's receptive field (:func:`decoder_history_frames`).
+
 Module attribute names equal the keys of ``hift.pt`` after weight-norm folding
 (:func:`cosyllama.weights.load_hift_weights`).
 """
@@ -326,6 +331,13 @@ class _FastResBlock:
         return x
 
 
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor (module built under inference_mode) has no counter
+        return -1
+
+
 class _FastGenerator:
     """The conv stack of :class:`HiFT` (conv_pre .. resblocks, and conv_post in float32) prepared
     once per weights and dtype for the channels-last path."""
@@ -448,7 +460,7 @@ class HiFT(nn.Module):
     def _weights_key(self) -> tuple:
         """Changes whenever a parameter is replaced or modified in place (load_state_dict, .to(),
         an optimizer step): the prepared fast weights are rebuilt then."""
-        return tuple((id(p), p._version) for p in self.parameters())
+        return tuple((id(p), _version(p)) for p in self.parameters())
 
     def _fast_generator(self) -> _FastGenerator:
         key = (self.compute_dtype, self._weights_key())
