@@ -19,6 +19,8 @@ Vocoder variants: ``fp32`` and the opt-in ``bf16`` (the default channels-last co
     python scripts/bench_flow_vocoder.py --repeats 3 --profile    # + where the flow time goes
     python scripts/bench_flow_vocoder.py --flow-variants fp32,bf16,bf16-steps5 --stream
     python scripts/bench_flow_vocoder.py --device cuda
+    python scripts/bench_flow_vocoder.py --flow-variants fp32 --repeats 1 --vocoder-repeats 5 \
+        --vocoder-variants fp32,fp32-ref,bf16,bf16-ref --vocoder-stream      # the vocoder's numbers
     python scripts/bench_flow_vocoder.py --only-stream-cache --repeats 2   # streaming flow, K/V cache on/off
 
 ``--stream-cache`` / ``--only-stream-cache``: the flow calls of one whole streaming synthesis
@@ -26,8 +28,6 @@ through the engine (25 -> 50 -> 100 token hops, block-causal calls, then the fin
 call; a stand-in vocoder), with the per-request flow cache (``FlowStreamCache``) and without,
 interleaved per round, for the plain fp32 and bf16 variants: total flow time, first chunk, final
 call, the cache's peak size and the mel difference between the two.
-    python scripts/bench_flow_vocoder.py --flow-variants fp32 --repeats 1 \
-        --vocoder-variants fp32,fp32-ref,bf16,bf16-ref --vocoder-profile     # vocoder only matters
 """
 
 from __future__ import annotations
@@ -340,6 +340,7 @@ def main() -> None:
                     help="comma list: fp32, bf16, fp32-ref, bf16-ref")
     ap.add_argument("--profile", action="store_true", help="also split one flow call per variant by op kind")
     ap.add_argument("--vocoder-profile", action="store_true", help="also split one vocoder call per variant")
+    ap.add_argument("--vocoder-repeats", type=int, help="vocoder timing rounds (default: --repeats)")
     ap.add_argument("--vocoder-stream", action="store_true",
                     help="also time the vocoder work of a streaming synthesis: re-run vs stream_step (fp32)")
     ap.add_argument("--stream", action="store_true", help="also time the first streaming chunk per variant")
@@ -406,7 +407,7 @@ def main() -> None:
     v_wall = {n: [] for n in vnames}
     v_cpu = {n: [] for n in vnames}
     wavs: dict[str, torch.Tensor] = {}
-    for r in range(a.repeats):
+    for r in range(a.vocoder_repeats or a.repeats):
         for n in (vnames if r % 2 == 0 else vnames[::-1]):
             set_vocoder(hift, n)
             w, c, wav = timed_once(lambda: hift.inference(ref_mel), dev)
@@ -444,7 +445,7 @@ def main() -> None:
     voc_stream = []
     if a.vocoder_stream:
         set_vocoder(hift, "fp32")
-        for r in range(a.repeats):
+        for r in range(a.vocoder_repeats or a.repeats):
             voc_stream.append(time_vocoder_stream(hift, ref_mel, dev))
             print(f"  round {r} vocoder stream: re-run {voc_stream[-1]['rerun_s']:.2f} s, stream_step "
                   f"{voc_stream[-1]['stream_step_s']:.2f} s", flush=True)
