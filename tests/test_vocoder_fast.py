@@ -294,3 +294,11 @@ def test_fast_path_on_a_module_built_under_inference_mode(fx):
         h = HiFT(cfg.hift, source_noise_state(cfg.flow, cfg.hift)).eval()
         out, ref = both(h, t(fx["mel_b"]))
     assert out.shape == ref.shape and (out - ref).abs().max() <= FAST_WAV_ATOL
+
+
+def test_set_precision_prepares_only_the_active_path():
+    h = HiFT.from_dir(MODEL_DIR, precision="bf16")
+    assert h._fast is not None and h._fast.dtype == torch.bfloat16 and h._lowp is None
+    h.fast = False
+    h.set_precision("bf16")
+    assert h._fast is None and h._lowp is not None

@@ -496,7 +496,8 @@ class HiFT(nn.Module):
             dtype = torch.float32
         self.compute_dtype = dtype
         self._drop_lowp()
-        self._generator()  # build the low-precision copies now (no-op for float32)
+        # Prepare the weights the active path reads now, not inside the first request.
+        self._fast_generator() if self.fast else self._generator()
         return self.compute_dtype
 
     @classmethod
