@@ -248,14 +248,18 @@ class _FlowSpy:
 
 
 class _VocoderSpy:
-    """Delegates to a HiFT; keeps the last mel it was given."""
+    """Delegates to a HiFT; keeps all mel of the utterance it was given (streamed chunk by chunk)."""
 
     def __init__(self, hift):
         self.hift, self.mel = hift, None
 
-    def inference(self, mel, finalize=True):
-        self.mel = mel.clone()
-        return self.hift.inference(mel, finalize=finalize)
+    def new_stream(self):
+        self.mel = None
+        return self.hift.new_stream()
+
+    def stream_step(self, state, mel, finalize):
+        self.mel = mel.clone() if self.mel is None else torch.cat([self.mel, mel], dim=2)
+        return self.hift.stream_step(state, mel, finalize)
 
 
 def _stream(flow, hift, mb, tokens, fp):
@@ -333,3 +337,13 @@ def test_closing_a_stream_frees_its_cache(flows, hift):
     assert cache is not None and cache.frames == 250 and cache.nbytes > 0
     gen.close()
     assert cache.frames == 0 and cache.nbytes == 0 and cache.mel is None
+
+
+def test_tts_passes_the_cache_bound_to_its_engine():
+    import cosyllama
+
+    assert cosyllama.load(MODEL_DIR, precision="bf16").token2wav.new_stream_cache().max_mb == DEFAULT_STREAM_CACHE_MB
+    assert cosyllama.load(MODEL_DIR, precision="bf16", stream_cache_mb=0).token2wav.new_stream_cache() is None
+    assert cosyllama.load(MODEL_DIR, precision="fp32", stream_cache_mb=64).token2wav.new_stream_cache().max_mb == 64
+    with pytest.raises(InputError):
+        cosyllama.load(MODEL_DIR, stream_cache_mb=-1)

@@ -8,7 +8,9 @@ Streaming schedule (spec §9.3): the first chunk covers ``25 + pad`` tokens, whe
 prompt token count up to a multiple of 25 (so chunks align with the DiT's 50-frame attention
 blocks); every chunk needs 3 more tokens of look-ahead; the hop doubles after each chunk up to 100.
 Each chunk runs the flow over prompt + all tokens so far (block-causal attention) and the vocoder
-over all mel so far, and emits only the new samples. The last call uses full attention (upstream
+over all mel so far, and emits only the new samples; here the vocoder continues from a per-request
+:class:`~cosyllama.vocoder.VocoderStream` instead (the same new samples up to float rounding, at a
+cost that does not grow with the utterance). The last call uses full attention (upstream
 quirk Q4). Unlike the reference, at reduced flow precision (bf16) the flow does not recompute the
 attention blocks earlier chunks completed: each request keeps a
 :class:`~cosyllama.flow.FlowStreamCache` (same mel up to float rounding; bounded by
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 from .errors import InputError
 from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
+from .vocoder import VocoderStream
 
 TOKEN_HOP = 25  # first streaming hop, tokens
 TOKEN_MAX_HOP = 100  # the hop doubles up to this
@@ -67,9 +70,8 @@ class _StreamState:
     prompt_pad: int
     hop: int = TOKEN_HOP
     token_offset: int = 0
-    mel: torch.Tensor | None = None
-    speech_offset: int = 0
     tokens: list[int] = field(default_factory=list)
+    vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance
     flow_cache: FlowStreamCache | None = None  # K/V of the flow blocks earlier chunks completed
 
     def next_hop(self) -> int:
@@ -165,11 +167,13 @@ class Token2Wav:
             st.flow_cache = None
 
     def _vocode_new(self, st: _StreamState, mel: torch.Tensor, finalize: bool) -> np.ndarray:
-        st.mel = mel if st.mel is None else torch.cat([st.mel, mel], dim=2)
-        wav = self.hift.inference(st.mel, finalize=finalize)[0]
-        new = wav[st.speech_offset:].float().cpu().numpy()
-        st.speech_offset = wav.shape[0]
-        return new
+        """The samples the reference emits for this chunk: it re-runs the vocoder over all mel so
+        far and keeps the new tail; ``HiFT.stream_step`` computes that tail from the new frames and
+        a window of context (equal up to float rounding), so a chunk's cost does not grow with the
+        utterance."""
+        if st.vocoder is None:
+            st.vocoder = self.hift.new_stream()
+        return self.hift.stream_step(st.vocoder, mel, finalize)[0].float().cpu().numpy()
 
 
 def check_speed(speed: float, stream: bool) -> float:

@@ -122,11 +122,15 @@ class TTS:
     offload. threads: torch CPU threads (process-wide) and llama.cpp threads. precision: flow
     compute, ``"auto"`` (bf16 where the CPU/GPU does it natively, else fp32), ``"fp32"`` (the
     reference path) or ``"bf16"``; the vocoder stays fp32 unless ``"bf16"`` is asked for.
+    stream_cache_mb: bound in MiB of each streaming request's flow K/V cache (earlier attention
+    blocks are not recomputed for later chunks; ~1.7 MB per mel frame in bf16); None: 2048 at bf16,
+    off at fp32 (reference parity); 0: off.
     """
 
     def __init__(self, model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None,
                  device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0,
-                 llm_backend: LLMBackend | None = None, precision: str = "auto"):
+                 llm_backend: LLMBackend | None = None, precision: str = "auto",
+                 stream_cache_mb: float | None = None):
         if llm not in LLM_CHOICES:
             raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
         if llm == "llamacpp" and gguf is None and llm_backend is None:
@@ -158,7 +162,8 @@ class TTS:
         self.token2wav = Token2Wav(Flow.from_dir(self.model_dir, self.device, precision=precision),
                                    HiFT.from_dir(self.model_dir, self.device, precision=precision), self.sample_rate,
                                    lookahead=self.config.flow.pre_lookahead_len,
-                                   token_mel_ratio=self.config.token_mel_ratio)
+                                   token_mel_ratio=self.config.token_mel_ratio,
+                                   stream_cache_mb=stream_cache_mb)
         self.token_source = DirectTokens(self.llm)
         self.voices = VoiceStore()
 
@@ -299,7 +304,8 @@ class TTS:
 
 
 def load(model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None, device: str = "cpu",
-         threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto") -> TTS:
+         threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto",
+         stream_cache_mb: float | None = None) -> TTS:
     """Load a CosyVoice3 model directory; see :class:`TTS`."""
     return TTS(model_dir, llm=llm, gguf=gguf, device=device, threads=threads, n_gpu_layers=n_gpu_layers,
-               precision=precision)
+               precision=precision, stream_cache_mb=stream_cache_mb)
