@@ -41,31 +41,18 @@ from pathlib import Path
 
 import torch
 
-from cosyllama.config import FeatConfig, FlowConfig, HiftConfig
 from cosyllama.device import resolve_device
 from cosyllama.flow import FastDiT, Flow
 from cosyllama.precision import resolve_precision
+from cosyllama.synthetic import size_config
 from cosyllama.vocoder import HiFT, source_noise_state
 
 TOKEN_RATE = 25  # speech tokens per second
 MEL_RATE = 50  # mel frames per second
 
-# Spec §1.2 / §15: the shipped cosyvoice3.yaml sizes.
-FULL_FLOW = FlowConfig(
-    input_size=80, output_size=80, spk_embed_dim=192, vocab_size=6561, token_mel_ratio=2, pre_lookahead_len=3,
-    pre_lookahead_channels=1024, dit_dim=1024, dit_depth=22, dit_heads=16, dit_dim_head=64, dit_ff_mult=2,
-    mel_dim=80, mu_dim=80, spk_dim=80, out_channels=80, static_chunk_size=50, inference_cfg_rate=0.7,
-    t_scheduler="cosine",
-)
-FULL_HIFT = HiftConfig(
-    in_channels=80, base_channels=512, nb_harmonics=8, sampling_rate=24000, nsf_alpha=0.1, nsf_sigma=0.003,
-    nsf_voiced_threshold=10.0, upsample_rates=(8, 5, 3), upsample_kernel_sizes=(16, 11, 7), istft_n_fft=16,
-    istft_hop_len=4, resblock_kernel_sizes=(3, 7, 11), resblock_dilation_sizes=((1, 3, 5),) * 3,
-    source_resblock_kernel_sizes=(7, 7, 11), source_resblock_dilation_sizes=((1, 3, 5),) * 3, lrelu_slope=0.1,
-    audio_limit=0.99, conv_pre_look_right=4, f0_num_class=1, f0_in_channels=80, f0_cond_channels=512,
-)
-FEAT = FeatConfig(n_fft=1920, num_mels=80, sampling_rate=24000, hop_size=480, win_size=1920, fmin=0.0,
-                  fmax=None, center=False)
+# Spec §1.2 / §15: the shipped cosyvoice3.yaml sizes, as `cosyllama make-model --size full` writes them.
+_FULL = size_config("full")
+FULL_FLOW, FULL_HIFT, FEAT = _FULL.flow, _FULL.hift, _FULL.feat
 
 
 def sync(dev: torch.device) -> None:

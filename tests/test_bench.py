@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import MODEL_DIR
 from cosyllama.cli import main
 from cosyllama.config import load_config
 from cosyllama.weights import load_flow_weights, load_hift_weights, load_llm_weights
@@ -71,3 +72,16 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
 def test_bench_rejects_bad_parts(capsys):
     assert main(["bench", "--parts", "llm,gpu"]) == 2
     assert "unknown --parts gpu" in capsys.readouterr().err
+
+
+def test_size_config_is_what_make_model_writes():
+    from cosyllama.errors import InputError
+    from cosyllama.synthetic import size_config
+
+    tiny, ref = size_config("tiny"), load_config(MODEL_DIR)  # make-model's tiny = the fixtures' model
+    assert (tiny.llm, tiny.flow, tiny.hift, tiny.feat) == (ref.llm, ref.flow, ref.hift, ref.feat)
+    full = size_config("full")
+    assert (full.flow.dit_dim, full.flow.dit_depth, full.hift.base_channels, full.llm.qwen.num_hidden_layers) \
+        == (1024, 22, 512, 24)
+    with pytest.raises(InputError):
+        size_config("huge")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import QWEN_DIR, REQUIRED_FILES, load_config
+from .config import QWEN_DIR, REQUIRED_FILES, ModelConfig, load_config
 from .errors import InputError, MissingDependencyError
 
 DATA = Path(__file__).parent / "data" / "blanken"
@@ -256,6 +256,22 @@ def _write_onnx_standins(d: Path, gen: torch.Generator) -> None:
                               [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["B", 192])], inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8),
               d / "campplus.onnx")
+
+
+def size_config(size: str) -> ModelConfig:
+    """The :class:`ModelConfig` that ``make_model(size=...)`` writes, without writing a model (for
+    building modules straight from configs, e.g. in benchmarks). Its ``model_dir`` does not exist."""
+    import tempfile
+
+    if size not in SIZES:
+        raise InputError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    s = SIZES[size]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / QWEN_DIR).mkdir()
+        (d / "cosyvoice3.yaml").write_text(_yaml(s), encoding="utf-8")
+        (d / QWEN_DIR / "config.json").write_text(json.dumps(_qwen_config(s), indent=2), encoding="utf-8")
+        return load_config(d, check_files=False)
 
 
 def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, force: bool = False,
