@@ -220,13 +220,16 @@ class _TimedFlow:
 
 
 class _NullVocoder:
-    """Stands in for the vocoder so that only the flow is timed; keeps the last mel it got."""
+    """Stands in for the streaming vocoder so that only the flow is timed; keeps all mel it got."""
 
     def __init__(self, sample_rate: int, hop: int = 480):
         self.hop, self.mel = hop, None
 
-    def inference(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
-        self.mel = mel
+    def new_stream(self) -> None:
+        self.mel = None
+
+    def stream_step(self, state, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+        self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
         return torch.zeros(1, mel.shape[2] * self.hop)
 
 

@@ -71,7 +71,7 @@ class _StreamState:
     hop: int = TOKEN_HOP
     token_offset: int = 0
     tokens: list[int] = field(default_factory=list)
-    vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance
+    vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance (set by stream)
     flow_cache: FlowStreamCache | None = None  # K/V of the flow blocks earlier chunks completed
 
     def next_hop(self) -> int:
@@ -115,9 +115,8 @@ class Token2Wav:
 
     def _mel(self, tokens: list[int], prompt: FlowPrompt, offset: int, streaming: bool,
              finalize: bool, cache: FlowStreamCache | None = None) -> torch.Tensor:
-        kw = {} if cache is None else {"cache": cache}
         mel = self.flow.inference(_as_tokens(tokens, self.flow.device), prompt.tokens, prompt.feat,
-                                  prompt.embedding, streaming=streaming, finalize=finalize, **kw)
+                                  prompt.embedding, streaming=streaming, finalize=finalize, cache=cache)
         return mel[:, :, self.token_mel_ratio * offset:]
 
     def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0) -> np.ndarray:
@@ -135,6 +134,7 @@ class Token2Wav:
         p = prompt.tokens.shape[1]
         st = _StreamState(prompt_pad=math.ceil(p / TOKEN_HOP) * TOKEN_HOP - p)
         st.flow_cache = self.new_stream_cache()
+        st.vocoder = self.hift.new_stream()
         try:
             for tok in token_iter:
                 st.tokens.append(tok)
@@ -171,8 +171,6 @@ class Token2Wav:
         far and keeps the new tail; ``HiFT.stream_step`` computes that tail from the new frames and
         a window of context (equal up to float rounding), so a chunk's cost does not grow with the
         utterance."""
-        if st.vocoder is None:
-            st.vocoder = self.hift.new_stream()
         return self.hift.stream_step(st.vocoder, mel, finalize)[0].float().cpu().numpy()
 
 
