@@ -30,3 +30,17 @@ def synthesize_call(tts, call: dict, **kw):
     if call["mode"] == "cross_lingual":
         return tts.cross_lingual(call["tts_text"], wav, **opts)
     return tts.instruct(call["tts_text"], call["instruct_text"], wav, **opts)
+
+
+def interleave_chunks(gens: dict) -> dict:
+    """Advance the named chunk generators one chunk each in turn until all are done; returns each
+    one's chunk samples in order (for checking that interleaved requests don't affect each other)."""
+    gens = dict(gens)
+    got = {k: [] for k in gens}
+    while gens:
+        for k in list(gens):
+            try:
+                got[k].append(next(gens[k]).samples)
+            except StopIteration:
+                del gens[k]
+    return got

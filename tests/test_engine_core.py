@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture
+from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.flow import Flow
 from cosyllama.llm.backend import Prefill
@@ -62,13 +62,7 @@ def test_interleaved_streams_equal_each_alone(stages):
     alone_a = [c.samples for c in t2w.stream(iter(ta), fa, 0)]
     alone_b = [c.samples for c in t2w.stream(iter(tb), fb, 0)]
     gens = {"a": t2w.stream(iter(ta), fa, 0), "b": t2w.stream(iter(tb), fb, 0)}
-    got = {"a": [], "b": []}
-    while gens:  # alternate one chunk at a time
-        for k in list(gens):
-            try:
-                got[k].append(next(gens[k]).samples)
-            except StopIteration:
-                del gens[k]
+    got = interleave_chunks(gens)  # alternate one chunk at a time
     got_a, got_b = got["a"], got["b"]
     assert len(got_a) == len(alone_a) and len(got_b) == len(alone_b)
     for g, w in zip(got_a + got_b, alone_a + alone_b):

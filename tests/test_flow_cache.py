@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture
+from conftest import MODEL_DIR, interleave_chunks, load_fixture
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.errors import InputError
 from cosyllama.flow import DEFAULT_STREAM_CACHE_MB, Flow, FlowStreamCache
@@ -308,13 +308,7 @@ def test_interleaved_requests_have_their_own_caches(flows, hift):
     spy = _FlowSpy(flow)
     t2w = Token2Wav(spy, hift, 24000, stream_cache_mb=2048)
     gens = {"a": t2w.stream(iter(ta), fa, 0), "b": t2w.stream(iter(tb), fb, 0)}
-    got = {"a": [], "b": []}
-    while gens:  # alternate one chunk at a time
-        for k in list(gens):
-            try:
-                got[k].append(next(gens[k]).samples)
-            except StopIteration:
-                del gens[k]
+    got = interleave_chunks(gens)  # alternate one chunk at a time
     for k in "ab":
         assert len(got[k]) == len(alone[k])
         for g, w in zip(got[k], alone[k]):

@@ -818,8 +818,7 @@ class Flow(nn.Module):
         self._check_inputs(token, prompt_token, prompt_feat, embedding, finalize)
         dev = self.device
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(dev, torch.float32), dim=1))
-        ids = torch.cat([prompt_token, token], dim=1).to(dev, torch.long).clamp_min(0)
-        emb = self.input_embedding(ids)
+        emb = self.input_embedding(self._ids(prompt_token, token))
         look = self.cfg.pre_lookahead_len
         if finalize:
             h = self.pre_lookahead_layer(emb)
@@ -847,8 +846,8 @@ class Flow(nn.Module):
                 its last 3 tokens are only look-ahead context, so they produce no frames.
             cache: the request's :class:`FlowStreamCache`. Used by streaming, non-final calls only:
                 frames of attention blocks an earlier call of the request completed are taken from
-                it instead of recomputed (same mel up to float rounding; at fp32 the cached calls
-                run the re-arranged float32 solver, within ~1e-6 of the reference), and this call's
+                it instead of recomputed (same mel up to float rounding: ~1e-6 at fp32, where the
+                reference DiT runs the same operations on the new rows only), and this call's
                 complete blocks are added to it. Ignored by other calls.
 
         Returns:
@@ -858,12 +857,16 @@ class Flow(nn.Module):
         inp = self.prepare(token, prompt_token, prompt_feat, embedding, finalize)
         if cache is not None and streaming and not finalize:
             dev = self.device
-            ids = torch.cat([prompt_token, token], dim=1).to(dev, torch.long).clamp_min(0)
             key = (inp.prompt_frames, prompt_feat.to(dev, torch.float32), embedding.to(dev, torch.float32))
-            feat = self.decoder.forward_cached(inp.mu, inp.spks, inp.cond, cache, key, ids)
+            feat = self.decoder.forward_cached(inp.mu, inp.spks, inp.cond, cache, key,
+                                               self._ids(prompt_token, token))
         else:
             feat = self.decoder(inp.mu, inp.spks, inp.cond, streaming)
         return feat[:, :, inp.prompt_frames:]
+
+    def _ids(self, prompt_token: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Prompt + token ids ``(1, P+T)`` as the token embedding reads them (ids clamped at >= 0)."""
+        return torch.cat([prompt_token, token], dim=1).to(self.device, torch.long).clamp_min(0)
 
     def _check_inputs(self, token, prompt_token, prompt_feat, embedding, finalize) -> None:
         c = self.cfg
