@@ -103,3 +103,31 @@ def test_cuda_without_cuda_is_an_error():
         TorchLLM.from_dir(MODEL_DIR, device="cuda")
     with pytest.raises(DeviceError, match="not supported"):
         TorchLLM.from_dir(MODEL_DIR, device="tpu")
+
+
+def test_true_fp32_turns_tf32_off_for_cuda_and_restores_after_overlapping_blocks():
+    """The flags are process-wide and need no GPU to read or set, so the bookkeeping is checked here;
+    tests/test_gpu.py checks that a CUDA vocoder call really runs with TF32 off."""
+    from cosyllama.device import true_fp32
+
+    flags = lambda: (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)  # noqa: E731
+    saved = flags()
+    try:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, True
+        with true_fp32(torch.device("cpu")):
+            assert flags() == (True, True)
+        outer = true_fp32(torch.device("cuda"))
+        inner = true_fp32(torch.device("cuda:0"))
+        outer.__enter__()
+        assert flags() == (False, False)
+        inner.__enter__()
+        outer.__exit__(None, None, None)  # blocks of two threads may end in either order
+        assert flags() == (False, False)
+        inner.__exit__(None, None, None)
+        assert flags() == (True, True)
+        with pytest.raises(ValueError):
+            with true_fp32(torch.device("cuda")):
+                raise ValueError
+        assert flags() == (True, True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

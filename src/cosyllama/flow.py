@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import FlowConfig, load_config
-from .device import resolve_device
+from .device import on_true_fp32, resolve_device
 from .errors import InputError
 from .precision import resolve_precision
 
@@ -812,6 +812,7 @@ class Flow(nn.Module):
             raise InputError(f"flow n_timesteps must be an integer from 1 to 100, got {n!r}")
         self.decoder.n_timesteps = n
 
+    @on_true_fp32
     def prepare(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                 embedding: torch.Tensor, finalize: bool = True) -> FlowInputs:
         """Everything before the ODE solver (spec §7.2 steps 1-5); see :meth:`inference`."""
@@ -830,6 +831,7 @@ class Flow(nn.Module):
         cond[:, :, :prompt_frames] = prompt_feat.to(dev, torch.float32).transpose(1, 2)
         return FlowInputs(mu=mu, cond=cond, spks=spks, prompt_frames=prompt_frames)
 
+    @on_true_fp32
     @torch.inference_mode()
     def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                   embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,

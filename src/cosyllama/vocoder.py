@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import FlowConfig, HiftConfig, load_config
-from .device import resolve_device
+from .device import on_true_fp32, resolve_device
 from .errors import InputError
 from .flow import NOISE_FRAMES, NOISE_SEED
 from .precision import resolve_precision
@@ -522,14 +522,17 @@ class HiFT(nn.Module):
 
     # -- pieces -----------------------------------------------------------------------------
 
+    @on_true_fp32
     def predict_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """mel ``(1, 80, T)`` -> f0 ``(1, T)`` float32 Hz (``T-3`` frames when not finalizing)."""
         return self.f0_predictor(mel, finalize).float()
 
+    @on_true_fp32
     def source(self, f0: torch.Tensor) -> torch.Tensor:
         """f0 ``(1, T)`` -> excitation ``(1, 1, 480 T)`` float32."""
         return self.m_source(f0)
 
+    @on_true_fp32
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """mel ``(1, 80, T)`` and its source ``(1, 1, 480 T)`` -> waveform ``(1, 480 T)`` clamped to
         ±audio_limit; when not finalizing the last 4 mel frames are conv_pre look-ahead only and the
@@ -555,6 +558,7 @@ class HiFT(nn.Module):
             wav = wav[:, :wav.shape[1] - self.samples_per_frame]
         return wav.clamp(-self.cfg.audio_limit, self.cfg.audio_limit)
 
+    @on_true_fp32
     def decode_fast(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """:meth:`decode` on the channels-last conv stack (see :class:`_FastGenerator`)."""
         g = self._fast_generator()
@@ -582,6 +586,7 @@ class HiFT(nn.Module):
         x = g.conv_post(F.leaky_relu(x.float(), POST_SLOPE))
         return self._synthesize(x[:, :, 0, :], finalize)
 
+    @on_true_fp32
     def decode_reference(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """:meth:`decode` module by module, in the layout and op order of upstream."""
         s = self._source_stft(source)
@@ -617,6 +622,7 @@ class HiFT(nn.Module):
         g.set_state(self.m_source.noise_state)
         return VocoderStream(phase=torch.zeros(1, self.m_source.harmonics, 1, dtype=torch.float64), noise=g)
 
+    @on_true_fp32
     @torch.inference_mode()
     def stream_step(self, state: VocoderStream, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
         """Vocode the next mel frames of an utterance without re-running the earlier ones.
@@ -676,6 +682,7 @@ class HiFT(nn.Module):
 
     # -- entry point --------------------------------------------------------------------------
 
+    @on_true_fp32
     @torch.inference_mode()
     def inference(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """Vocode a mel.

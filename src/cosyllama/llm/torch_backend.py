@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..config import LLMConfig, load_config
-from ..device import resolve_device
+from ..device import on_true_fp32, resolve_device
 from ..weights import load_llm_weights
 from .backend import Prefill
 from .model import KVCache, SpeechLM
@@ -42,6 +42,7 @@ class TorchLLM:
         cfg = load_config(model_dir)
         return cls(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm), device)
 
+    @on_true_fp32
     @torch.inference_mode()
     def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[_Sequence, torch.Tensor]:
         embeds = self.model.prefill_embeddings(prefill.text_ids, prefill.prompt_speech_tokens)
@@ -49,6 +50,7 @@ class TorchLLM:
         hidden = self.model.forward_hidden(embeds[None], seq.cache)
         return seq, self.model.logp(hidden[0, -1]).cpu()
 
+    @on_true_fp32
     @torch.inference_mode()
     def step(self, batch: Sequence[tuple[_Sequence, int]]) -> list[torch.Tensor]:
         out = []
@@ -65,6 +67,7 @@ class TorchLLM:
 
     # -- used by parity tests ------------------------------------------------------------------
 
+    @on_true_fp32
     @torch.inference_mode()
     def full_forward_logp(self, embeds: torch.Tensor) -> torch.Tensor:
         """Log-probs (T, vocab) of one uncached causal forward over ``embeds`` (T, hidden)."""
