@@ -55,6 +55,7 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res["machine"]) >= {"cpu", "threads", "gpu"} and res["machine"]["threads"] == 1
+    assert res["machine"]["device"] == "cpu" and {r["device"] for r in res["llm"] + res["pipeline"]} == {"cpu"}
     configs = {(r["backend"], r["layout"], r["type"]) for r in res["llm"]}
     assert configs == {("torch", None, "F32")} | {("llamacpp", lay, t) for lay in ("speech", "merged")
                                                  for t in ("F16", "Q8_0", "Q4_K_M", "Q4_0")}
@@ -72,6 +73,14 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
 def test_bench_rejects_bad_parts(capsys):
     assert main(["bench", "--parts", "llm,gpu"]) == 2
     assert "unknown --parts gpu" in capsys.readouterr().err
+
+
+def test_bench_rejects_a_device_it_cannot_use(capsys):
+    assert main(["bench", "--device", "tpu"]) == 2
+    assert "device 'tpu' is not supported" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["bench", "--device", "cuda"]) == 2
+        assert "sees no CUDA device" in capsys.readouterr().err
 
 
 def test_size_config_is_what_make_model_writes():

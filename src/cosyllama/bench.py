@@ -136,27 +136,45 @@ def bench_llm_backend(backend, prompt_tokens: int, decode_tokens: int, repeat: i
             "rtf": wall / (decode_tokens / TOKEN_RATE), "wall_s": wall}
 
 
+def llamacpp_gpu_layers(device: torch.device, progress: Progress) -> int:
+    """Layers llama.cpp offloads when the bench runs on ``device``: all of them on CUDA when this
+    llama-cpp-python build supports it; else 0, and the progress line says so (rows say "cpu")."""
+    if device.type != "cuda":
+        return 0
+    from .llm.llamacpp_backend import import_llama_cpp
+
+    if import_llama_cpp().llama_supports_gpu_offload():
+        return 999
+    progress("this llama-cpp-python build has no GPU support: its rows run on the CPU")
+    return 0
+
+
 def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, repeat: int, progress: Progress,
-            configs=LLM_CONFIGS) -> list[dict]:
+            configs=LLM_CONFIGS, device: torch.device = torch.device("cpu")) -> list[dict]:
     from .config import load_config
 
     cfg = load_config(model_dir)
     rows = []
+    gpu_layers = None
     for backend_name, layout, type_name in configs:
         label = f"{backend_name} {layout or ''} {type_name}".replace("  ", " ")
         if backend_name == "torch":
             from .llm.torch_backend import TorchLLM
             from .weights import load_llm_weights
 
-            backend = TorchLLM(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm))
+            backend = TorchLLM(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm), device)
+            where = device.type
         else:
             from .llm.llamacpp_backend import LlamaCppLLM
 
+            if gpu_layers is None:
+                gpu_layers = llamacpp_gpu_layers(device, progress)
             backend = LlamaCppLLM(ensure_gguf(model_dir, layout, type_name, progress), model_dir, n_threads=threads,
-                                  n_seq_max=1)
-        progress(f"llm: {label}")
+                                  n_seq_max=1, n_gpu_layers=gpu_layers)
+            where = "cuda" if gpu_layers else "cpu"
+        progress(f"llm: {label} ({where})")
         r = bench_llm_backend(backend, round(prompt_s * TOKEN_RATE), round(output_s * TOKEN_RATE), repeat)
-        rows.append({"backend": backend_name, "layout": layout, "type": type_name, **r})
+        rows.append({"backend": backend_name, "layout": layout, "type": type_name, "device": where, **r})
         progress(f"  {r['tokens_per_s']:.1f} tok/s, LLM RTF {r['rtf']:.3f}")
         if hasattr(backend, "close"):
             backend.close()
@@ -172,17 +190,20 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 FLOW_VARIANTS = ("fp32", "bf16")
 
 
-def _time(fn, repeat: int) -> tuple[float, object]:
+def _time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> tuple[float, object]:
+    """Median wall time of ``fn()`` over ``repeat`` runs (CUDA work waited for), and its last output."""
     times, out = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
         out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return _median(times), out
 
 
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
-                     progress: Progress) -> tuple[list[dict], list[dict]]:
+                     progress: Progress, device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[dict]]:
     """Flow per precision (fidelity vs fp32 on the same inputs), then the vocoder, fp32 and bf16."""
     from .flow import Flow
     from .vocoder import HiFT
@@ -194,12 +215,12 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     prompt_feat = torch.randn(1, 2 * p, 80, generator=g) - 5
     emb = torch.randn(1, 192, generator=g)
     flow_rows, voc_rows = [], []
-    flow = Flow.from_dir(model_dir)
+    flow = Flow.from_dir(model_dir, device)
     mel_ref = None
     for variant in FLOW_VARIANTS if "flow" in parts else ("fp32",):
         flow.set_precision(variant)
         flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
-        secs, mel = _time(lambda: flow.inference(tokens, prompt_tokens, prompt_feat, emb), repeat)
+        secs, mel = _time(lambda: flow.inference(tokens, prompt_tokens, prompt_feat, emb), repeat, device)
         if mel_ref is None:
             mel_ref = mel
         diff = (mel - mel_ref).abs()
@@ -211,12 +232,12 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
                      f"(mel vs fp32: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f})")
     del flow
     if "vocoder" in parts:
-        hift = HiFT.from_dir(model_dir)
+        hift = HiFT.from_dir(model_dir, device)
         wav_ref = None
         for variant in ("fp32", "bf16"):
             hift.set_precision(variant)
             hift.inference(mel_ref[:, :, :20])
-            secs, wav = _time(lambda: hift.inference(mel_ref), repeat)
+            secs, wav = _time(lambda: hift.inference(mel_ref), repeat, device)
             wav_ref = wav if wav_ref is None else wav_ref
             voc_rows.append({"variant": variant, "seconds_per_audio_second": secs / output_s,
                              "wav_max_abs_diff_vs_fp32": float((wav - wav_ref).abs().max())})
@@ -234,7 +255,7 @@ def pipeline_worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"],
-              precision=spec["precision"])
+              precision=spec["precision"], device=spec.get("device", "cpu"), n_gpu_layers=spec.get("n_gpu_layers", 0))
     wav = spec["prompt_wav"]
     n = spec["decode_tokens"]
     opts = SynthesisOptions(greedy=True, ignore_stop=True, max_tokens=n)
@@ -261,22 +282,27 @@ def pipeline_worker(spec: dict) -> dict:
 
 
 def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float, repeat: int,
-                 progress: Progress) -> list[dict]:
+                 progress: Progress, device: torch.device = torch.device("cpu")) -> list[dict]:
     rows = []
     wav = prompt_wav(prompt_s)
+    gpu_layers = None
     for backend_name, layout, type_name, precision in PIPELINE_CONFIGS:
         spec = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "prompt_wav": str(wav),
-                "decode_tokens": round(output_s * TOKEN_RATE), "repeat": repeat, "precision": precision}
+                "decode_tokens": round(output_s * TOKEN_RATE), "repeat": repeat, "precision": precision,
+                "device": str(device)}
         label = "torch fp32" if backend_name == "torch" else f"llamacpp {layout} {type_name}"
         if layout:
             spec["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
+            if gpu_layers is None:
+                gpu_layers = llamacpp_gpu_layers(device, progress)
+            spec["n_gpu_layers"] = gpu_layers
         progress(f"pipeline: {label} (child process)")
         proc = subprocess.run([sys.executable, "-m", "cosyllama.bench", "--pipeline-worker", json.dumps(spec)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pipeline worker for {label} failed:\n{proc.stderr[-4000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append({"llm": label, **r})
+        rows.append({"llm": label, "device": str(device), **r})
         progress(f"  RTF {r['rtf']:.3f}, first chunk {r['first_chunk_s']:.2f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
     return rows
 
@@ -284,7 +310,7 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
 # ----------------------------------------------------------------------------------------------
 
 
-def machine_info(threads: int) -> dict:
+def machine_info(threads: int, device: torch.device = torch.device("cpu")) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -294,11 +320,13 @@ def machine_info(threads: int) -> dict:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "threads": threads, "gpu": gpu, "torch": torch.__version__}
+    return {"cpu": cpu, "threads": threads, "gpu": gpu, "device": str(device), "torch": torch.__version__}
 
 
 def format_table(res: dict) -> str:
-    lines = [f"machine: {res['machine']['cpu']}, {res['machine']['threads']} threads"]
+    m = res["machine"]
+    lines = [f"machine: {m['cpu']}, {m['threads']} threads"
+             + (f"; torch stages on {m['device']} ({m['gpu']})" if m.get("device", "cpu") != "cpu" else "")]
     if res["llm"]:
         lines += ["", "LLM stage (forced length)", f"{'backend':<10}{'layout':<8}{'type':<8}{'prefill':>8}"
                   f"{'decode':>8}{'tok/s':>9}{'LLM RTF':>9}{'vs torch':>9}"]
@@ -338,20 +366,24 @@ def run_bench(args, progress: Progress = print) -> int:
         raise InputError("--output-seconds must be > 0 and --prompt-seconds in (0, 30]")
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
+    from .device import resolve_device
+
+    device = resolve_device(getattr(args, "device", "cpu"))
     model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
     from .config import load_config
 
     load_config(model_dir)
-    res = {"machine": machine_info(threads), "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
+    res = {"machine": machine_info(threads, device), "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
            "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": []}
     if "llm" in parts:
-        res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress)
+        res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
+                             device=device)
     if parts & {"flow", "vocoder"}:
         res["flow"], res["vocoder"] = run_flow_vocoder(model_dir, args.prompt_seconds, args.output_seconds,
-                                                       args.repeat, parts, progress)
+                                                       args.repeat, parts, progress, device)
     if "pipeline" in parts:
         res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
-                                       progress)
+                                       progress, device)
     print(format_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     b.add_argument("--prompt-seconds", type=float, default=3.0)
     b.add_argument("--output-seconds", type=float, default=10.0)
+    b.add_argument("--device", default="cpu",
+                   help="cpu or cuda: where the torch LLM, the flow and the vocoder run (default cpu); llama.cpp "
+                        "rows use the GPU only if llama-cpp-python was built with GPU support")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="no-weights demo: synthesize with both backends on a full-size random model")
