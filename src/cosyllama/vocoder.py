@@ -169,25 +169,30 @@ class SourceModule(nn.Module):
         self.l_linear = nn.Linear(self.harmonics, 1)
 
     def sine_waves(self, f0: torch.Tensor) -> torch.Tensor:
-        """The 9 noisy harmonics before merging: ``(1, T*up, 9)`` float32."""
+        """The 9 noisy harmonics before merging: ``(1, T*up, 9)`` float32, on ``f0``'s device."""
+        dev = f0.device
         f0_up = f0.float().repeat_interleave(self.upsample, dim=1)[:, :, None]  # (1, L, 1)
-        mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32, device=f0.device)
-        rad = (f0_up * mult / self.sample_rate) % 1  # phase increment per sample, in turns
+        # The phase is computed on the CPU whatever the device: it is a running sum over the whole
+        # utterance multiplied by 480*2*pi, so a one-ulp difference in an increment (CUDA divides
+        # by a scalar through its reciprocal) or in a rounded partial sum (a parallel float64 scan)
+        # moves the sine by ~1e-3 and the waveform by far more (measured on an H200: 7e-3).
+        f0_cpu = f0_up.cpu()
+        mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32)
+        rad = (f0_cpu * mult / self.sample_rate) % 1  # phase increment per sample, in turns
         # Upstream's causal source accumulates phase at frame rate: a linear down-sampling (which
         # reads the middle of each frame, where the per-sample values are all equal), cumsum, then a
         # nearest up-sampling — a staircase phase the model was trained with (spec Q6). We use the
         # same ops so the float32 rounding is the same. Its random initial phase lands on sample 0,
         # which the down-sampling never reads (spec Q5), so it is left out.
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample, mode="linear")
-        # On CPU torch.cumsum of float32 accumulates in float64 and rounds each partial sum: we say
-        # so explicitly (bit-identical on CPU), so CUDA computes the same phase instead of a float32
-        # scan, and continue_source can carry the float64 sum from one streaming call to the next.
+        # torch.cumsum of float32 on CPU accumulates in float64 and rounds each partial sum: we say
+        # so explicitly, and continue_source carries the float64 sum from one streaming call to the next.
         phase = torch.cumsum(rad.double(), dim=2).float() * 2 * math.pi
-        phase = F.interpolate(phase * self.upsample, scale_factor=self.upsample, mode="nearest")
+        phase = F.interpolate(phase * self.upsample, scale_factor=self.upsample, mode="nearest").to(dev)
         sines = torch.sin(phase).transpose(1, 2) * self.sine_amp
         uv = (f0_up > self.voiced_threshold).float()
         amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
-        noise = amp * source_noise(self.noise_state, f0_up.shape[1], self.harmonics).to(f0.device)
+        noise = amp * source_noise(self.noise_state, f0_up.shape[1], self.harmonics).to(dev)
         return sines * uv + noise
 
     def forward(self, f0: torch.Tensor) -> torch.Tensor:
@@ -208,10 +213,11 @@ class SourceModule(nn.Module):
         exactly the per-sample value computed at frame rate. Everything else is per sample."""
         up = self.upsample
         f0 = f0.float()
-        mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32, device=f0.device)
-        rad = ((f0[:, :, None] * mult / self.sample_rate) % 1).transpose(1, 2)  # (1, H, n)
-        acc = torch.cumsum(torch.cat([phase.to(rad.device, torch.float64), rad.double()], dim=2), dim=2)
-        cum = acc[:, :, 1:].float() * 2 * math.pi  # the reference's float32 cumsum, then its ops
+        mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32)
+        # On the CPU whatever the device, as in sine_waves.
+        rad = ((f0.cpu()[:, :, None] * mult / self.sample_rate) % 1).transpose(1, 2)  # (1, H, n)
+        acc = torch.cumsum(torch.cat([phase.to("cpu", torch.float64), rad.double()], dim=2), dim=2)
+        cum = (acc[:, :, 1:].float() * 2 * math.pi).to(f0.device)  # the reference's float32 cumsum, then its ops
         sines = torch.sin(cum * up).repeat_interleave(up, dim=2).transpose(1, 2) * self.sine_amp
         uv = (f0 > self.voiced_threshold).float().repeat_interleave(up, dim=1)[:, :, None]
         amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
@@ -524,13 +530,14 @@ class HiFT(nn.Module):
 
     @on_true_fp32
     def predict_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
-        """mel ``(1, 80, T)`` -> f0 ``(1, T)`` float32 Hz (``T-3`` frames when not finalizing)."""
-        return self.f0_predictor(mel, finalize).float()
+        """mel ``(1, 80, T)`` -> f0 ``(1, T)`` float32 Hz (``T-3`` frames when not finalizing), on this
+        module's device."""
+        return self.f0_predictor(mel.to(self.device), finalize).float()
 
     @on_true_fp32
     def source(self, f0: torch.Tensor) -> torch.Tensor:
-        """f0 ``(1, T)`` -> excitation ``(1, 1, 480 T)`` float32."""
-        return self.m_source(f0)
+        """f0 ``(1, T)`` -> excitation ``(1, 1, 480 T)`` float32, on this module's device."""
+        return self.m_source(f0.to(self.device))
 
     @on_true_fp32
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
