@@ -77,6 +77,25 @@ def direct_decode_rate(llm, cfg, tokens: int) -> float:
     return sum(1 for _ in it) / (time.perf_counter() - t0)
 
 
+def raw_step_ms(llm, cfg, batch: int, steps: int = 30) -> float:
+    """Median wall time of one ``llm.step`` advancing ``batch`` sequences (no scheduler, no sampling):
+    what llama.cpp itself gives for sharing a step, to compare with the scheduler's numbers."""
+    seqs = [llm.start(make_prefill(cfg, i), steps + 8)[0] for i in range(batch)]
+    try:
+        for _ in range(3):
+            llm.step([(s, 5) for s in seqs])
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            llm.step([(s, 5) for s in seqs])
+            times.append(time.perf_counter() - t0)
+    finally:
+        for s in seqs:
+            llm.release(s)
+    times.sort()
+    return 1000 * times[len(times) // 2]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True)
@@ -86,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeat", type=int, default=2, help="runs per level; the best is reported (default 2)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--raw-steps", action="store_true",
+                   help="also time bare llama.cpp steps of each batch size from the main thread (after the levels)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.streams.split(",")]
     cfg = load_config(args.model_dir).llm
@@ -112,11 +133,17 @@ def main(argv=None) -> int:
             print(f"scheduler: max batch {sched.stats()['max_batch']}")
         direct = max(direct_decode_rate(llm, cfg, args.tokens) for _ in range(args.repeat))
         print(f"direct generate() afterwards from the main thread, 1 stream, decode only: {direct:.2f} tokens/s")
+        raw = {}
+        if args.raw_steps:
+            raw = {n: raw_step_ms(llm, cfg, n) for n in levels}
+            print("bare llama.cpp step, main thread: " + ", ".join(
+                f"batch {n} {ms:.2f} ms ({n * raw[levels[0]] / (levels[0] * ms):.2f}x tokens/s vs batch {levels[0]})"
+                for n, ms in raw.items()))
     finally:
         llm.close()
     if args.json:
         Path(args.json).write_text(json.dumps({"backend": repr(llm), "direct_tokens_per_s": direct,
-                                               "levels": rows}, indent=1))
+                                               "raw_step_ms": raw, "levels": rows}, indent=1))
     return 0
 
 
