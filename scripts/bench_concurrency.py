@@ -105,10 +105,27 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeat", type=int, default=2, help="runs per level; the best is reported (default 2)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--torch-thread", action="store_true",
+                   help="first start a thread that runs one PyTorch matrix product and stays alive, as a server's "
+                        "flow worker does (its OpenMP team then exists beside llama.cpp's)")
     p.add_argument("--raw-steps", action="store_true",
                    help="also time bare llama.cpp steps of each batch size from the main thread (after the levels)")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.streams.split(",")]
+    stop = threading.Event()
+    if args.torch_thread:
+        ready = threading.Event()
+
+        def torch_worker():
+            import torch
+
+            x = torch.randn(1024, 1024)
+            x @ x
+            ready.set()
+            stop.wait()
+
+        threading.Thread(target=torch_worker, daemon=True).start()
+        ready.wait()
     cfg = load_config(args.model_dir).llm
     llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels))
     rows = []
@@ -140,6 +157,7 @@ def main(argv=None) -> int:
                 f"batch {n} {ms:.2f} ms ({n * raw[levels[0]] / (levels[0] * ms):.2f}x tokens/s vs batch {levels[0]})"
                 for n, ms in raw.items()))
     finally:
+        stop.set()
         llm.close()
     if args.json:
         Path(args.json).write_text(json.dumps({"backend": repr(llm), "direct_tokens_per_s": direct,

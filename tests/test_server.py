@@ -290,3 +290,29 @@ def test_rss_flat_over_200_requests(client):
     print(f"RSS after 20 requests: {rss[20]:.1f} MB, after 200: {rss[200]:.1f} MB "
           f"({100 * (rss[200] / rss[20] - 1):+.2f} %)")
     assert rss[200] <= rss[20] * 1.05
+
+
+@pytest.mark.parametrize("info, hinted", [(b"CPU : AVX2 = 1 | OPENMP = 1 | REPACK = 1 |", True),
+                                          (b"CPU : AVX2 = 1 | REPACK = 1 |", False)])
+def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted):
+    """`cosyllama serve` with a llama.cpp LLM says once, at start, when that build threads with
+    OpenMP (it shares libgomp with PyTorch and decodes slower beside flow work)."""
+    from types import SimpleNamespace
+
+    from cosyllama import server
+    from cosyllama.llm import llamacpp_backend as LB
+
+    fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
+    monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)
+    monkeypatch.setattr(server, "load_tts", lambda args: SimpleNamespace(llm=SimpleNamespace(name="llamacpp")))
+    monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    args = SimpleNamespace(host="127.0.0.1", port=8000)
+    with caplog.at_level("WARNING", logger="cosyllama.server"):
+        server.serve(args)
+    assert ran and ran[0]["host"] == "127.0.0.1"
+    said = [r.getMessage() for r in caplog.records if "OpenMP" in r.getMessage()]
+    assert len(said) == (1 if hinted else 0)
+    if hinted:
+        assert '-DGGML_OPENMP=OFF' in said[0] and "pip install" in said[0]

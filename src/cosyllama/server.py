@@ -506,6 +506,12 @@ def serve(args) -> None:
         tts.voices.load(voices)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
                      max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS))
+    if getattr(tts.llm, "name", None) == "llamacpp":
+        from .llm.llamacpp_backend import openmp_serving_hint
+
+        hint = openmp_serving_hint()
+        if hint:
+            log.warning("%s", hint)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: the server has no authentication; put it behind a proxy that has", args.host)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
