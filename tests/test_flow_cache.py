@@ -341,3 +341,99 @@ def test_tts_passes_the_cache_bound_to_its_engine():
     assert cosyllama.load(MODEL_DIR, precision="fp32", stream_cache_mb=64).token2wav.new_stream_cache().max_mb == 64
     with pytest.raises(InputError):
         cosyllama.load(MODEL_DIR, stream_cache_mb=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Frames shared between requests of one prompt
+
+
+def _streams(t2w, runs):
+    """Stream each (tokens, prompt) in turn through one engine; the vocoder-side mel of each."""
+    out = []
+    for tokens, fp in runs:
+        voc = _VocoderSpy(t2w.hift)
+        t2w.hift = voc
+        try:
+            chunks = list(t2w.stream(iter(tokens), fp, 0))
+        finally:
+            t2w.hift = voc.hift
+        out.append((chunks, voc.mel))
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_requests_with_one_prompt_share_its_blocks(flows, hift, precision):
+    fp, ta, tb = _prompt(), _tokens(seed=1)[0].tolist(), _tokens(seed=2)[0].tolist()
+    spy = _FlowSpy(flows[precision])
+    t2w = Token2Wav(spy, hift, 24000, stream_cache_mb=2048, prompt_cache_mb=512)
+    assert t2w.shared_prompt_frames(50) == 50  # 2 * (50 - 3) = 94 -> one whole 50-frame block
+    (_, _), (chunks_b, mel_b) = _streams(t2w, [(ta, fp), (tb, fp)])
+    firsts = [c for c in spy.calls if c[1] is not None and torch.equal(c[0], torch.tensor(ta[:8]))][:1]
+    firsts += [c for c in spy.calls if c[1] is not None and torch.equal(c[0], torch.tensor(tb[:8]))][:1]
+    assert [frames for _, _, frames, _ in firsts] == [0, 50]  # B's first chunk started after the shared block
+    info = t2w.prompt_cache_info()
+    assert info["prompts"] == 1 and 0 < info["bytes"] <= 512 * 2**20
+    # B equals B on an engine that shares nothing, up to the rounding the cache is allowed.
+    alone_chunks, alone_mel = _streams(Token2Wav(flows[precision], hift, 24000, stream_cache_mb=2048,
+                                                 prompt_cache_mb=0), [(tb, fp)])[0]
+    assert [c.samples.size for c in chunks_b] == [c.samples.size for c in alone_chunks]
+    assert _diff(mel_b, alone_mel) <= TOL[precision]
+
+
+def test_other_prompts_and_voices_do_not_reuse_the_blocks(flows, hift):
+    fp, tok = _prompt(), _tokens()[0].tolist()
+    other_voice = FlowPrompt(fp.tokens, fp.feat, fp.embedding + 0.5)
+    spy = _FlowSpy(flows["bf16"])
+    t2w = Token2Wav(spy, hift, 24000)  # defaults: both caches on at bf16
+    _streams(t2w, [(tok, fp), (tok, _prompt("instruct2_stream")), (tok, other_voice), (tok, fp)])
+    calls = [(frames, cache) for _, cache, frames, _ in spy.calls if cache is not None]
+    first_of_each = []
+    for frames, cache in calls:
+        if not first_of_each or first_of_each[-1][1] is not cache:
+            first_of_each.append((frames, cache))
+    assert [f for f, _ in first_of_each] == [0, 0, 0, 50]  # only the same prompt and voice again reuses
+    assert t2w.prompt_cache_info()["prompts"] == 3
+
+
+def test_the_prompt_cache_bound_and_its_default(flows, hift):
+    fa, tok = _prompt(), _tokens()[0].tolist()
+    fb = FlowPrompt(fa.tokens, fa.feat, fa.embedding + 0.5)  # another voice, same size of shared frames
+    assert Token2Wav(flows["fp32"], hift, 24000)._prompt_cache_bytes() == 0  # off with the stream cache
+    assert Token2Wav(flows["bf16"], hift, 24000)._prompt_cache_bytes() == 512 * 2**20
+    assert Token2Wav(flows["bf16"], hift, 24000, prompt_cache_mb=0)._prompt_cache_bytes() == 0
+    with pytest.raises(InputError, match="prompt_cache_mb"):
+        Token2Wav(flows["bf16"], hift, 24000, prompt_cache_mb=-1)
+    tiny = Token2Wav(flows["bf16"], hift, 24000, prompt_cache_mb=1e-3)  # below one prompt's blocks
+    _streams(tiny, [(tok, fa)])
+    assert tiny.prompt_cache_info() == {"prompts": 0, "bytes": 0}
+    one = Token2Wav(flows["bf16"], hift, 24000)
+    _streams(one, [(tok, fa)])
+    size = one.prompt_cache_info()["bytes"]
+    one.prompt_cache_mb = 1.5 * size / 2**20  # room for one prompt: the newer one stays
+    _streams(one, [(tok, fb)])
+    assert one.prompt_cache_info() == {"prompts": 1, "bytes": size}
+    assert one._prompt_frames_for(one._prompt_key(fb)) is not None
+    assert one._prompt_frames_for(one._prompt_key(fa)) is None
+    one.clear_prompt_cache()
+    assert one.prompt_cache_info() == {"prompts": 0, "bytes": 0}
+
+
+def test_a_prefix_short_of_the_cache_needs_its_conv_context(flows):
+    flow, fp, tok = flows["bf16"], _prompt(), _tokens()
+    cache = FlowStreamCache()
+    _call(flow, tok, fp, 78, cache)  # keeps 250 frames
+    assert cache.frames == 250 and cache.prefix(50, 50) is None  # no context kept at frame 50
+    assert cache.prefix(50).frames == 250 and cache.prefix(10_000) is None
+    marked = FlowStreamCache()
+    marked.mark = 50
+    _call(flow, tok, fp, 78, marked)
+    part = marked.prefix(50, 50)
+    assert part.frames == 50 and part.mel.shape[2] == 50
+    assert all(k.shape[1] == 50 and v.shape[1] == 50 for k, v in part.kv.values())
+    # It resumes a call with other tokens after the prompt: same mel as recomputing.
+    other = _tokens(seed=7)
+    fresh = FlowStreamCache()
+    fresh.load(part)
+    got = _call(flow, other, fp, 78, fresh)
+    assert fresh.last_start == 50 and fresh.rebuilds == 0
+    assert _diff(got, _call(flow, other, fp, 78)) <= TOL["bf16"]

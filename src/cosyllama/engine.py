@@ -20,7 +20,10 @@ reference-parity mode, it is off unless asked for (see :class:`Token2Wav`).
 
 from __future__ import annotations
 
+import hashlib
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +35,7 @@ from .errors import InputError
 from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
 
+DEFAULT_PROMPT_CACHE_MB = 512.0  # frames shared between streaming requests of one prompt (see Token2Wav)
 TOKEN_HOP = 25  # first streaming hop, tokens
 TOKEN_MAX_HOP = 100  # the hop doubles up to this
 HOP_GROWTH = 2
@@ -94,17 +98,30 @@ class Token2Wav:
     itself does not give an earlier block bit-identical values in successive calls (attention over
     more, masked, keys rounds differently), so cached frames differ from recomputed ones by ~1e-6
     in the mel, and the tiny random fixture model's vocoder turns that into ~1e-2 in the audio,
-    beyond the 1e-3 the fp32 parity tests allow; pass a bound to use it at fp32 anyway."""
+    beyond the 1e-3 the fp32 parity tests allow; pass a bound to use it at fp32 anyway.
+
+    ``prompt_cache_mb``: bound in MiB of the frames shared between streaming requests with the same
+    prompt (voice). The flow's first chunk is solved over the prompt's frames too, and the attention
+    blocks that end before frame ``2 * (P - 3)`` (P prompt tokens; later frames read the first new
+    tokens through the look-ahead) are the same in every request of that prompt. The first request
+    of a prompt keeps them after its first chunk; later ones start their first chunk after them.
+    3 s of prompt shares 100 of its 150 frames, ~180 MB at full size in bf16; least recently used
+    prompts go first. None (default):
+    ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0 turns it off."""
 
     def __init__(self, flow, hift, sample_rate: int, lookahead: int = 3, token_mel_ratio: int = 2,
-                 stream_cache_mb: float | None = None):
-        if stream_cache_mb is not None and not stream_cache_mb >= 0:
-            raise InputError(f"stream_cache_mb must be >= 0, got {stream_cache_mb!r}")
+                 stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None):
+        for name, v in (("stream_cache_mb", stream_cache_mb), ("prompt_cache_mb", prompt_cache_mb)):
+            if v is not None and not v >= 0:
+                raise InputError(f"{name} must be >= 0, got {v!r}")
         self.flow, self.hift = flow, hift
         self.sample_rate = sample_rate
         self.lookahead = lookahead
         self.token_mel_ratio = token_mel_ratio
         self.stream_cache_mb = stream_cache_mb
+        self.prompt_cache_mb = prompt_cache_mb
+        self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
+        self._prompt_lock = threading.Lock()
 
     def new_stream_cache(self) -> FlowStreamCache | None:
         """The flow cache a new streaming request gets (None: recompute every chunk)."""
@@ -112,6 +129,60 @@ class Token2Wav:
         if mb is None:
             mb = 0.0 if getattr(self.flow, "precision", torch.float32) == torch.float32 else DEFAULT_STREAM_CACHE_MB
         return FlowStreamCache(max_mb=mb) if mb > 0 else None
+
+    # -- frames shared between requests of one prompt ---------------------------------------
+
+    def shared_prompt_frames(self, n_prompt_tokens: int) -> int:
+        """Leading mel frames every streaming request with a prompt of this many tokens computes
+        alike: whole attention blocks before ``token_mel_ratio * (P - lookahead)``; 0 if none."""
+        chunk = getattr(getattr(getattr(self.flow, "decoder", None), "estimator", None), "static_chunk_size", 0)
+        if not chunk:
+            return 0
+        return max(0, self.token_mel_ratio * (n_prompt_tokens - self.lookahead)) // chunk * chunk
+
+    def _prompt_cache_bytes(self) -> int:
+        mb = self.prompt_cache_mb
+        if mb is None:
+            mb = DEFAULT_PROMPT_CACHE_MB if self.new_stream_cache() is not None else 0.0
+        return int(mb * 2**20)
+
+    def _prompt_key(self, prompt: FlowPrompt) -> bytes:
+        h = hashlib.sha256()
+        dec = self.flow.decoder
+        h.update(repr((id(self.flow), getattr(dec, "_weights_version", None), str(self.flow.precision),
+                       dec.n_timesteps)).encode())
+        for t in (prompt.tokens, prompt.feat, prompt.embedding):
+            a = t.detach().cpu().contiguous()
+            h.update(repr((tuple(a.shape), str(a.dtype))).encode())
+            h.update(a.numpy().tobytes())
+        return h.digest()
+
+    def _keep_prompt_frames(self, key: bytes, frames: FlowStreamCache | None) -> None:
+        limit = self._prompt_cache_bytes()
+        if frames is None or frames.nbytes > limit:
+            return
+        with self._prompt_lock:
+            self._prompt_frames[key] = frames
+            self._prompt_frames.move_to_end(key)
+            while sum(c.nbytes for c in self._prompt_frames.values()) > limit:
+                self._prompt_frames.popitem(last=False)
+
+    def _prompt_frames_for(self, key: bytes) -> FlowStreamCache | None:
+        with self._prompt_lock:
+            frames = self._prompt_frames.get(key)
+            if frames is not None:
+                self._prompt_frames.move_to_end(key)
+            return frames
+
+    def prompt_cache_info(self) -> dict:
+        """Prompts whose shared frames are kept, and the bytes they hold."""
+        with self._prompt_lock:
+            return {"prompts": len(self._prompt_frames),
+                    "bytes": sum(c.nbytes for c in self._prompt_frames.values())}
+
+    def clear_prompt_cache(self) -> None:
+        with self._prompt_lock:
+            self._prompt_frames.clear()
 
     def _mel(self, tokens: list[int], prompt: FlowPrompt, offset: int, streaming: bool,
              finalize: bool, cache: FlowStreamCache | None = None) -> torch.Tensor:
@@ -135,6 +206,14 @@ class Token2Wav:
         st = _StreamState(prompt_pad=math.ceil(p / TOKEN_HOP) * TOKEN_HOP - p)
         st.flow_cache = self.new_stream_cache()
         st.vocoder = self.hift.new_stream()
+        shared, keep_key = self.shared_prompt_frames(p), None
+        if st.flow_cache is not None and shared and self._prompt_cache_bytes() > 0:
+            key = self._prompt_key(prompt)
+            frames = self._prompt_frames_for(key)
+            if frames is not None:
+                st.flow_cache.load(frames)  # the first chunk starts after the prompt's shared blocks
+            else:  # the first chunk also keeps what a cache of just those blocks needs
+                keep_key, st.flow_cache.mark = key, shared
         try:
             for tok in token_iter:
                 st.tokens.append(tok)
@@ -143,6 +222,9 @@ class Token2Wav:
                     end = st.token_offset + hop + self.lookahead
                     mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
                                     cache=st.flow_cache)
+                    if keep_key is not None:
+                        self._keep_prompt_frames(keep_key, st.flow_cache.prefix(p, shared))
+                        st.flow_cache.mark, st.flow_cache.conv_mark, keep_key = 0, {}, None
                     samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
                     st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)

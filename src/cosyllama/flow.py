@@ -500,6 +500,7 @@ class FlowStreamCache:
             raise InputError(f"stream cache bounds must be >= 0, got max_mb={max_mb!r}, max_frames={max_frames!r}")
         self.max_mb = float(max_mb)
         self.max_frames = max_frames
+        self.mark = 0  # also keep the conv context at this frame (for :meth:`prefix`); 0: don't
         self.calls = self.reused_frames = self.computed_frames = self.rebuilds = self.last_start = 0
         self.clear()
 
@@ -509,6 +510,7 @@ class FlowStreamCache:
         # (step, block) -> K (after RoPE), V of the cached frames, each (2, frames, inner)
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}  # step -> input-projection frames before `frames` (2, <=60, dim)
+        self.conv_mark: dict[int, torch.Tensor] = {}  # step -> the same before `mark`, when asked for
         self.mel: torch.Tensor | None = None  # (1, mel, frames) float32: x at t=1
         self._key: tuple = ()  # what besides the ids the frames depend on
         self._ids: torch.Tensor | None = None  # (1, P+T) prompt + token ids of the call that filled it
@@ -516,7 +518,7 @@ class FlowStreamCache:
     @property
     def nbytes(self) -> int:
         """Bytes held now."""
-        ts = [t for kv in self.kv.values() for t in kv] + list(self.conv.values())
+        ts = [t for kv in self.kv.values() for t in kv] + list(self.conv.values()) + list(self.conv_mark.values())
         ts += [self.mel] if self.mel is not None else []
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -549,6 +551,36 @@ class FlowStreamCache:
         self.mel = mel[:, :, :keep].clone()
         self._key = tuple(k.clone() if isinstance(k, torch.Tensor) else k for k in key)
         self._ids = ids.clone()
+
+    # Sharing frames between requests. Entries are only ever replaced, never written in place
+    # (``_StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
+    # tensors: a copy costs two small dicts, and a later call of either cache leaves the other intact.
+
+    def prefix(self, n_ids: int, frames: int | None = None) -> FlowStreamCache | None:
+        """A cache holding this one's first ``frames`` frames (default: all), valid for any call whose
+        ids start with this one's first ``n_ids`` — the caller vouches that those frames depend on
+        no later id. ``frames`` short of all needs the conv context a solve kept at ``mark ==
+        frames``. None when there is nothing to give. Shares the tensors where it can."""
+        frames = self.frames if frames is None else frames
+        if frames <= 0 or frames > self.frames or self._ids is None or n_ids > self._ids.shape[1]:
+            return None
+        out = FlowStreamCache(self.max_mb, self.max_frames)
+        if frames == self.frames:
+            out.kv, out.conv, out.mel = dict(self.kv), dict(self.conv), self.mel
+        else:
+            if self.mark != frames or set(self.conv_mark) != set(self.conv):
+                return None
+            out.kv = {slot: (k[:, :frames].clone(), v[:, :frames].clone()) for slot, (k, v) in self.kv.items()}
+            out.conv, out.mel = dict(self.conv_mark), self.mel[:, :, :frames].clone()
+        out.frames, out._key, out._ids = frames, self._key, self._ids[:, :n_ids]
+        return out
+
+    def load(self, other: FlowStreamCache) -> None:
+        """Take ``other``'s frames (shared, see :meth:`prefix`) in place of this cache's own; the
+        next call still checks that they belong to it."""
+        self.clear()
+        self.frames, self.kv, self.conv, self.mel = other.frames, dict(other.kv), dict(other.conv), other.mel
+        self._key, self._ids = other._key, other._ids
 
 
 def _same(a, b) -> bool:
@@ -594,6 +626,9 @@ class _StepCache:
                 y = cpe.conv2(cpe.conv1(hx.transpose(1, 2))).transpose(1, 2)
         if self.store:
             self.cache.conv[self.step] = hx[:, max(keep - CONV_CONTEXT, 0) - first:keep - first].clone()
+            mark = self.cache.mark
+            if 0 < mark <= keep and first <= max(mark - CONV_CONTEXT, 0):
+                self.cache.conv_mark[self.step] = hx[:, max(mark - CONV_CONTEXT, 0) - first:mark - first].clone()
         return y
 
     def kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
