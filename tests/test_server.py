@@ -134,6 +134,7 @@ def test_voices_and_health(client):
     h = client.get("/health").json()
     assert h["status"] == "ok" and h["active_sequences"] == 0 and h["queue_depth"] == 0
     assert h["llm"]["n_seq_max"] == 8
+    assert set(h["prompt_cache"]) == {"prompts", "bytes"}
 
 
 def test_formats(client):

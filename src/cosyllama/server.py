@@ -470,6 +470,9 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
         backend_stats = getattr(scheduler.backend, "stats", None)
         if callable(backend_stats):
             out["llm"] = backend_stats()
+        prompt_cache = getattr(getattr(tts, "token2wav", None), "prompt_cache_info", None)
+        if callable(prompt_cache):
+            out["prompt_cache"] = prompt_cache()
         return out
 
     return app
