@@ -1,0 +1,56 @@
+"""Time to first streamed audio for repeated requests with one voice, with and without the flow
+blocks shared between requests of a voice (``prompt_cache_mb``).
+
+Full-size random model from ``cosyllama bench``'s cache (made on first use), speech-layout GGUF,
+one voice from the bench's prompt clip, ``--requests`` streamed cross-lingual calls with forced
+length, each closed after its first non-empty chunk:
+
+    python scripts/bench_first_audio.py --threads 2 --prompt-cache-mb 0,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import cosyllama
+from cosyllama.bench import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
+from cosyllama.tts import SynthesisOptions
+
+
+def first_audio_s(tts, voice, seed: int) -> float:
+    opts = SynthesisOptions(seed=seed, stream=True, ignore_stop=True, max_tokens=250)
+    t0 = time.perf_counter()
+    chunks = iter(tts.cross_lingual(BENCH_TEXT, voice=voice, options=opts))
+    try:
+        while next(chunks).samples.size == 0:
+            pass
+        return time.perf_counter() - t0
+    finally:
+        chunks.close()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--type", default="Q8_0", help="GGUF type of the speech-layout LLM (default Q8_0)")
+    p.add_argument("--prompt-seconds", type=float, default=3.0)
+    p.add_argument("--prompt-cache-mb", default="0,512", help="comma list of bounds to compare")
+    p.add_argument("--requests", type=int, default=3)
+    args = p.parse_args(argv)
+    model = ensure_full_model(print)
+    gguf = ensure_gguf(model, "speech", args.type, print)
+    for mb in (float(x) for x in args.prompt_cache_mb.split(",")):
+        tts = cosyllama.load(model, llm="llamacpp", gguf=gguf, threads=args.threads, prompt_cache_mb=mb)
+        voice = tts.make_voice(prompt_wav(args.prompt_seconds))
+        tts.cross_lingual("Warm up.", voice=voice,
+                          options=SynthesisOptions(greedy=True, max_tokens=5, ignore_stop=True)).audio()
+        tts.token2wav.clear_prompt_cache()
+        times = [first_audio_s(tts, voice, i) for i in range(args.requests)]
+        print(f"prompt_cache_mb={mb:g}: first audio " + ", ".join(f"{t:.2f}" for t in times) + " s", flush=True)
+        del tts
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
