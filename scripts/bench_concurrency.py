@@ -1,7 +1,7 @@
 """Aggregate LLM decode throughput of the batch scheduler: N concurrent streams vs one.
 
 Runs requests of forced length (stop tokens ignored, seeded RAS) through a BatchScheduler over a
-llama.cpp backend and reports tokens/s summed over all streams and per stream. Use a full-size
+llama.cpp backend (or, without ``--gguf``, the PyTorch LLM) and reports tokens/s summed over all streams and per stream. Use a full-size
 model (``cosyllama make-model DIR --size full``; ``cosyllama convert --model-dir DIR --out F.gguf
 --type Q8_0``) for meaningful numbers.
 
@@ -99,7 +99,7 @@ def raw_step_ms(llm, cfg, batch: int, steps: int = 30) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True)
-    p.add_argument("--gguf", required=True)
+    p.add_argument("--gguf", help="llama.cpp GGUF; without it the PyTorch LLM (float32) is measured")
     p.add_argument("--streams", default="1,4", help="comma-separated concurrent stream counts (default 1,4)")
     p.add_argument("--tokens", type=int, default=100, help="tokens per stream (default 100)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -127,7 +127,16 @@ def main(argv=None) -> int:
         threading.Thread(target=torch_worker, daemon=True).start()
         ready.wait()
     cfg = load_config(args.model_dir).llm
-    llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels))
+    if args.gguf:
+        llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels))
+    else:
+        import torch
+
+        from cosyllama.llm.torch_backend import TorchLLM
+
+        torch.set_num_threads(args.threads)
+        llm = TorchLLM.from_dir(args.model_dir)
+        llm.n_seq_max = max(levels)  # the scheduler's batch size
     rows = []
     try:
         # Everything that calls llama.cpp runs on the scheduler's worker thread first: llama.cpp's
@@ -158,7 +167,8 @@ def main(argv=None) -> int:
                 for n, ms in raw.items()))
     finally:
         stop.set()
-        llm.close()
+        if hasattr(llm, "close"):
+            llm.close()
     if args.json:
         Path(args.json).write_text(json.dumps({"backend": repr(llm), "direct_tokens_per_s": direct,
                                                "raw_step_ms": raw, "levels": rows}, indent=1))

@@ -128,3 +128,41 @@ def test_seeded_sampling_reproducible(llm):
 def test_silent_token_filter_equals_fixture():
     a, _ = load_fixture("llm_job_silence_filter")
     assert SilentTokenFilter().filter(a["llm_tokens"].tolist()) == a["kept_tokens"].tolist()
+
+
+def test_batched_step_equals_stepping_each_alone(llm):
+    """Sequences at different lengths stepped together (one pass through the body) give each one's
+    log-probs as stepping it alone, up to float rounding, and advance each cache by one."""
+    a, _ = load_fixture("llm_teacher_forced")
+    base = _prefill(a)
+    prefills = [base, Prefill(base.text_ids[:-3], base.prompt_speech_tokens),
+                Prefill(base.text_ids, base.prompt_speech_tokens[:-5])]
+    toks = a["continuation"].tolist()
+
+    def run(together: bool):
+        seqs = [llm.start(pf, 16)[0] for pf in prefills]
+        out = []
+        for k in range(4):
+            batch = [(s, toks[(k + i) % len(toks)]) for i, s in enumerate(seqs)]
+            out.append(torch.stack(llm.step(batch) if together else [llm.step([b])[0] for b in batch]))
+        lengths = [s.cache.length for s in seqs]
+        for s in seqs:
+            llm.release(s)
+        return torch.stack(out), lengths
+
+    (together, len_t), (alone, len_a) = run(True), run(False)
+    assert len_t == len_a == [len(pf) + 4 for pf in prefills]
+    assert together.shape == (4, 3, 6761)
+    assert (together - alone).abs().max() <= 1e-5
+    assert torch.equal(together.argmax(-1), alone.argmax(-1))
+
+
+def test_a_sequence_twice_in_one_step_is_refused(llm):
+    from cosyllama.errors import InputError
+
+    a, _ = load_fixture("llm_teacher_forced")
+    seq, _ = llm.start(_prefill(a), 4)
+    with pytest.raises(InputError, match="only once"):
+        llm.step([(seq, 1), (seq, 2)])
+    assert seq.cache.length == len(_prefill(a))  # nothing was fed
+    llm.release(seq)

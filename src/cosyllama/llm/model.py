@@ -105,6 +105,26 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+    def forward_step(self, x: torch.Tensor, cos, sin, caches: list[KVCache], layer: int) -> torch.Tensor:
+        """One new position for each of B sequences: x ``(B, 1, hidden)``, cos/sin ``(B, head_dim)``
+        at each sequence's own position. The projections run once for the batch (the weights are
+        read once); attention runs per sequence over its own cache."""
+        b = x.shape[0]
+        q = self.q_proj(x).view(b, 1, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, 1, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs = []
+        for j, cache in enumerate(caches):
+            end = cache.length + 1
+            cache.k[layer, :, end - 1] = k[j, :, 0]
+            cache.v[layer, :, end - 1] = v[j, :, 0]
+            outs.append(F.scaled_dot_product_attention(q[j:j + 1], cache.k[layer, :, :end].unsqueeze(0),
+                                                       cache.v[layer, :, :end].unsqueeze(0), enable_gqa=True))
+        return self.o_proj(torch.cat(outs).transpose(1, 2).reshape(b, 1, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: QwenConfig):
         super().__init__()
@@ -126,6 +146,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_step(self, x, cos, sin, caches: list[KVCache], layer: int) -> torch.Tensor:
+        x = x + self.self_attn.forward_step(self.input_layernorm(x), cos, sin, caches, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -167,6 +191,21 @@ class SpeechLM(nn.Module):
             x = layer(x, cos, sin, cache, i)
         cache.length += t
         return self.norm(x)
+
+    def forward_step(self, embeds: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One new position for each of B sequences (``embeds (B, hidden)``, one cache each, at its
+        own length) in one pass: the linear layers see a batch of B rows. Returns the final-normed
+        hidden states ``(B, hidden)``; each cache grows by one."""
+        for cache in caches:
+            cache.reserve(1)
+        pos = torch.tensor([cache.length for cache in caches], device=embeds.device)
+        cos, sin = rope_cos_sin(pos, self.cfg.qwen.head_dim, self.cfg.qwen.rope_theta)
+        x = embeds[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_step(x, cos, sin, caches, i)
+        for cache in caches:
+            cache.length += 1
+        return self.norm(x)[:, 0]
 
     def logp(self, hidden_last: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> float32 log-probs (..., 6761)."""

@@ -9,6 +9,7 @@ import torch
 
 from ..config import LLMConfig, load_config
 from ..device import on_true_fp32, resolve_device
+from ..errors import InputError
 from ..weights import load_llm_weights
 from .backend import Prefill
 from .model import KVCache, SpeechLM
@@ -53,14 +54,22 @@ class TorchLLM:
     @on_true_fp32
     @torch.inference_mode()
     def step(self, batch: Sequence[tuple[_Sequence, int]]) -> list[torch.Tensor]:
-        out = []
-        for seq, tok in batch:
+        """Feed one speech token to each listed sequence; return their logps. Two or more sequences
+        go through the body together (:meth:`SpeechLM.forward_step`: the weights are read once per
+        step, not once per sequence); log-probs equal stepping each alone up to float rounding."""
+        for seq, _ in batch:
             if seq.cache is None:
                 raise RuntimeError("step() on a released sequence")
+        if len({id(seq) for seq, _ in batch}) != len(batch):
+            raise InputError("a sequence may appear only once per step")
+        if len(batch) == 1:
+            seq, tok = batch[0]
             emb = self.model.speech_embedding.weight[tok].view(1, 1, -1)
             hidden = self.model.forward_hidden(emb, seq.cache)
-            out.append(self.model.logp(hidden[0, -1]).cpu())
-        return out
+            return [self.model.logp(hidden[0, -1]).cpu()]
+        toks = torch.tensor([int(tok) for _, tok in batch], dtype=torch.long, device=self.device)
+        hidden = self.model.forward_step(self.model.speech_embedding.weight[toks], [seq.cache for seq, _ in batch])
+        return list(self.model.logp(hidden).cpu().unbind(0))
 
     def release(self, handle: _Sequence) -> None:
         handle.cache = None
