@@ -145,7 +145,7 @@ def openmp_serving_hint() -> str | None:
     Such a build shares libgomp with PyTorch (one copy is loaded per process), and libgomp cuts
     its threads' spin-waiting short once the thread teams of all threads together outnumber the
     cores — which a server's flow threads make happen. Measured with
-    ``scripts/bench_concurrency.py --torch-thread`` on 2 vCPUs: 25-30 % slower decode, while a
+    ``scripts/bench_concurrency.py --torch-thread`` on 2 vCPUs: 21-29 % slower decode, while a
     build without OpenMP (ggml's own thread pool) was unaffected.
     """
     info = import_llama_cpp().llama_print_system_info()
@@ -153,7 +153,7 @@ def openmp_serving_hint() -> str | None:
     if "OPENMP = 1" not in info:
         return None
     return ("llama-cpp-python was built with OpenMP, which shares its threads with PyTorch's: with flow work "
-            "running beside it, LLM decoding measured 25-30 % slower. For serving, rebuild it without: "
+            "running beside it, LLM decoding measured 21-29 % slower. For serving, rebuild it without: "
             'CMAKE_ARGS="-DGGML_OPENMP=OFF" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python')
 
 
