@@ -317,3 +317,20 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     assert len(said) == (1 if hinted else 0)
     if hinted:
         assert '-DGGML_OPENMP=OFF' in said[0] and "pip install" in said[0]
+
+
+def test_serve_passes_the_cache_bounds_and_refuses_bad_ones(capsys):
+    from types import SimpleNamespace
+
+    from cosyllama.cli import main
+    from cosyllama.server import load_tts
+
+    args = SimpleNamespace(model_dir=str(MODEL_DIR), gguf=None, precision="bf16", stream_cache_mb=64.0,
+                           prompt_cache_mb=0.0)
+    t2w = load_tts(args).token2wav
+    assert t2w.new_stream_cache().max_mb == 64 and t2w._prompt_cache_bytes() == 0
+    args.stream_cache_mb = args.prompt_cache_mb = None
+    t2w = load_tts(args).token2wav
+    assert t2w.new_stream_cache().max_mb == 2048 and t2w._prompt_cache_bytes() == 512 * 2**20
+    assert main(["serve", "--model-dir", str(MODEL_DIR), "--prompt-cache-mb", "-1"]) == 2
+    assert "--prompt-cache-mb must be >= 0" in capsys.readouterr().err

@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 503 (default 16)")
     v.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default 4096)")
     v.add_argument("--voices", help="voice file (written by VoiceStore.save) to register at start")
+    v.add_argument("--stream-cache-mb", type=float, default=None,
+                   help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
+                        "off at fp32; 0 = off)")
+    v.add_argument("--prompt-cache-mb", type=float, default=None,
+                   help="bound of the flow blocks shared between requests of one voice in MiB "
+                        "(default 512 when the streaming cache is on; 0 = off)")
     v.set_defaults(func=cmd_serve)
     return p
 

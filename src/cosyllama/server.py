@@ -486,17 +486,22 @@ def load_tts(args):
     """The TTS the ``serve`` command asks for (llama.cpp when ``--gguf`` is given)."""
     from .tts import TTS
 
+    for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
+        v = getattr(args, name, None)
+        if v is not None and not v >= 0:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
     threads = getattr(args, "threads", None)
-    device = getattr(args, "device", "cpu")
+    common = dict(device=getattr(args, "device", "cpu"), threads=threads, precision=getattr(args, "precision", "auto"),
+                  stream_cache_mb=getattr(args, "stream_cache_mb", None),
+                  prompt_cache_mb=getattr(args, "prompt_cache_mb", None))
     if args.gguf:
         from .llm.llamacpp_backend import LlamaCppLLM
 
         backend = LlamaCppLLM(args.gguf, args.model_dir, n_threads=threads,
                               n_gpu_layers=getattr(args, "n_gpu_layers", 0),
                               n_seq_max=getattr(args, "parallel", 8))
-        return TTS(args.model_dir, llm="llamacpp", device=device, threads=threads, llm_backend=backend,
-                   precision=getattr(args, "precision", "auto"))
-    return TTS(args.model_dir, llm="torch", device=device, threads=threads, precision=getattr(args, "precision", "auto"))
+        return TTS(args.model_dir, llm="llamacpp", llm_backend=backend, **common)
+    return TTS(args.model_dir, llm="torch", **common)
 
 
 def serve(args) -> None:
