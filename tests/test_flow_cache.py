@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, interleave_chunks, load_fixture
+from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.errors import InputError
 from cosyllama.flow import DEFAULT_STREAM_CACHE_MB, Flow, FlowStreamCache
@@ -437,3 +437,42 @@ def test_a_prefix_short_of_the_cache_needs_its_conv_context(flows):
     got = _call(flow, other, fp, 78, fresh)
     assert fresh.last_start == 50 and fresh.rebuilds == 0
     assert _diff(got, _call(flow, other, fp, 78)) <= TOL["bf16"]
+
+
+def test_a_warmed_voice_shares_its_blocks_from_its_first_request(flows, hift):
+    fp, tok = _prompt(), _tokens()[0].tolist()
+    spy = _FlowSpy(flows["bf16"])
+    t2w = Token2Wav(spy, hift, 24000)
+    assert t2w.warm_prompt(fp) and t2w.prompt_cache_info()["prompts"] == 1
+    assert t2w.warm_prompt(fp)  # already kept: nothing solved again
+    n_warm = len(spy.calls)
+    assert n_warm == 1
+    (chunks, mel), = _streams(t2w, [(tok, fp)])
+    first = next(frames for _, cache, frames, _ in spy.calls[n_warm:] if cache is not None)
+    assert first == 50  # the very first request already started after the shared block
+    alone_chunks, alone_mel = _streams(Token2Wav(flows["bf16"], hift, 24000, prompt_cache_mb=0), [(tok, fp)])[0]
+    assert [c.samples.size for c in chunks] == [c.samples.size for c in alone_chunks]
+    assert _diff(mel, alone_mel) <= TOL["bf16"]
+    # Nothing to warm with the caches off, or with a prompt too short to share a whole block.
+    assert not Token2Wav(flows["fp32"], hift, 24000).warm_prompt(fp)
+    short = FlowPrompt(fp.tokens[:, :20], fp.feat[:, :40], fp.embedding)
+    assert not Token2Wav(flows["bf16"], hift, 24000).warm_prompt(short)
+
+
+def test_tts_warm_voice_by_id():
+    import cosyllama
+
+    tts = cosyllama.load(MODEL_DIR, precision="bf16")
+    voice = tts.add_voice("v", FIXTURES / load_fixture("e2e_zero_shot_stream")[1]["meta"]["call"]["prompt_wav"])
+    assert tts.warm_voice("v") and tts.token2wav.prompt_cache_info()["prompts"] == 1
+    assert tts.warm_voice(voice)  # the same voice object: already kept
+    assert tts.token2wav.prompt_cache_info()["prompts"] == 1
+    # A streaming request with the voice finds what was warmed (a different key would add an entry).
+    spy = _FlowSpy(tts.token2wav.flow)
+    tts.token2wav.flow = spy
+    try:
+        tts.cross_lingual("Hello there, this is a test.", voice="v", stream=True, greedy=True).audio()
+    finally:
+        tts.token2wav.flow = spy.flow
+    assert tts.token2wav.prompt_cache_info()["prompts"] == 1
+    assert next(frames for _, cache, frames, _ in spy.calls if cache is not None) > 0

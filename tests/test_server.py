@@ -137,6 +137,28 @@ def test_voices_and_health(client):
     assert set(h["prompt_cache"]) == {"prompts", "bytes"}
 
 
+def test_a_registered_voice_is_warmed_in_the_background(client, tts):
+    """Registering a voice solves its shared flow blocks after the answer (no synthesis needed):
+    the prompt cache gains one prompt; a quieter copy of the clip is a different prompt."""
+    if tts.token2wav._prompt_cache_bytes() == 0:
+        pytest.skip("the flow caches are off at fp32 (precision auto on a CPU without native bf16)")
+    _wait_idle(client)
+    before = client.get("/health").json()["prompt_cache"]["prompts"]
+    audio, sr = sf.read(PROMPT_WAV, dtype="float32")
+    buf = io.BytesIO()
+    sf.write(buf, 0.5 * audio, sr, format="WAV")
+    r = client.post("/v1/voices", files={"audio": ("q.wav", buf.getvalue(), "audio/wav")},
+                    data={"text": "Hello, this is my voice.", "id": "quiet"})
+    assert r.status_code == 200
+    try:
+        deadline = time.monotonic() + 30
+        while client.get("/health").json()["prompt_cache"]["prompts"] != before + 1:
+            assert time.monotonic() < deadline, "the voice was not warmed"
+            time.sleep(0.05)
+    finally:
+        assert client.delete("/v1/voices/quiet").status_code == 200
+
+
 def test_formats(client):
     wav = _speech(client, "Hello there.")
     assert wav.status_code == 200 and wav.headers["content-type"] == "audio/wav"

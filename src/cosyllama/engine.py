@@ -149,7 +149,7 @@ class Token2Wav:
     def _prompt_key(self, prompt: FlowPrompt) -> bytes:
         h = hashlib.sha256()
         dec = self.flow.decoder
-        h.update(repr((id(self.flow), getattr(dec, "_weights_version", None), str(self.flow.precision),
+        h.update(repr((id(dec), getattr(dec, "_weights_version", None), str(self.flow.precision),
                        dec.n_timesteps)).encode())
         for t in (prompt.tokens, prompt.feat, prompt.embedding):
             a = t.detach().cpu().contiguous()
@@ -173,6 +173,23 @@ class Token2Wav:
             if frames is not None:
                 self._prompt_frames.move_to_end(key)
             return frames
+
+    def warm_prompt(self, prompt: FlowPrompt) -> bool:
+        """Solve the prompt's shared blocks now and keep them, as a first streaming request of this
+        prompt would (it then starts after them too). Returns whether they are kept."""
+        p = prompt.tokens.shape[1]
+        shared = self.shared_prompt_frames(p)
+        cache = self.new_stream_cache()
+        if cache is None or not shared or self._prompt_cache_bytes() <= 0:
+            return False
+        key = self._prompt_key(prompt)
+        if self._prompt_frames_for(key) is None:
+            cache.mark = shared
+            # One token after the prompt plus the look-ahead: the shared frames read none of them.
+            self._mel([0] * (1 + self.lookahead), prompt, 0, streaming=True, finalize=False, cache=cache)
+            self._keep_prompt_frames(key, cache.prefix(p, shared))
+            cache.clear()
+        return self._prompt_frames_for(key) is not None
 
     def prompt_cache_info(self) -> dict:
         """Prompts whose shared frames are kept, and the bytes they hold."""

@@ -32,7 +32,7 @@ from .voices import check_voice_id
 
 try:
     import anyio
-    from fastapi import FastAPI, File, Form, Request, UploadFile
+    from fastapi import BackgroundTasks, FastAPI, File, Form, Request, UploadFile
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
@@ -414,7 +414,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     # -- voices -----------------------------------------------------------------------------------
 
     @app.post("/v1/voices")
-    async def add_voice(audio: UploadFile = File(...), text: str | None = Form(None), id: str | None = Form(None)):
+    async def add_voice(background: BackgroundTasks, audio: UploadFile = File(...), text: str | None = Form(None),
+                        id: str | None = Form(None)):
         voice_id = id if id else f"voice-{secrets.token_hex(4)}"
         try:
             check_voice_id(voice_id)
@@ -435,7 +436,23 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
         finally:
             g.release()
         tts.voices.add(voice_id, voice)
+        background.add_task(warm_voice, voice_id, voice)
         return {"id": voice_id}
+
+    async def warm_voice(voice_id: str, voice) -> None:
+        """After answering: solve the voice's shared flow blocks, so its first streaming request
+        starts after them too. Takes a slot like a request; skipped when the server is busy."""
+        g = get_gate()
+        try:
+            await g.acquire()
+        except ApiError:
+            return
+        try:
+            await run_in_threadpool(tts.warm_voice, voice)
+        except Exception as e:  # a failed warm-up only costs the first request its head start
+            log.warning("warming voice %s failed: %s", voice_id, e)
+        finally:
+            g.release()
 
     @app.get("/v1/voices")
     async def list_voices():
@@ -512,6 +529,15 @@ def serve(args) -> None:
     voices = getattr(args, "voices", None)
     if voices:
         tts.voices.load(voices)
+
+        def warm_all() -> None:  # beside the first requests: each voice's first stream gets a head start
+            for vid in tts.voices.ids():
+                try:
+                    tts.warm_voice(vid)
+                except Exception as e:
+                    log.warning("warming voice %s failed: %s", vid, e)
+
+        threading.Thread(target=warm_all, name="cosyllama-warm-voices", daemon=True).start()
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
                      max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS))
     if getattr(tts.llm, "name", None) == "llamacpp":

@@ -181,6 +181,15 @@ class TTS:
         self.voices.add(voice_id, voice)
         return voice
 
+    def warm_voice(self, voice: PromptFeatures | str) -> bool:
+        """Compute now the flow blocks streaming requests with this voice share (see
+        ``prompt_cache_mb``), so that its first streaming request starts its first chunk after them
+        too. Costs one flow solve over the prompt's frames; True if they are kept, False when the
+        streaming caches are off or the prompt is too short to share a block. Not for voice
+        conversion, whose prompt is aligned differently."""
+        v = self.voices.get(voice) if isinstance(voice, str) else voice
+        return self.token2wav.warm_prompt(self._to_flow_prompt(v.speech_tokens, v.prompt_feat, v.speaker_embedding))
+
     def _voice(self, voice: PromptFeatures | str | None,
                prompt_wav: AudioSource | None) -> PromptFeatures | AudioSource:
         """The registered or given voice, else the prompt clip; the frontend turns a clip into a
@@ -258,9 +267,12 @@ class TTS:
             # between prompt and converted speech; we align it like every other mode.
             n = min(feat.shape[0] // self.config.token_mel_ratio, tokens.shape[0])
             tokens, feat = tokens[:n], feat[: n * self.config.token_mel_ratio]
+        return self._to_flow_prompt(tokens, feat, inp.speaker_embedding)
+
+    def _to_flow_prompt(self, tokens: torch.Tensor, feat: torch.Tensor, embedding: torch.Tensor) -> FlowPrompt:
         dev = self.device
         return FlowPrompt(tokens.reshape(1, -1).to(dev, torch.int32), feat.unsqueeze(0).to(dev, torch.float32),
-                          inp.speaker_embedding.reshape(1, -1).to(dev, torch.float32))
+                          embedding.reshape(1, -1).to(dev, torch.float32))
 
     def segment_tokens(self, inp: ModelInput, opts: SynthesisOptions, segment: int) -> Iterator[int]:
         """Speech tokens that reach the flow for one segment (silent-token filter applied)."""
