@@ -1,7 +1,6 @@
 """make-model output loads strictly; bench's JSON carries every documented field."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch

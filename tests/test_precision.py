@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from conftest import MODEL_DIR, load_fixture
 from cosyllama import precision as prec

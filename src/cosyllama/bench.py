@@ -220,7 +220,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     for variant in FLOW_VARIANTS if "flow" in parts else ("fp32",):
         flow.set_precision(variant)
         flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
-        secs, mel = _time(lambda: flow.inference(tokens, prompt_tokens, prompt_feat, emb), repeat, device)
+        secs, mel = _time(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), repeat, device)
         if mel_ref is None:
             mel_ref = mel
         diff = (mel - mel_ref).abs()

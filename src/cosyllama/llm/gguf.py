@@ -26,14 +26,14 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..config import QWEN_DIR, LLMConfig, load_config
+from ..config import LLMConfig, load_config
 from ..errors import CheckpointError, InputError, MissingDependencyError, ModelDirError
 from ..progress import StageProgress as Progress
 from ..weights import load_llm_weights

@@ -104,7 +104,6 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
-
     def forward_step(self, x: torch.Tensor, cos, sin, caches: list[KVCache], layer: int) -> torch.Tensor:
         """One new position for each of B sequences: x ``(B, 1, hidden)``, cos/sin ``(B, head_dim)``
         at each sequence's own position. The projections run once for the batch (the weights are
