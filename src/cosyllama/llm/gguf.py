@@ -450,7 +450,7 @@ def _read_header(path: Path, buf) -> tuple[dict, list[_TensorInfo]]:
             return [value(etype) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {vtype}")
 
-    magic, version, n_tensors, n_kv = take("I"), take("I"), take("Q"), take("Q")
+    _magic, version, n_tensors, n_kv = take("I"), take("I"), take("Q"), take("Q")  # magic: checked by the caller
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
     kv = {}
