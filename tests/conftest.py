@@ -21,6 +21,21 @@ def model_dir() -> Path:
     return MODEL_DIR
 
 
+def recorded_flow_calls(flow, case: str, **kw):
+    """Replay each ``flow.inference`` call the upstream wrapper made in the end-to-end run ``case``
+    (fixture ``e2e_<case>``); yields ``(k, call, mel, expected_mel)``. ``kw`` goes to every call."""
+    import torch
+
+    arr, meta = load_fixture(f"e2e_{case}")
+    prompt = (torch.from_numpy(arr["in_flow_prompt_speech_token"]), torch.from_numpy(arr["in_prompt_speech_feat"]))
+    tokens, emb = torch.from_numpy(arr["flow_tokens"]), torch.from_numpy(arr["in_flow_embedding"])
+    for k, call in enumerate(meta["meta"]["flow_calls"]):
+        assert call["n_prompt_tokens"] == prompt[0].shape[1]
+        mel = flow.inference(tokens[:, :call["n_tokens"]], *prompt, emb, streaming=call["streaming"],
+                             finalize=call["finalize"], **kw)
+        yield k, call, mel, arr[f"flow_call{k}_mel"]
+
+
 def synthesize_call(tts, call: dict, **kw):
     """Run one recorded e2e call (its ``meta.call``) through the public API, greedy."""
     wav = FIXTURES / call["prompt_wav"]

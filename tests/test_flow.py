@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture
+from conftest import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama.errors import CheckpointError, DeviceError, InputError
 from cosyllama.flow import Flow, chunk_attention_mask, cosine_t_span, flow_noise
 
@@ -140,15 +140,9 @@ def test_mel_streaming(fx, flow):
 @pytest.mark.parametrize("case", E2E)
 def test_every_recorded_flow_call(case, flow):
     """Each flow.inference call the upstream wrapper made in the end-to-end runs."""
-    arr, meta = load_fixture(f"e2e_{case}")
-    prompt = (torch.from_numpy(arr["in_flow_prompt_speech_token"]), torch.from_numpy(arr["in_prompt_speech_feat"]))
-    tokens = torch.from_numpy(arr["flow_tokens"])
-    for k, call in enumerate(meta["meta"]["flow_calls"]):
-        assert call["n_prompt_tokens"] == prompt[0].shape[1]
-        mel = flow.inference(tokens[:, :call["n_tokens"]], *prompt, torch.from_numpy(arr["in_flow_embedding"]),
-                             streaming=call["streaming"], finalize=call["finalize"])
+    for k, call, mel, want in recorded_flow_calls(flow, case):
         assert mel.shape[2] == call["n_mel_out"]
-        close(mel, arr[f"flow_call{k}_mel"], ATOL, f"{case} call {k}")
+        close(mel, want, ATOL, f"{case} call {k}")
 
 
 def test_bad_inputs_are_refused(fx, flow):

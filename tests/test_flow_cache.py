@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
+from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture, recorded_flow_calls
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.errors import InputError
 from cosyllama.flow import DEFAULT_STREAM_CACHE_MB, Flow, FlowStreamCache
@@ -96,14 +96,9 @@ def test_first_cached_call_is_the_reference_computation(flows):
 @pytest.mark.parametrize("case", STREAM_CASES)
 def test_cached_calls_match_the_recorded_upstream_calls(flows, case):
     """Every streaming flow call of the recorded end-to-end runs, made through one cache."""
-    arr, meta = load_fixture(f"e2e_{case}")
-    fp = _prompt(case)
-    tokens = torch.from_numpy(arr["flow_tokens"])
     cache = FlowStreamCache()
-    for k, call in enumerate(meta["meta"]["flow_calls"]):
-        mel = flows["fp32"].inference(tokens[:, :call["n_tokens"]], fp.tokens, fp.feat, fp.embedding,
-                                      streaming=call["streaming"], finalize=call["finalize"], cache=cache)
-        assert _diff(mel, torch.from_numpy(arr[f"flow_call{k}_mel"])) <= TOL["fp32"], (case, k)
+    for k, _, mel, want in recorded_flow_calls(flows["fp32"], case, cache=cache):
+        assert _diff(mel, torch.from_numpy(want)) <= TOL["fp32"], (case, k)
     assert cache.rebuilds == 0
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture, synthesize_call
+from conftest import FIXTURES, MODEL_DIR, load_fixture, recorded_flow_calls, synthesize_call
 from cosyllama import load
 from cosyllama.engine import FlowPrompt
 from cosyllama.flow import Flow, FlowStreamCache
@@ -107,26 +107,15 @@ def test_llm_greedy_tokens(llm):
 
 @pytest.mark.parametrize("case", E2E)
 def test_flow_every_recorded_call(flows, case):
-    arr, meta = load_fixture(f"e2e_{case}")
-    prompt = (t(arr["in_flow_prompt_speech_token"]), t(arr["in_prompt_speech_feat"]))
-    tokens, emb = t(arr["flow_tokens"]), t(arr["in_flow_embedding"])
-    for k, call in enumerate(meta["meta"]["flow_calls"]):
-        mel = flows["fp32"].inference(tokens[:, :call["n_tokens"]], *prompt, emb,
-                                      streaming=call["streaming"], finalize=call["finalize"])
+    for k, _, mel, want in recorded_flow_calls(flows["fp32"], case):
         assert mel.device.type == torch.device(DEVICE).type and mel.dtype == torch.float32
-        assert diff("flow_fp32_mel", mel, arr[f"flow_call{k}_mel"]) <= ATOL, (case, k)
+        assert diff("flow_fp32_mel", mel, want) <= ATOL, (case, k)
 
 
 @pytest.mark.parametrize("case", E2E)
 def test_flow_bf16_within_the_fidelity_bound(flows, case):
-    arr, meta = load_fixture(f"e2e_{case}")
-    prompt = (t(arr["in_flow_prompt_speech_token"]), t(arr["in_prompt_speech_feat"]))
-    tokens, emb = t(arr["flow_tokens"]), t(arr["in_flow_embedding"])
-    for k, call in enumerate(meta["meta"]["flow_calls"]):
-        mel = flows["bf16"].inference(tokens[:, :call["n_tokens"]], *prompt, emb,
-                                      streaming=call["streaming"], finalize=call["finalize"])
-        ref = t(arr[f"flow_call{k}_mel"]).double()
-        d = (mel.double().cpu() - ref).abs()
+    for k, _, mel, want in recorded_flow_calls(flows["bf16"], case):
+        d = (mel.double().cpu() - t(want).double()).abs()
         REPORT["flow_bf16_mel_mean"] = max(float(d.mean()), REPORT.get("flow_bf16_mel_mean", 0.0))
         REPORT["flow_bf16_mel_max"] = max(float(d.max()), REPORT.get("flow_bf16_mel_max", 0.0))
         assert float(d.mean()) <= MEAN_BOUND and float(d.max()) <= MAX_BOUND, (case, k)

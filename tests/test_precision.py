@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture
+from conftest import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama import precision as prec
 from cosyllama.audio import mel_spectrogram
 from cosyllama.config import load_config
@@ -99,14 +99,9 @@ def test_modules_refuse_bad_precision_and_default_to_fp32():
 def test_flow_bf16_stays_within_bound_on_every_recorded_call(flow_bf16):
     worst = (0.0, 0.0)
     for case in E2E:
-        arr, meta = load_fixture(f"e2e_{case}")
-        prompt = (t(arr["in_flow_prompt_speech_token"]), t(arr["in_prompt_speech_feat"]))
-        tokens, emb = t(arr["flow_tokens"]), t(arr["in_flow_embedding"])
-        for k, call in enumerate(meta["meta"]["flow_calls"]):
-            mel = flow_bf16.inference(tokens[:, :call["n_tokens"]], *prompt, emb, streaming=call["streaming"],
-                                      finalize=call["finalize"])
+        for k, _, mel, want in recorded_flow_calls(flow_bf16, case):
             assert mel.dtype == torch.float32
-            mean, mx = mel_diff(mel, arr[f"flow_call{k}_mel"])
+            mean, mx = mel_diff(mel, want)
             assert mean <= MEAN_BOUND and mx <= MAX_BOUND, f"{case} call {k}: mean {mean:.4g} max {mx:.4g}"
             worst = (max(worst[0], mean), max(worst[1], mx))
     print(f"flow bf16 vs upstream fp32 mel, worst over e2e calls: mean {worst[0]:.2e} max {worst[1]:.2e}")
