@@ -123,11 +123,15 @@ class Token2Wav:
         self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
         self._prompt_lock = threading.Lock()
 
-    def new_stream_cache(self) -> FlowStreamCache | None:
-        """The flow cache a new streaming request gets (None: recompute every chunk)."""
+    def _stream_cache_mb(self) -> float:
         mb = self.stream_cache_mb
         if mb is None:
             mb = 0.0 if getattr(self.flow, "precision", torch.float32) == torch.float32 else DEFAULT_STREAM_CACHE_MB
+        return mb
+
+    def new_stream_cache(self) -> FlowStreamCache | None:
+        """The flow cache a new streaming request gets (None: recompute every chunk)."""
+        mb = self._stream_cache_mb()
         return FlowStreamCache(max_mb=mb) if mb > 0 else None
 
     # -- frames shared between requests of one prompt ---------------------------------------
@@ -143,7 +147,7 @@ class Token2Wav:
     def _prompt_cache_bytes(self) -> int:
         mb = self.prompt_cache_mb
         if mb is None:
-            mb = DEFAULT_PROMPT_CACHE_MB if self.new_stream_cache() is not None else 0.0
+            mb = DEFAULT_PROMPT_CACHE_MB if self._stream_cache_mb() > 0 else 0.0
         return int(mb * 2**20)
 
     def _prompt_key(self, prompt: FlowPrompt) -> bytes:

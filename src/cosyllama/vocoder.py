@@ -171,12 +171,12 @@ class SourceModule(nn.Module):
     def sine_waves(self, f0: torch.Tensor) -> torch.Tensor:
         """The 9 noisy harmonics before merging: ``(1, T*up, 9)`` float32, on ``f0``'s device."""
         dev = f0.device
-        f0_up = f0.float().repeat_interleave(self.upsample, dim=1)[:, :, None]  # (1, L, 1)
         # The phase is computed on the CPU whatever the device: it is a running sum over the whole
         # utterance multiplied by 480*2*pi, so a one-ulp difference in an increment (CUDA divides
         # by a scalar through its reciprocal) or in a rounded partial sum (a parallel float64 scan)
         # moves the sine by ~1e-3 and the waveform by far more (measured on an H200: 7e-3).
-        f0_cpu = f0_up.cpu()
+        f0_cpu = f0.float().cpu().repeat_interleave(self.upsample, dim=1)[:, :, None]  # (1, L, 1)
+        f0_up = f0_cpu.to(dev)
         mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32)
         rad = (f0_cpu * mult / self.sample_rate) % 1  # phase increment per sample, in turns
         # Upstream's causal source accumulates phase at frame rate: a linear down-sampling (which
