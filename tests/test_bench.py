@@ -53,7 +53,11 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
                "--output-seconds", "1", "--threads", "1"])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert set(res["machine"]) >= {"cpu", "threads", "gpu"} and res["machine"]["threads"] == 1
+    assert set(res["machine"]) >= {"cpu", "threads", "gpu", "cpu_class", "isa", "torch_kernels", "llama_cpp"}
+    assert res["machine"]["threads"] == 1
+    from cosyllama.cpu import cpu_class
+
+    assert res["machine"]["cpu_class"] == cpu_class() and res["machine"]["llama_cpp"]  # the build's features
     assert res["machine"]["device"] == "cpu" and {r["device"] for r in res["llm"] + res["pipeline"]} == {"cpu"}
     configs = {(r["backend"], r["layout"], r["type"]) for r in res["llm"]}
     assert configs == {("torch", None, "F32")} | {("llamacpp", lay, t) for lay in ("speech", "merged")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -310,23 +309,23 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
 # ----------------------------------------------------------------------------------------------
 
 
-def machine_info(threads: int, device: torch.device = torch.device("cpu")) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": cpu, "threads": threads, "gpu": gpu, "device": str(device), "torch": torch.__version__}
+def machine_info(threads: int, device: torch.device = torch.device("cpu"), llm: bool = True) -> dict:
+    """The machine and the CPU path (class, ISA, torch kernels, llama.cpp build) the rows ran on."""
+    from .cpu import CpuPath
+
+    info = CpuPath(threads=threads, device=str(device), llm="llamacpp" if llm else "torch").as_dict()
+    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    info["torch"] = torch.__version__
+    return info
 
 
 def format_table(res: dict) -> str:
     m = res["machine"]
     lines = [f"machine: {m['cpu']}, {m['threads']} threads"
              + (f"; torch stages on {m['device']} ({m['gpu']})" if m.get("device", "cpu") != "cpu" else "")]
+    if "cpu_class" in m:
+        lines.append(f"CPU class {m['cpu_class']} (ISA {' '.join(m['isa']) or '-'}; torch kernels {m['torch_kernels']})"
+                     + (f"; llama.cpp build: {m['llama_cpp']}" if m.get("llama_cpp") else ""))
     if res["llm"]:
         lines += ["", "LLM stage (forced length)", f"{'backend':<10}{'layout':<8}{'type':<8}{'prefill':>8}"
                   f"{'decode':>8}{'tok/s':>9}{'LLM RTF':>9}{'vs torch':>9}"]
@@ -342,8 +341,11 @@ def format_table(res: dict) -> str:
     if res["flow"] or res["vocoder"]:
         lines.append("")
     for r in res["flow"]:
+        native = "" if r["variant"] == "fp32" or m.get("device", "cpu") != "cpu" or m.get("cpu_class") in (
+            "AVX512-BF16", "AMX", None) else " [bf16 emulated on this CPU: auto uses fp32]"
         lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
-                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})")
+                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})"
+                     + native)
     for r in res["vocoder"]:
         lines.append(f"vocoder {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
                      f"(wav vs fp32: max {r['wav_max_abs_diff_vs_fp32']:.4f})")
@@ -373,7 +375,8 @@ def run_bench(args, progress: Progress = print) -> int:
     from .config import load_config
 
     load_config(model_dir)
-    res = {"machine": machine_info(threads, device), "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
+    machine = machine_info(threads, device, llm=bool(parts & {"llm", "pipeline"}))
+    res = {"machine": machine, "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
            "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": []}
     if "llm" in parts:
         res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,

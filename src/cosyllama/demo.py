@@ -15,6 +15,7 @@ DEMO_TEXT = "Hello from cosyllama. This is the no-weights demo of the full CosyV
 
 def run_demo(args, progress: Callable[[str], None] = print) -> int:
     from .bench import cache_dir, ensure_full_model, ensure_gguf, prompt_wav
+    from .cpu import tts_path
     from .synth import write_wav
     from .tts import TTS, SynthesisOptions
 
@@ -30,6 +31,9 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
         tts = TTS(model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None, threads=args.threads)
         load_s = time.perf_counter() - t0
         progress(f"{llm}: loaded in {load_s:.1f} s; synthesizing (3 s prompt, up to {args.seconds:g} s of audio)")
+        path = tts_path(tts, "auto", args.threads)
+        for line in path.lines():
+            progress("  " + line)
         t0 = time.perf_counter()
         syn = tts.cross_lingual(DEMO_TEXT, wav, options=opts)
         audio = syn.audio()
@@ -40,11 +44,31 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
         secs = audio.size / tts.sample_rate
         n_tok = sum(len(x) for x in t.tokens)
         rows.append((llm, t.frontend, t.llm, n_tok, t.token2wav, secs, wall))
+        segments = len(t.tokens)
         progress(f"  wrote {out}")
         del tts
     print(f"\n{'LLM backend':<12}{'frontend s':>11}{'LLM s':>8}{'tok/s':>8}{'flow+voc s':>11}{'audio s':>9}{'RTF':>7}")
     for llm, fe, l, n, tw, secs, wall in rows:
         print(f"{llm:<12}{fe:>11.2f}{l:>8.2f}{n / l if l else 0:>8.1f}{tw:>11.2f}{secs:>9.2f}{wall / secs:>7.2f}")
+    print("\n" + rtf_meaning(path, segments))
     print("\nThe model has the real Fun-CosyVoice3-0.5B shapes but random weights: the timings are real, the "
           "audio is noise.\nWith the official model directory: cosyllama synth --model-dir Fun-CosyVoice3-0.5B ...")
     return 0
+
+
+def rtf_meaning(path, segments: int) -> str:
+    """What the demo's RTF means on this CPU class, and where to compare it."""
+    d = path.as_dict()
+    why = d.get("flow_precision_why", "")
+    lines = [f"RTF = wall seconds / audio seconds (below 1 is faster than real time). This CPU is of the "
+             f"{d['cpu_class']} class; the flow ran at {d.get('flow_precision', '?')} ({why}) on {path.threads} "
+             f"threads."]
+    if d.get("flow_precision") == "fp32" and d["cpu_class"] in ("AVX2", "AVX-512", "baseline"):
+        lines.append("Without native bf16 the flow runs float32, about 2-3x slower than on an AVX512-BF16/AMX "
+                     "CPU: a higher RTF here is expected, not a broken install.")
+    if segments > 1:
+        lines.append(f"The text was split into {segments} segments; each one runs the flow over the 3 s prompt "
+                     f"again, which adds to the RTF of a short text.")
+    lines.append(f"Compare with the '{d['cpu_class']}' rows of docs/benchmarks.md (section \"Per CPU class\"), "
+                 f"measured with `cosyllama demo` and `cosyllama bench` on such a CPU.")
+    return "\n".join(lines)

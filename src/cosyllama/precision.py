@@ -9,30 +9,18 @@ and float32 interfaces (noise in, mel out); the vocoder stays float32 (see ``voc
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 
+from .cpu import has_native_bf16
 from .errors import InputError
 
 PRECISIONS = ("fp32", "bf16", "auto")
-_NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_native_bf16() -> bool:
     """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16). Linux only;
     elsewhere (no ``/proc/cpuinfo``) False, so ``auto`` stays on float32."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return any(f in flags for f in _NATIVE_BF16_CPU_FLAGS)
-    return False
+    return has_native_bf16()
 
 
 def resolve_precision(name: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:

@@ -78,7 +78,11 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
               precision=args.precision)
     load_s = time.perf_counter() - t0
     progress(f"loaded {args.model_dir} (llm: {llm}{', ' + Path(args.gguf).name if args.gguf else ''}, "
-             f"device: {tts.device}, flow {tts.token2wav.flow.precision}) in {load_s:.1f} s")
+             f"device: {tts.device}) in {load_s:.1f} s")
+    from .cpu import tts_path
+
+    for line in tts_path(tts, args.precision, args.threads).lines():
+        progress(line)
 
     opts = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed)
     if mode == "zero-shot":

@@ -1,0 +1,197 @@
+"""Which CPU path runs: the instruction sets this CPU has, the kernels PyTorch and llama.cpp picked,
+and the precision chosen for the flow and the vocoder (and why).
+
+Speed differs several-fold between CPU classes (an AVX2-only CPU computes bf16 by emulation, so
+``--precision auto`` stays on float32 there), so ``demo``, ``bench`` and ``synth`` print this next
+to their timings: a slow machine must be told apart from a broken install. The benchmark tables in
+docs/benchmarks.md are keyed by the class :func:`cpu_class` names.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# /proc/cpuinfo flag -> the name people know it by, in the order they are printed.
+ISA_FLAGS = (
+    ("avx2", "AVX2"), ("fma", "FMA"), ("avx_vnni", "AVX-VNNI"), ("avx512f", "AVX-512"),
+    ("avx512_vnni", "AVX512-VNNI"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"),
+    ("amx_int8", "AMX-INT8"),
+)
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# Environment variables that force PyTorch / oneDNN / MKL down to a smaller instruction set.
+ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def isa_names(flags: frozenset[str] | None = None) -> list[str]:
+    """The vector/matrix instruction sets found, e.g. ``['AVX2', 'FMA', 'AVX-512', 'AVX512-BF16']``."""
+    flags = cpu_flags() if flags is None else flags
+    return [name for flag, name in ISA_FLAGS if flag in flags]
+
+
+def cpu_class(flags: frozenset[str] | None = None) -> str:
+    """The benchmark class of this CPU: ``AMX``, ``AVX512-BF16``, ``AVX-512``, ``AVX2`` or ``baseline``
+    (the rows of docs/benchmarks.md)."""
+    flags = cpu_flags() if flags is None else flags
+    if "amx_bf16" in flags:
+        return "AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    if "avx512f" in flags:
+        return "AVX-512"
+    if "avx2" in flags:
+        return "AVX2"
+    return "baseline"
+
+
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA) that still include bf16 dot products.
+_ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "ALL",
+                     "DEFAULT")
+
+
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16). For this
+    process (``flags`` None), also False when ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps oneDNN below
+    them: such a run computes bf16 by emulation, as an older CPU would."""
+    if flags is None:
+        cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+        if cap and cap not in _ONEDNN_BF16_ISAS:
+            return False
+        flags = cpu_flags()
+    return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def torch_kernels() -> str:
+    """The vectorized kernel set PyTorch dispatched to (``AVX2``, ``AVX512``, ``DEFAULT``, ...), with
+    any variable that forced it down."""
+    import torch
+
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        cap = "unknown"
+    forced = [f"{k}={os.environ[k]}" for k in ISA_OVERRIDES if os.environ.get(k)]
+    return cap + (f" (forced: {', '.join(forced)})" if forced else "")
+
+
+def llama_cpp_features() -> str | None:
+    """The llama.cpp build's CPU features as it reports them (``AVX2 = 1 | F16C = 1 | ...`` reduced to
+    the features that are on), or None when llama-cpp-python is not installed. Imports llama_cpp only
+    if it is already imported or importable without side effects on torch (it is a pure extension)."""
+    mod = sys.modules.get("llama_cpp")
+    if mod is None:
+        try:
+            from .llm.llamacpp_backend import import_llama_cpp
+
+            mod = import_llama_cpp()
+        except Exception:  # not installed, or a broken build: the report says so rather than failing
+            return None
+    try:
+        info = mod.llama_print_system_info()
+        info = info.decode() if isinstance(info, bytes) else str(info)
+    except Exception:
+        return None
+    on = []
+    for part in info.replace("|", "\n").splitlines():
+        if "=" in part:
+            k, v = (s.strip() for s in part.split("=", 1))
+            k = k.split(":")[-1].strip()  # "CPU : SSE3 = 1": the backend's name comes first
+            if v == "1" and k:
+                on.append(k)
+    return ", ".join(on) if on else info.strip()
+
+
+def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: str = "flow") -> str:
+    """Why ``requested`` became ``chosen`` for ``stage`` on ``device``, in a few words."""
+    requested = str(requested).strip().lower()
+    if requested != "auto":
+        return "asked for"
+    if stage == "vocoder":
+        return "auto keeps the vocoder at fp32 (its bf16 audio is measurably worse)"
+    if str(device).startswith("cuda"):
+        return "auto: the GPU computes bf16 natively" if chosen == "bf16" else "auto: this GPU has no bf16"
+    if chosen == "bf16":
+        return "auto: this CPU computes bf16 natively (" + "/".join(
+            n for f, n in ISA_FLAGS if f in NATIVE_BF16_FLAGS and f in cpu_flags()) + ")"
+    return "auto: no native bf16 on this CPU (bf16 would be emulated, several times slower)"
+
+
+@dataclass
+class CpuPath:
+    """What a run computes with; ``lines()`` is what the CLI prints."""
+
+    threads: int
+    flow: str | None = None  # chosen flow precision (fp32/bf16)
+    vocoder: str | None = None
+    requested: str = "auto"
+    device: str = "cpu"
+    llm: str | None = None  # "torch" / "llamacpp"
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "torch_kernels": torch_kernels(),
+             "threads": self.threads, "device": self.device}
+        if self.flow:
+            d["flow_precision"] = self.flow
+            d["flow_precision_why"] = precision_reason(self.requested, self.flow, self.device)
+        if self.vocoder:
+            d["vocoder_precision"] = self.vocoder
+            d["vocoder_precision_why"] = precision_reason(self.requested, self.vocoder, self.device, "vocoder")
+        if self.llm != "torch":
+            d["llama_cpp"] = llama_cpp_features()
+        return {**d, **self.extra}
+
+    def lines(self) -> list[str]:
+        d = self.as_dict()
+        out = [f"cpu: {d['cpu']} | class {d['cpu_class']} | ISA {' '.join(d['isa']) or 'none of AVX2/AVX-512'}"
+               f" | torch kernels {d['torch_kernels']} | {self.threads} threads"]
+        if self.flow or self.vocoder:
+            parts = []
+            if self.flow:
+                parts.append(f"flow {self.flow} ({d['flow_precision_why']})")
+            if self.vocoder:
+                parts.append(f"vocoder {self.vocoder} ({d['vocoder_precision_why']})")
+            out.append(f"precision on {self.device}: " + "; ".join(parts))
+        if "llama_cpp" in d:
+            out.append(f"llama.cpp build: {d['llama_cpp'] or 'llama-cpp-python not installed'}")
+        return out
+
+
+def tts_path(tts, requested: str, threads: int | None = None) -> CpuPath:
+    """The :class:`CpuPath` of a loaded ``TTS``."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    t2w = tts.token2wav
+    llm = "torch" if type(tts.llm).__name__ == "TorchLLM" else "llamacpp"
+    return CpuPath(threads=threads or torch.get_num_threads(), flow=names.get(t2w.flow.precision),
+                   vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device), llm=llm)
