@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cosyllama.cpu import has_native_bf16
 from cosyllama.synthetic import SIZES
 
 TOKEN_RATE = 25  # speech tokens per second of audio
@@ -59,24 +60,34 @@ def dit_shapes() -> list[tuple[int, int]]:
     return [(d, 3 * d), (d, d), (d, ff), (ff, d)]
 
 
-def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> float:
-    """Throughput of one DiT block's matrix products on ``rows`` rows (pre-packed oneDNN linear)."""
+def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> tuple[float, str]:
+    """Throughput of one DiT block's matrix products on ``rows`` rows, and the kernel that ran.
+
+    The pre-packed oneDNN linear (what the flow's bf16 solver uses) where this CPU and PyTorch build
+    offer it for ``dtype``; elsewhere (e.g. bf16 on an AVX2-only CPU, which oneDNN refuses to pack)
+    plain ``torch.nn.functional.linear``, which is what runs there instead."""
     torch.set_num_threads(threads)
-    ops = []
+    shapes = []
     flops = 0
     for k, n in dit_shapes():
-        x = torch.randn(rows, k).to(dtype)
-        w = torch.randn(n, k).to(dtype)
-        b = torch.zeros(n, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        ops.append((x, packed, b))
+        shapes.append((torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype), torch.zeros(n, dtype=dtype)))
         flops += 2 * rows * k * n
+    try:
+        ops = [(x, torch.ops.mkldnn._reorder_linear_weight(w, None), b) for x, w, b in shapes]
+        torch.ops.mkldnn._linear_pointwise(*ops[0], "none", [], "")
+        kernel = "oneDNN packed linear"
 
-    def run():
-        for x, p, b in ops:
-            torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+        def run():
+            for x, p, b in ops:
+                torch.ops.mkldnn._linear_pointwise(x, p, b, "none", [], "")
+    except (RuntimeError, AttributeError) as e:
+        kernel = f"F.linear (oneDNN packing unavailable: {str(e).splitlines()[0][:120]})"
 
-    return flops / best_time(run, repeats) / 1e9
+        def run():
+            for x, w, b in shapes:
+                torch.nn.functional.linear(x, w, b)
+
+    return flops / best_time(run, repeats) / 1e9, kernel
 
 
 def flow_gemm_seconds_per_audio_s(gflops: float, prompt_s: float, output_s: float, steps: int = 10) -> dict:
@@ -117,12 +128,22 @@ def main() -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    res: dict = {"threads": args.threads}
+    from cosyllama.cpu import CpuPath
+
+    res: dict = {"threads": args.threads, "machine": CpuPath(threads=args.threads, llm="torch").as_dict()}
+    print(CpuPath(threads=args.threads, llm="torch").lines()[0])
     res["read_gb_s"] = {str(t): round(read_bandwidth(t, args.repeats), 1) for t in sorted({1, args.threads})}
     bw = max(res["read_gb_s"].values())
     rows = 2 * round((args.prompt_s + args.output_s) * MEL_RATE)
-    res["gemm_gflops"] = {name: round(gemm_gflops(dt, rows, args.threads, args.repeats), 1)
-                          for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    res["gemm_gflops"], res["gemm_kernel"] = {}, {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        g, kernel = gemm_gflops(dt, rows, args.threads, args.repeats)
+        res["gemm_gflops"][name], res["gemm_kernel"][name] = round(g, 1), kernel
+        if not kernel.startswith("oneDNN"):
+            print(f"{name}: {kernel}; measured that instead")
+    if not has_native_bf16():
+        print("bf16: this CPU has no native bf16 (AVX512-BF16/AMX): the bf16 figure is emulation, "
+              "which is why --precision auto picks fp32 here")
     res["flow"] = {name: flow_gemm_seconds_per_audio_s(g, args.prompt_s, args.output_s)
                    for name, g in res["gemm_gflops"].items()}
     print(f"memory read: {res['read_gb_s']} GB/s (by threads)")
