@@ -7,6 +7,7 @@ pytest.importorskip("llama_cpp")
 
 from conftest import FIXTURES, MODEL_DIR, load_fixture, synthesize_call  # noqa: E402
 from gguf_cache import tiny_gguf  # noqa: E402
+from stage_checks import StageRecorder, check_stages, check_whole_waveform  # noqa: E402
 
 from cosyllama import load  # noqa: E402
 from cosyllama.cli import main  # noqa: E402
@@ -24,13 +25,22 @@ def tts_llama(gguf_f32):
     return load(MODEL_DIR, llm="llamacpp", gguf=gguf_f32, precision="fp32")
 
 
+@pytest.fixture(scope="module")
+def ref_hift():
+    from cosyllama.vocoder import HiFT
+
+    return HiFT.from_dir(MODEL_DIR)
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_e2e_llamacpp_f32_tokens_identical(tts_llama, case):
-    a, meta = load_fixture(case)
-    syn = synthesize_call(tts_llama, meta["meta"]["call"])
-    speech = syn.audio()
-    assert syn.timings.tokens == [a["flow_tokens"][0].tolist()]
-    assert np.abs(speech - a["speech"][0]).max() <= 1e-3
+def test_e2e_llamacpp_f32_tokens_identical(tts_llama, ref_hift, case):
+    _, meta = load_fixture(case)
+    with StageRecorder(tts_llama.token2wav) as rec:
+        syn = synthesize_call(tts_llama, meta["meta"]["call"])
+        chunks = list(syn)
+    assert len(syn.timings.tokens) == 1
+    check_stages(rec, ref_hift, case[len("e2e_"):], syn.timings.tokens[0], [c.samples.size for c in chunks])
+    check_whole_waveform(np.concatenate([c.samples for c in chunks]), case[len("e2e_"):])
 
 
 def test_cli_gguf_of_another_model_is_refused(tmp_path, capsys):

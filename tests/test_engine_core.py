@@ -1,11 +1,13 @@
 """LLM + flow + vocoder from the reference's recorded model inputs (frontend excluded), every
-recorded end-to-end case, streaming and not: tokens exact, waveform within 1e-3."""
+recorded end-to-end case, streaming and not: tokens and chunk sizes exact, each flow and vocoder call
+held to the reference for its inputs, the whole waveform within the measured drift (stage_checks)."""
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
+from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.flow import Flow
 from cosyllama.llm.backend import Prefill
@@ -20,7 +22,7 @@ CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
 def stages():
     llm = TorchLLM.from_dir(MODEL_DIR)
     t2w = Token2Wav(Flow.from_dir(MODEL_DIR), HiFT.from_dir(MODEL_DIR), 24000)
-    return llm, t2w
+    return llm, t2w, HiFT.from_dir(MODEL_DIR)
 
 
 def _inputs(a):
@@ -34,27 +36,26 @@ def _inputs(a):
 
 @pytest.mark.parametrize("case", CASES)
 def test_e2e_from_model_input(stages, case):
-    llm, t2w = stages
+    llm, t2w, ref_hift = stages
     a, meta = load_fixture(case)
     call = meta["meta"]["call"]
     prefill, n_text, fp = _inputs(a)
     flt = SilentTokenFilter()
     tokens_iter = (t for t in generate(llm, prefill, n_text, DecodeOptions(greedy=True)) if flt.keep(t))
-    if call["stream"]:
-        chunks = list(t2w.stream(tokens_iter, fp, 0))
-        tokens = list(chunks[-1].tokens)
-        assert [c.samples.size for c in chunks] == meta["meta"]["chunk_lengths"]
-        speech = np.concatenate([c.samples for c in chunks])
-    else:
-        tokens = list(tokens_iter)
-        speech = t2w.full(tokens, fp, speed=call["speed"])
-    assert tokens == a["flow_tokens"][0].tolist()
-    assert speech.shape == a["speech"][0].shape
-    assert np.abs(speech - a["speech"][0]).max() <= 1e-3
+    with StageRecorder(t2w) as rec:
+        if call["stream"]:
+            chunks = list(t2w.stream(tokens_iter, fp, 0))
+            tokens, sizes = list(chunks[-1].tokens), [c.samples.size for c in chunks]
+            speech = np.concatenate([c.samples for c in chunks])
+        else:
+            tokens, sizes = list(tokens_iter), None
+            speech = t2w.full(tokens, fp, speed=call["speed"])
+    check_stages(rec, ref_hift, case[len("e2e_"):], tokens, sizes)
+    check_whole_waveform(speech, case[len("e2e_"):])
 
 
 def test_interleaved_streams_equal_each_alone(stages):
-    _, t2w = stages
+    _, t2w, _ = stages
     a, _ = load_fixture("e2e_zero_shot_stream")
     b, _ = load_fixture("e2e_instruct2_stream")
     (_, _, fa), (_, _, fb) = _inputs(a), _inputs(b)
@@ -70,18 +71,28 @@ def test_interleaved_streams_equal_each_alone(stages):
 
 
 def test_stream_vs_nonstream_difference_is_the_references(stages):
-    """Streamed vs one-shot audio of the same tokens: same length, and they differ exactly as the
-    reference's do (its early chunks use block-causal attention): our difference equals the
-    reference's difference within 2e-3 sample-wise. With this random model that difference is large
-    (mean abs 0.053), so 'stream == non-stream' cannot be a tighter promise than the reference's."""
-    _, t2w = stages
-    a, _ = load_fixture("e2e_zero_shot_stream")
+    """Streamed vs one-shot mel of the same tokens: they differ exactly as the reference's do (its
+    early chunks use block-causal attention): our difference equals the reference's within 2e-3.
+    With this random model that difference is large (mean abs ~0.1 in the mel), so 'stream ==
+    non-stream' cannot be a tighter promise than the reference's. Compared on the mel the vocoder
+    is given, where kernels do not matter (the waveform drifts, see stage_checks)."""
+    _, t2w, _ = stages
+    a, ma = load_fixture("e2e_zero_shot_stream")
     b, _ = load_fixture("e2e_zero_shot_nonstream")
     _, _, fp = _inputs(a)
     toks = a["flow_tokens"][0].tolist()
     assert toks == b["flow_tokens"][0].tolist()
-    streamed = np.concatenate([c.samples for c in t2w.stream(iter(toks), fp, 0)])
-    full = t2w.full(toks, fp)
+    with StageRecorder(t2w) as rs:
+        streamed = np.concatenate([c.samples for c in t2w.stream(iter(toks), fp, 0)])
+    with StageRecorder(t2w) as rf:
+        full = t2w.full(toks, fp)
     assert streamed.shape == full.shape
-    ref_diff = a["speech"][0] - b["speech"][0]
-    assert np.abs((streamed - full) - ref_diff).max() <= 2e-3
+    offsets = [2 * c["token_offset"] for c in ma["meta"]["token2wav_calls"]]
+
+    def assembled(mels):  # the mel the stream vocodes: each call's frames past the last offset
+        return np.concatenate([np.asarray(m)[0, :, o:] for m, o in zip(mels, offsets)], axis=1)
+
+    ours = assembled(rs.flow_mels) - np.asarray(rf.flow_mels[0])[0]
+    ref = assembled([a[f"flow_call{k}_mel"] for k in range(len(offsets))]) - b["flow_call0_mel"][0]
+    assert np.abs(ref).mean() > 0.01  # the promise is not vacuous
+    assert np.abs(ours - ref).max() <= 2e-3
