@@ -136,13 +136,13 @@ def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: st
     if requested != "auto":
         return "asked for"
     if stage == "vocoder":
-        return "auto keeps the vocoder at fp32 (its bf16 audio is measurably worse)"
+        return "auto keeps the vocoder at fp32: its bf16 audio is measurably worse"
     if str(device).startswith("cuda"):
         return "auto: the GPU computes bf16 natively" if chosen == "bf16" else "auto: this GPU has no bf16"
     if chosen == "bf16":
         return "auto: this CPU computes bf16 natively (" + "/".join(
             n for f, n in ISA_FLAGS if f in NATIVE_BF16_FLAGS and f in cpu_flags()) + ")"
-    return "auto: no native bf16 on this CPU (bf16 would be emulated, several times slower)"
+    return "auto: no native bf16 on this CPU, where bf16 is emulated and several times slower"
 
 
 @dataclass
