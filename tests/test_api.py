@@ -140,6 +140,10 @@ def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):
     check_whole_waveform(audio, "zero_shot_stream")  # 16-bit PCM rounding (3e-5) is far inside its bounds
     err = capsys.readouterr().err
     assert "RTF" in err and "first audio after" in err
+    from cosyllama.cpu import cpu_class
+
+    assert f"class {cpu_class()}" in err and "torch kernels" in err
+    assert "precision on cpu: flow fp32 (asked for); vocoder fp32 (asked for)" in err
 
 
 @pytest.mark.parametrize("extra,message", [
