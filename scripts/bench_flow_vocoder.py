@@ -44,7 +44,7 @@ import torch
 from cosyllama.device import resolve_device
 from cosyllama.flow import FastDiT, Flow
 from cosyllama.precision import resolve_precision
-from cosyllama.synthetic import size_config
+from cosyllama.tools.synthetic import size_config
 from cosyllama.vocoder import HiFT, source_noise_state
 
 TOKEN_RATE = 25  # speech tokens per second

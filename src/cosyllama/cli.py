@@ -42,7 +42,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from .synthetic import make_model
+    from .tools.synthetic import make_model
 
     make_model(args.dir, size=args.size, seed=args.seed, force=args.force, progress=_progress)
     print(f"wrote a random-weight {args.size} model to {args.dir}")
@@ -50,13 +50,13 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .tools.bench import run_bench
 
     return run_bench(args, progress=_progress)
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(args, progress=_progress)
 
