@@ -126,7 +126,7 @@ class Token2Wav:
     def _stream_cache_mb(self) -> float:
         mb = self.stream_cache_mb
         if mb is None:
-            mb = 0.0 if getattr(self.flow, "precision", torch.float32) == torch.float32 else DEFAULT_STREAM_CACHE_MB
+            mb = 0.0 if self.flow.precision == torch.float32 else DEFAULT_STREAM_CACHE_MB
         return mb
 
     def new_stream_cache(self) -> FlowStreamCache | None:
@@ -139,7 +139,7 @@ class Token2Wav:
     def shared_prompt_frames(self, n_prompt_tokens: int) -> int:
         """Leading mel frames every streaming request with a prompt of this many tokens computes
         alike: whole attention blocks before ``token_mel_ratio * (P - lookahead)``; 0 if none."""
-        chunk = getattr(getattr(getattr(self.flow, "decoder", None), "estimator", None), "static_chunk_size", 0)
+        chunk = self.flow.block_frames
         if not chunk:
             return 0
         return max(0, self.token_mel_ratio * (n_prompt_tokens - self.lookahead)) // chunk * chunk
@@ -152,9 +152,7 @@ class Token2Wav:
 
     def _prompt_key(self, prompt: FlowPrompt) -> bytes:
         h = hashlib.sha256()
-        dec = self.flow.decoder
-        h.update(repr((id(dec), getattr(dec, "_weights_version", None), str(self.flow.precision),
-                       dec.n_timesteps)).encode())
+        h.update(repr(self.flow.solver_key()).encode())
         for t in (prompt.tokens, prompt.feat, prompt.embedding):
             a = t.detach().cpu().contiguous()
             h.update(repr((tuple(a.shape), str(a.dtype))).encode())
@@ -188,7 +186,7 @@ class Token2Wav:
             return False
         key = self._prompt_key(prompt)
         if self._prompt_frames_for(key) is None:
-            cache.mark = shared
+            cache.mark_prefix(shared)
             # One token after the prompt plus the look-ahead: the shared frames read none of them.
             self._mel([0] * (1 + self.lookahead), prompt, 0, streaming=True, finalize=False, cache=cache)
             self._keep_prompt_frames(key, cache.prefix(p, shared))
@@ -234,7 +232,8 @@ class Token2Wav:
             if frames is not None:
                 st.flow_cache.load(frames)  # the first chunk starts after the prompt's shared blocks
             else:  # the first chunk also keeps what a cache of just those blocks needs
-                keep_key, st.flow_cache.mark = key, shared
+                keep_key = key
+                st.flow_cache.mark_prefix(shared)
         try:
             for tok in token_iter:
                 st.tokens.append(tok)
@@ -245,7 +244,8 @@ class Token2Wav:
                                     cache=st.flow_cache)
                     if keep_key is not None:
                         self._keep_prompt_frames(keep_key, st.flow_cache.prefix(p, shared))
-                        st.flow_cache.mark, st.flow_cache.conv_mark, keep_key = 0, {}, None
+                        st.flow_cache.unmark_prefix()
+                        keep_key = None
                     samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
                     st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
