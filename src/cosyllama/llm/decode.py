@@ -150,3 +150,18 @@ class SilentTokenFilter:
 
     def filter(self, tokens: Sequence[int]) -> list[int]:
         return [t for t in tokens if self.keep(t)]
+
+
+class DirectTokens:
+    """Token source that decodes each request on its own (the Python API's default).
+
+    A token source has ``generate(prefill, n_text_tokens, options) -> Iterator[int]`` with the
+    semantics of :func:`generate` (closing the iterator frees the sequence). The server uses a
+    batching scheduler instead, which advances many requests in one backend step.
+    """
+
+    def __init__(self, backend: LLMBackend):
+        self.backend = backend
+
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions) -> Iterator[int]:
+        return generate(self.backend, prefill, n_text_tokens, options)
