@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import MODEL_DIR
+from helpers import MODEL_DIR
 from cosyllama.cli import main
 from cosyllama.config import load_config
 from cosyllama.weights import load_flow_weights, load_hift_weights, load_llm_weights

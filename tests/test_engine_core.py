@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
+from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.flow import Flow
 from cosyllama.llm.backend import Prefill

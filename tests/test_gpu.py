@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture, recorded_flow_calls, synthesize_call
+from helpers import FIXTURES, MODEL_DIR, load_fixture, recorded_flow_calls, synthesize_call
 from cosyllama import load
 from cosyllama.engine import FlowPrompt
 from cosyllama.flow import Flow, FlowStreamCache

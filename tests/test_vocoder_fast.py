@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.vocoder import HiFT, ResBlock, Snake, source_noise_state
