@@ -24,7 +24,7 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,8 +36,7 @@ from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
 
 DEFAULT_PROMPT_CACHE_MB = 512.0  # frames shared between streaming requests of one prompt (see Token2Wav)
-TOKEN_HOP = 25  # first streaming hop, tokens
-TOKEN_MAX_HOP = 100  # the hop doubles up to this
+MAX_HOP_CHUNKS = 4  # the hop doubles up to this many first hops (100 tokens for the official config)
 HOP_GROWTH = 2
 
 
@@ -72,7 +71,7 @@ class _StreamState:
     """Per-request streaming progress (never stored on a shared object)."""
 
     prompt_pad: int
-    hop: int = TOKEN_HOP
+    hop: int  # tokens of the next chunk, look-ahead and prompt padding aside
     token_offset: int = 0
     tokens: list[int] = field(default_factory=list)
     vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance (set by stream)
@@ -109,19 +108,34 @@ class Token2Wav:
     prompts go first. None (default):
     ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0 turns it off."""
 
-    def __init__(self, flow, hift, sample_rate: int, lookahead: int = 3, token_mel_ratio: int = 2,
-                 stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None):
+    def __init__(self, flow, hift, sample_rate: int, lookahead: int | None = None,
+                 token_mel_ratio: int | None = None, stream_cache_mb: float | None = None,
+                 prompt_cache_mb: float | None = None, token_hop: int | None = None):
         for name, v in (("stream_cache_mb", stream_cache_mb), ("prompt_cache_mb", prompt_cache_mb)):
             if v is not None and not v >= 0:
                 raise InputError(f"{name} must be >= 0, got {v!r}")
         self.flow, self.hift = flow, hift
         self.sample_rate = sample_rate
-        self.lookahead = lookahead
-        self.token_mel_ratio = token_mel_ratio
+        # What the flow was built with, unless the caller says otherwise (see from_config).
+        self.lookahead = flow.cfg.pre_lookahead_len if lookahead is None else lookahead
+        self.token_mel_ratio = flow.cfg.token_mel_ratio if token_mel_ratio is None else token_mel_ratio
+        # First streaming hop: one attention block of tokens, so that chunks end on block borders.
+        self.token_hop = flow.cfg.static_chunk_size // self.token_mel_ratio if token_hop is None else token_hop
+        if self.token_hop < 1:
+            raise InputError(f"the streaming hop must be >= 1 token, got {self.token_hop}")
         self.stream_cache_mb = stream_cache_mb
         self.prompt_cache_mb = prompt_cache_mb
         self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
         self._prompt_lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config, flow, hift, *, stream_cache_mb: float | None = None,
+                    prompt_cache_mb: float | None = None) -> Token2Wav:
+        """The driver for a model's ``config`` (a :class:`~cosyllama.config.ModelConfig`): its
+        sample rate, look-ahead, mel frames per token and streaming chunk size."""
+        return cls(flow, hift, config.sample_rate, lookahead=config.flow.pre_lookahead_len,
+                   token_mel_ratio=config.token_mel_ratio, token_hop=config.chunk_size,
+                   stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
 
     def _stream_cache_mb(self) -> float:
         mb = self.stream_cache_mb
@@ -218,11 +232,11 @@ class Token2Wav:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
         return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
-    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
-               on_tokens: Callable[[list[int]], None] | None = None) -> Iterator[AudioChunk]:
+    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int) -> Iterator[AudioChunk]:
         """Consume tokens as they are decoded and yield audio as soon as each chunk exists."""
         p = prompt.tokens.shape[1]
-        st = _StreamState(prompt_pad=math.ceil(p / TOKEN_HOP) * TOKEN_HOP - p)
+        first_hop = self.token_hop
+        st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
         st.flow_cache = self.new_stream_cache()
         st.vocoder = self.hift.new_stream()
         shared, keep_key = self.shared_prompt_frames(p), None
@@ -248,13 +262,11 @@ class Token2Wav:
                         keep_key = None
                     samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
-                    st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
+                    st.hop = min(MAX_HOP_CHUNKS * first_hop, HOP_GROWTH * st.hop)
                     if samples.size:
                         yield AudioChunk(samples, self.sample_rate, segment, False)
             # The final call uses full attention (upstream quirk Q4): nothing cached applies to it.
             self._drop_cache(st)
-            if on_tokens is not None:
-                on_tokens(st.tokens)
             samples = np.zeros(0, dtype=np.float32)
             if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens
                 mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)

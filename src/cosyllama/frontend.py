@@ -28,7 +28,6 @@ from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextToken
                    zero_shot_prompt_text)
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
-TOKEN_RATE = 25  # speech tokens per second
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,12 @@ class PromptFeatures:
     prompt_feat: torch.Tensor  # float32 (2P, 80): natural-log mel at 24 kHz, 50 frames/s
     prompt_text: str | None  # LLM prompt text incl. <|endofprompt|>; None when no transcript was given
     prompt_text_ids: tuple[int, ...]  # token ids of prompt_text; () when None
+    token_rate: int = 25  # speech tokens per second: the config's token_frame_rate (25 for CosyVoice3)
 
     @property
     def duration(self) -> float:
-        """Seconds of prompt audio kept after alignment (25 tokens per second)."""
-        return len(self.speech_tokens) / TOKEN_RATE
+        """Seconds of prompt audio kept after alignment."""
+        return len(self.speech_tokens) / self.token_rate
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,7 @@ class Frontend:
             prompt_feat=feat[:n * self.config.token_mel_ratio].contiguous(),
             prompt_text=full_text,
             prompt_text_ids=() if full_text is None else self.tokenize(full_text),
+            token_rate=self.config.token_frame_rate,
         )
 
     def _extract(self, wav: AudioSource, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
