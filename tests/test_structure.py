@@ -4,6 +4,7 @@ modules of the package import each other (directly or around a loop), lazily or 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,58 @@ def test_tts_with_llamacpp_reads_the_config_once(monkeypatch, tiny_gguf):
         assert len(reads) == 1, reads
     finally:
         tts.llm.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# References in the code resolve
+
+
+REPO = SRC.parent
+REF = re.compile(r"\b((?:docs|tests|scripts|src)/[\w./-]+?\.(?:md|py|json|yaml))(?:#([\w-]+))?")
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation other than ``-``
+    and ``_`` dropped, spaces to hyphens; repeated headings get ``-1``, ``-2``, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    in_code = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        m = None if in_code else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_heading_anchors_follow_github():
+    md = "# Q1 min_len mask\n## Flow noise\n```\n# not a heading\n```\n### Flow noise\n"
+    assert heading_anchors(md) == {"q1-min_len-mask", "flow-noise", "flow-noise-1"}
+
+
+def test_every_reference_in_the_code_resolves():
+    refs = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            refs += [(f"{path.relative_to(REPO)}:{n}", target, anchor) for target, anchor in REF.findall(line)]
+    assert len(refs) > 40  # the reference.md citations are found
+    bad = []
+    for where, target, anchor in refs:
+        file = REPO / target
+        if not file.is_file():
+            bad.append(f"{where}: {target} does not exist")
+        elif anchor and anchor not in heading_anchors(file.read_text(encoding="utf-8")):
+            bad.append(f"{where}: {target} has no heading #{anchor}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_citation_of_documents_the_repository_lacks():
+    old = re.compile(r"spec §|spec Q\d|quirk Q\d|design\.md,|§\d")
+    hits = [f"{p.relative_to(REPO)}:{n}" for p in sorted(PACKAGE.rglob("*.py"))
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if old.search(line)]
+    assert not hits, hits

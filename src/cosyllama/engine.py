@@ -4,18 +4,18 @@ This is the only module that knows about streaming. All state of a request lives
 :class:`_StreamState` created per call; the models are shared read-only, so several generators
 (threads, server requests) can run interleaved without touching each other.
 
-Streaming schedule (spec §9.3): the first chunk covers ``25 + pad`` tokens, where ``pad`` rounds the
-prompt token count up to a multiple of 25 (so chunks align with the DiT's 50-frame attention
-blocks); every chunk needs 3 more tokens of look-ahead; the hop doubles after each chunk up to 100.
-Each chunk runs the flow over prompt + all tokens so far (block-causal attention) and the vocoder
-over all mel so far, and emits only the new samples; here the vocoder continues from a per-request
-:class:`~cosyllama.vocoder.VocoderStream` instead (the same new samples up to float rounding, at a
-cost that does not grow with the utterance). The last call uses full attention (upstream
-quirk Q4). Unlike the reference, at reduced flow precision (bf16) the flow does not recompute the
-attention blocks earlier chunks completed: each request keeps a
-:class:`~cosyllama.flow.FlowStreamCache` (same mel up to float rounding; bounded by
-``stream_cache_mb``; freed when the request's generator ends or is closed). At fp32, the
-reference-parity mode, it is off unless asked for (see :class:`Token2Wav`).
+Streaming schedule (see docs/reference.md#chunk-schedule): the first chunk covers ``25 + pad`` tokens, where
+``pad`` rounds the prompt token count up to a multiple of 25 (so chunks align with the DiT's 50-frame
+attention blocks); every chunk needs 3 more tokens of look-ahead; the hop doubles after each chunk up to 100.
+Each chunk runs the flow over prompt + all tokens so far (block-causal attention) and the vocoder over all mel
+so far, and emits only the new samples; here the vocoder continues from a per-request
+:class:`~cosyllama.vocoder.VocoderStream` instead (the same new samples up to float rounding, at a cost that
+does not grow with the utterance). The last call uses full attention (see
+docs/reference.md#q4-full-attention-final-call). Unlike the reference, at reduced flow precision (bf16) the
+flow does not recompute the attention blocks earlier chunks completed: each request keeps a
+:class:`~cosyllama.flow.FlowStreamCache` (same mel up to float rounding; bounded by ``stream_cache_mb``; freed
+when the request's generator ends or is closed). At fp32, the reference-parity mode, it is off unless asked
+for (see :class:`Token2Wav`).
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class Token2Wav:
     :class:`cosyllama.vocoder.HiFT`; both are used read-only.
 
     ``stream_cache_mb``: bound of each streaming request's flow K/V cache in MiB (see
-    :class:`~cosyllama.flow.FlowStreamCache`: ~1.8 MB per mel frame at full size in bf16, 3.6 MB in
-    fp32; past the bound the frames after it are recomputed every chunk); 0 turns the cache off
+    :class:`~cosyllama.flow.FlowStreamCache`; its size per frame: see
+    docs/benchmarks.md#memory-of-the-streaming-caches; past the bound the frames after it are recomputed every chunk); 0 turns the cache off
     (the reference's recompute-everything behaviour). None (default): ``DEFAULT_STREAM_CACHE_MB``
     (2048) when the flow runs at reduced precision, off at fp32. Why off at fp32: the reference
     itself does not give an earlier block bit-identical values in successive calls (attention over
@@ -104,9 +104,9 @@ class Token2Wav:
     blocks that end before frame ``2 * (P - 3)`` (P prompt tokens; later frames read the first new
     tokens through the look-ahead) are the same in every request of that prompt. The first request
     of a prompt keeps them after its first chunk; later ones start their first chunk after them.
-    3 s of prompt shares 100 of its 150 frames, ~180 MB at full size in bf16; least recently used
-    prompts go first. None (default):
-    ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0 turns it off."""
+    3 s of prompt shares 100 of its 150 frames; least recently used prompts go first. None
+    (default): ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0
+    turns it off."""
 
     def __init__(self, flow, hift, sample_rate: int, lookahead: int | None = None,
                  token_mel_ratio: int | None = None, stream_cache_mb: float | None = None,
@@ -265,7 +265,8 @@ class Token2Wav:
                     st.hop = min(MAX_HOP_CHUNKS * first_hop, HOP_GROWTH * st.hop)
                     if samples.size:
                         yield AudioChunk(samples, self.sample_rate, segment, False)
-            # The final call uses full attention (upstream quirk Q4): nothing cached applies to it.
+            # The final call uses full attention (see docs/reference.md#q4-full-attention-final-call): nothing cached
+            # applies to it.
             self._drop_cache(st)
             samples = np.zeros(0, dtype=np.float32)
             if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens

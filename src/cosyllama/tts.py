@@ -126,10 +126,11 @@ class TTS:
     compute, ``"auto"`` (bf16 where the CPU/GPU does it natively, else fp32), ``"fp32"`` (the
     reference path) or ``"bf16"``; the vocoder stays fp32 unless ``"bf16"`` is asked for.
     stream_cache_mb: bound in MiB of each streaming request's flow K/V cache (earlier attention
-    blocks are not recomputed for later chunks; ~1.7 MB per mel frame in bf16); None: 2048 at bf16,
-    off at fp32 (reference parity); 0: off. prompt_cache_mb: bound in MiB of the flow frames that
-    streaming requests with the same voice share (their first chunk skips them; ~180 MB per 3 s
-    voice in bf16); None: 512 whenever the streaming cache is on, else off; 0: off.
+    blocks are not recomputed for later chunks); None: 2048 at bf16, off at fp32 (reference
+    parity); 0: off. prompt_cache_mb: bound in MiB of the flow frames that streaming requests with
+    the same voice share (their first chunk skips them); None: 512 whenever the streaming cache is
+    on, else off; 0: off. What they hold per frame and per voice: see
+    docs/benchmarks.md#memory-of-the-streaming-caches.
     llm_weights: the LLM checkpoint in the model directory (``"llm.pt"``, or the RL-tuned
     ``"llm.rl.pt"`` the official directory also ships); a llama.cpp GGUF must have been converted
     from the same file. parallel: sequences one llama.cpp context decodes together.
@@ -286,8 +287,9 @@ class TTS:
     def _flow_prompt(self, inp: ModelInput) -> FlowPrompt:
         tokens, feat = inp.flow_prompt_speech_tokens, inp.prompt_feat
         if inp.mode == "vc":
-            # The reference leaves the VC prompt unaligned (quirk Q10), which shifts the boundary
-            # between prompt and converted speech; we align it like every other mode.
+            # The reference leaves the VC prompt unaligned (see docs/reference.md#q10-unaligned-vc-prompt),
+            # which shifts the boundary between prompt and converted speech; we align it like every other
+            # mode.
             n = min(feat.shape[0] // self.config.token_mel_ratio, tokens.shape[0])
             tokens, feat = tokens[:n], feat[: n * self.config.token_mel_ratio]
         return self._to_flow_prompt(tokens, feat, inp.speaker_embedding)

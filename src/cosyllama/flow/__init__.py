@@ -1,11 +1,11 @@
-"""Flow stage: speech tokens -> 80-band log-mel (spec §7).
+"""Flow stage: speech tokens -> 80-band log-mel (see docs/reference.md#flow).
 
 Pipeline of one call: token embedding -> pre-lookahead conv (3-token right context) -> repeat by
 ``token_mel_ratio`` -> conditional flow matching: 10 Euler steps of a DiT with classifier-free
 guidance, started from a fixed noise buffer. Module attribute names equal the keys of ``flow.pt``
 so the checkpoint loads strictly.
 
-Streaming (spec §7.5): every call covers prompt + all tokens so far. The caller chooses
+Streaming (see docs/reference.md#flow-streaming): every call covers prompt + all tokens so far. The caller chooses
 ``streaming`` (50-frame block-causal DiT attention) and ``finalize`` (whether the last 3 tokens are
 real content or only look-ahead), and slices off what it already emitted. The reference recomputes
 everything on every call; a per-request :class:`FlowStreamCache` passed to :meth:`Flow.inference`

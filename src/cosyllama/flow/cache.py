@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)  # input frames back that one conv position embedding frame reads
 
-DEFAULT_STREAM_CACHE_MB = 2048.0  # per request; ~1100 frames (22 s, prompt included) at full size, bf16
+DEFAULT_STREAM_CACHE_MB = 2048.0  # MiB per request (how many frames that is: docs/benchmarks.md)
 
 
 class FlowStreamCache:
@@ -39,12 +39,11 @@ class FlowStreamCache:
     each ``(2, frames, inner)`` in the solver's dtype; the last ``CONV_CONTEXT`` (60) input-projection
     frames ``(2, 60, dim)`` float32 (what the position convs of the next frames read back); plus the
     finished mel of the cached frames and the prompt/token ids they came from. K/V dominate:
-    ``steps x blocks x 2 rows x 2 x inner`` values per frame = 1.8 MB per frame at full size in
-    bf16 (10 x 22 x 2 x 2 x 1024 x 2 bytes), 3.6 MB in fp32; ~5 MB fixed for the conv context.
+    ``steps x blocks x 2 rows x 2 x inner`` values per frame (:meth:`CFM.kv_bytes_per_frame`;
+    sizes at full size: see docs/benchmarks.md#memory-of-the-streaming-caches).
 
     Bound: the K/V kept never exceed ``max_mb`` megabytes (MiB; default
-    ``DEFAULT_STREAM_CACHE_MB`` = 2048, i.e. ~1100 frames = 22 s of prompt + speech in bf16, half
-    that in fp32) nor ``max_frames`` frames if given. Past the bound the cache keeps its prefix and
+    ``DEFAULT_STREAM_CACHE_MB`` = 2048) nor ``max_frames`` frames if given. Past the bound the cache keeps its prefix and
     later calls recompute the frames after it every time (slower, same result); a bound below one
     block (e.g. ``max_mb=0``) disables caching. The count is rounded down to whole blocks.
 

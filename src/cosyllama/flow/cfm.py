@@ -37,7 +37,7 @@ def cosine_t_span(n_steps: int) -> torch.Tensor:
 
 
 class CFM(nn.Module):
-    """Euler ODE solver with classifier-free guidance around :class:`DiT` (spec §7.3)."""
+    """Euler ODE solver with classifier-free guidance around :class:`DiT` (see docs/reference.md#cfm-solver)."""
 
     def __init__(self, cfg: FlowConfig):
         super().__init__()

@@ -94,8 +94,8 @@ class Flow(nn.Module):
         interfaces (:class:`FastDiT`); ``"auto"`` — bf16 where this device computes it natively
         (CPU with AVX512-BF16/AMX, CUDA with bf16 support), else fp32. Returns the dtype chosen;
         raises :class:`InputError` for an unknown name. The float32 weights stay (the fp32 path
-        needs them); bf16 adds pre-packed copies of the block matrices (~370 MB at full size), made
-        here. Call it before sharing the module between threads; ``inference`` is unchanged."""
+        needs them); bf16 adds pre-packed copies of the block matrices (their size: see
+        docs/benchmarks.md#memory-of-the-streaming-caches), made here. Call it before sharing the module between threads; ``inference`` is unchanged."""
         dtype = resolve_precision(precision, self.device)
         self.decoder.set_compute_dtype(dtype)
         return dtype
@@ -110,7 +110,7 @@ class Flow(nn.Module):
     @on_true_fp32
     def prepare(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
                 embedding: torch.Tensor, finalize: bool = True) -> FlowInputs:
-        """Everything before the ODE solver (spec §7.2 steps 1-5); see :meth:`inference`."""
+        """Everything before the ODE solver (see docs/reference.md#flow-inputs); see :meth:`inference`."""
         self._check_inputs(token, prompt_token, prompt_feat, embedding, finalize)
         dev = self.device
         spks = self.spk_embed_affine_layer(F.normalize(embedding.to(dev, torch.float32), dim=1))

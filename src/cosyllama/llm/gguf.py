@@ -1,6 +1,6 @@
 """GGUF export of the speech-token LLM and its quantization (reading and checking a GGUF: :mod:`.gguf_read`).
 
-Two layouts (design.md, "GGUF layouts"):
+Two layouts (see docs/design.md#gguf-layouts):
 
 ``speech`` (default)
     A Qwen2 whose vocabulary *is* the speech vocabulary: ``token_embd`` = ``speech_embedding``
@@ -121,8 +121,8 @@ def _text_vocabulary(qwen_dir: Path, n_text: int) -> tuple[list[str], list[int],
         if 0 <= i < n_text:
             tokens[i], types[i] = info["content"], tt.CONTROL
             known[info["content"]] = i
-    # CosyVoice3's tokenizer adds its specials at load time (spec §2): present ones keep their id,
-    # the others get consecutive ids after the highest one. Same procedure, so ids agree.
+    # CosyVoice3's tokenizer adds its specials at load time (see docs/reference.md#tokenizer): present ones
+    # keep their id, the others get consecutive ids after the highest one. Same procedure, so ids agree.
     from ..text import SPECIAL_TOKENS
 
     next_id = max(known.values(), default=-1) + 1

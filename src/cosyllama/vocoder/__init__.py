@@ -1,10 +1,11 @@
-"""Vocoder stage: causal HiFT (spec §8). 80-band log-mel at 50 frames/s -> 24 kHz waveform.
+"""Vocoder stage: causal HiFT (see docs/reference.md#vocoder). 80-band log-mel at 50 frames/s -> 24 kHz waveform.
 
 mel -> f0 (float64 conv predictor) -> harmonic sine source -> source STFT; mel -> conv_pre ->
 3 x (nearest upsample + causal conv, add the down-sampled source, average of 3 Snake resblocks)
 -> conv_post -> magnitude/phase -> iSTFT -> clamp. Every conv is causal except the two
 look-ahead convs (f0 ``condnet.0``: 3 frames, ``conv_pre``: 4 frames), which is what makes
-streaming by "re-run on the whole mel, emit only the new samples" exact (spec §8.4).
+streaming by "re-run on the whole mel, emit only the new samples" exact (see
+docs/reference.md#vocoder-streaming).
 
 Speed: :meth:`HiFT.decode` runs the conv stack channels-last (``fast``: :class:`_FastGenerator`; same
 math as the module-by-module :meth:`HiFT.decode_reference`, up to float rounding). For streaming,

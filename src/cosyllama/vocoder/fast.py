@@ -57,7 +57,7 @@ class _FastConv:
 
 
 class _FastUpsample:
-    """Nearest upsampling by ``rate`` then a left-causal conv (spec §8.1 ``CausalConv1dUpsample``)
+    """Nearest upsampling by ``rate`` then a left-causal conv (see docs/reference.md#hift-building-blocks)
     as one polyphase conv at the input rate: output sample ``rate*t + p`` only reads input frames
     ``t-D .. t``, so phase p is a conv with D+1 taps whose weights are the sums of the original taps
     that land on the same frame. The ``rate`` phases come out as ``rate*out`` channels, which in

@@ -30,7 +30,7 @@ def _lowp_copies(hift: HiFT, dtype: torch.dtype) -> dict[str, nn.Module]:
 
 
 class HiFT(nn.Module):
-    """Causal HiFT generator: ``inference(mel, finalize)`` -> waveform (spec §8)."""
+    """Causal HiFT generator: ``inference(mel, finalize)`` -> waveform (see docs/reference.md#vocoder)."""
 
     def __init__(self, cfg: HiftConfig, noise_state: torch.Tensor):
         super().__init__()
@@ -170,7 +170,7 @@ class HiFT(nn.Module):
         """conv_post output ``(1, 2*bins, F)`` float32 -> clamped waveform (magnitude/phase, iSTFT)."""
         bins = self.n_fft // 2 + 1
         mag = torch.exp(x[:, :bins]).clamp(max=1e2)
-        phase = torch.sin(x[:, bins:])  # upstream takes sin() of the predicted phase (spec Q8)
+        phase = torch.sin(x[:, bins:])  # sin() of the phase: see docs/reference.md#q8-sine-of-predicted-phase
         wav = torch.istft(torch.complex(mag * torch.cos(phase), mag * torch.sin(phase)), self.n_fft,
                           self.hop, self.n_fft, window=self.stft_window)
         if not finalize:

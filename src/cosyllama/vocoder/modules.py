@@ -24,7 +24,7 @@ NOISE_SAMPLES = 7_200_000  # length of upstream's fixed source-noise buffer (300
 
 
 # ----------------------------------------------------------------------------------------------
-# Fixed source noise (spec §11)
+# Fixed source noise (see docs/reference.md#source-noise)
 
 
 def replay_source_rng(flow: FlowConfig, hift: HiftConfig) -> tuple[torch.Generator, torch.Tensor]:
@@ -49,7 +49,8 @@ def replay_source_rng(flow: FlowConfig, hift: HiftConfig) -> tuple[torch.Generat
     for _ in range(F0_LAYERS - 1):
         linear_or_conv(cc, cc, F0_CONV_KERNEL)
     linear_or_conv(hift.f0_num_class, cc)
-    rand_ini = torch.rand(1, hift.nb_harmonics + 1, generator=g)  # has no effect on output (spec Q5)
+    # rand_ini has no effect on the output: see docs/reference.md#q5-unused-initial-phase
+    rand_ini = torch.rand(1, hift.nb_harmonics + 1, generator=g)
     rand_ini[:, 0] = 0
     return g, rand_ini
 
@@ -137,7 +138,8 @@ class F0Predictor(nn.Module):
 
 
 class SourceModule(nn.Module):
-    """Harmonic-plus-noise excitation (spec §8.3 step 3-4): f0 ``(1, T)`` -> source ``(1, 1, T*up)``."""
+    """Harmonic-plus-noise excitation: f0 ``(1, T)`` -> source ``(1, 1, T*up)``. See
+    docs/reference.md#source-module."""
 
     def __init__(self, cfg: HiftConfig, upsample: int, noise_state: torch.Tensor):
         super().__init__()
@@ -160,11 +162,11 @@ class SourceModule(nn.Module):
         f0_up = f0_cpu.to(dev)
         mult = torch.arange(1, self.harmonics + 1, dtype=torch.float32)
         rad = (f0_cpu * mult / self.sample_rate) % 1  # phase increment per sample, in turns
-        # Upstream's causal source accumulates phase at frame rate: a linear down-sampling (which
-        # reads the middle of each frame, where the per-sample values are all equal), cumsum, then a
-        # nearest up-sampling — a staircase phase the model was trained with (spec Q6). We use the
-        # same ops so the float32 rounding is the same. Its random initial phase lands on sample 0,
-        # which the down-sampling never reads (spec Q5), so it is left out.
+        # Upstream's causal source accumulates phase at frame rate: a linear down-sampling (which reads the
+        # middle of each frame, where the per-sample values are all equal), cumsum, then a nearest up-sampling
+        # — a staircase phase the model was trained with (see docs/reference.md#q6-staircase-phase). We use
+        # the same ops so the float32 rounding is the same. Its random initial phase lands on sample 0, which
+        # the down-sampling never reads (see docs/reference.md#q5-unused-initial-phase), so it is left out.
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample, mode="linear")
         # torch.cumsum of float32 on CPU accumulates in float64 and rounds each partial sum: we say
         # so explicitly, and continue_source carries the float64 sum from one streaming call to the next.
