@@ -16,6 +16,7 @@ from cosyllama.llm.decode import DecodeOptions, generate, generate_many
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from cosyllama.llm import llamacpp_backend as LB  # noqa: E402
+from cosyllama.llm import llamacpp_lib  # noqa: E402
 from cosyllama.llm.llamacpp_backend import BackendBusyError, LlamaCppLLM  # noqa: E402
 
 N_THREADS = 1  # tiny model: one thread is fastest, and robust on a busy 2-core machine
@@ -312,10 +313,10 @@ def test_unknown_kv_type(tiny_gguf, model_dir):
 
 def test_missing_llama_cpp_gives_install_hint(monkeypatch):
     import sys
-    monkeypatch.setattr(LB, "_llama_cpp", None)
+    monkeypatch.setattr(llamacpp_lib, "_llama_cpp", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'cosyllama\[llama\]'"):
-        LB.import_llama_cpp()
+        llamacpp_lib.import_llama_cpp()
 
 
 def test_llama_log_is_silent_by_default(tiny_gguf, model_dir, capfd):
