@@ -14,7 +14,7 @@ import argparse
 import time
 
 import cosyllama
-from cosyllama.bench import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
+from cosyllama.tools.bench import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
 from cosyllama.tts import SynthesisOptions
 
 

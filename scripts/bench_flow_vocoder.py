@@ -44,7 +44,7 @@ import torch
 from cosyllama.device import resolve_device
 from cosyllama.flow import FastDiT, Flow
 from cosyllama.precision import resolve_precision
-from cosyllama.synthetic import size_config
+from cosyllama.tools.synthetic import size_config
 from cosyllama.vocoder import HiFT, source_noise_state
 
 TOKEN_RATE = 25  # speech tokens per second
@@ -90,7 +90,8 @@ class FlowVariant:
             self.precision, self.solver = "fp32", FastDiT(flow.decoder.estimator, torch.float32)
         elif name == "bf16-res16":
             self.precision = "fp32"
-            self.solver = FastDiT(flow.decoder.estimator, torch.bfloat16, residual_dtype=torch.bfloat16)
+            self.solver = FastDiT(flow.decoder.estimator, torch.bfloat16)
+            self.solver.residual_dtype = torch.bfloat16  # the variant measured here only
         else:
             raise SystemExit(f"unknown flow variant {name!r}")
 
@@ -105,8 +106,8 @@ class FlowVariant:
                 return flow.inference(token, prompt_token, prompt_feat, emb, streaming=streaming, finalize=finalize)
             inp = flow.prepare(token, prompt_token, prompt_feat, emb, finalize)
             dec = flow.decoder
-            x = self.solver.solve(dec.rand_noise[:, :, :inp.mu.shape[2]], inp.mu, inp.spks, inp.cond,
-                                  dec.time_grid(), dec.cfg_rate, streaming)
+            x = self.solver.solve_from(dec.rand_noise[:, :, :inp.mu.shape[2]], inp.mu, inp.spks, inp.cond,
+                                       dec.time_grid(), dec.cfg_rate, streaming)
             return x[:, :, inp.prompt_frames:]
         finally:
             flow.decoder.n_timesteps = 10
@@ -151,16 +152,16 @@ def profile_vocoder(hift: HiFT, name: str, mel: torch.Tensor) -> dict:
     return {k: round(v / all_s, 3) for k, v in tot.items()}
 
 
-def stream_mel_chunks(frames: int, token_mel_ratio: int = 2) -> list[int]:
+def stream_mel_chunks(frames: int, token_mel_ratio: int = 2, token_hop: int = 25) -> list[int]:
     """New mel frames per streaming call for ``frames`` of mel, on the engine's schedule (hop 25
     tokens doubling to 100, 3 look-ahead tokens, prompt already a multiple of 25); the last entry
     is the finalizing call."""
-    from cosyllama.engine import HOP_GROWTH, TOKEN_HOP, TOKEN_MAX_HOP
+    from cosyllama.engine import HOP_GROWTH, MAX_HOP_CHUNKS
 
-    tokens, offset, hop, chunks = frames // token_mel_ratio, 0, TOKEN_HOP, []
+    tokens, offset, hop, chunks = frames // token_mel_ratio, 0, token_hop, []
     while tokens - offset >= hop + 3:
         chunks.append(token_mel_ratio * hop)
-        offset, hop = offset + hop, min(TOKEN_MAX_HOP, HOP_GROWTH * hop)
+        offset, hop = offset + hop, min(MAX_HOP_CHUNKS * token_hop, HOP_GROWTH * hop)
     return chunks + [frames - token_mel_ratio * offset]
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cosyllama.cpu import has_native_bf16
-from cosyllama.synthetic import SIZES
+from cosyllama.tools.synthetic import SIZES
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 MEL_RATE = 50  # mel frames per second

@@ -1,19 +1,13 @@
+"""Session fixtures shared by the test modules (helpers they import are in ``helpers.py``)."""
+
+from __future__ import annotations
+
+import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cosyvoice3-tiny"
-MODEL_DIR = FIXTURES / "model"
-
-
-def load_fixture(name: str) -> tuple[dict, dict]:
-    """Return (arrays, json sidecar) of a fixture file base name, e.g. 'llm_greedy'."""
-    import json
-
-    arrays = dict(np.load(FIXTURES / f"{name}.npz"))
-    meta = json.loads((FIXTURES / f"{name}.json").read_text())
-    return arrays, meta
+from helpers import MODEL_DIR
 
 
 @pytest.fixture(scope="session")
@@ -21,41 +15,21 @@ def model_dir() -> Path:
     return MODEL_DIR
 
 
-def recorded_flow_calls(flow, case: str, **kw):
-    """Replay each ``flow.inference`` call the upstream wrapper made in the end-to-end run ``case``
-    (fixture ``e2e_<case>``); yields ``(k, call, mel, expected_mel)``. ``kw`` goes to every call."""
-    import torch
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``tiny_gguf(layout, type) -> Path``: the fixture model converted to GGUF, once per session
+    for each (layout, type); later calls return the same file."""
+    root = tmp_path_factory.getbasetemp() / "gguf"
+    made: dict[tuple[str, str], Path] = {}
+    lock = threading.Lock()
 
-    arr, meta = load_fixture(f"e2e_{case}")
-    prompt = (torch.from_numpy(arr["in_flow_prompt_speech_token"]), torch.from_numpy(arr["in_prompt_speech_feat"]))
-    tokens, emb = torch.from_numpy(arr["flow_tokens"]), torch.from_numpy(arr["in_flow_embedding"])
-    for k, call in enumerate(meta["meta"]["flow_calls"]):
-        assert call["n_prompt_tokens"] == prompt[0].shape[1]
-        mel = flow.inference(tokens[:, :call["n_tokens"]], *prompt, emb, streaming=call["streaming"],
-                             finalize=call["finalize"], **kw)
-        yield k, call, mel, arr[f"flow_call{k}_mel"]
+    def make(layout: str, type: str) -> Path:
+        from cosyllama.llm.gguf import convert
 
+        with lock:
+            if (layout, type) not in made:
+                root.mkdir(parents=True, exist_ok=True)
+                made[layout, type] = convert(MODEL_DIR, root / f"tiny-{layout}-{type}.gguf", layout=layout, type=type)
+            return made[layout, type]
 
-def synthesize_call(tts, call: dict, **kw):
-    """Run one recorded e2e call (its ``meta.call``) through the public API, greedy."""
-    wav = FIXTURES / call["prompt_wav"]
-    opts = dict(stream=call["stream"], speed=call["speed"], greedy=True, **kw)
-    if call["mode"] == "zero_shot":
-        return tts.zero_shot(call["tts_text"], wav, call["prompt_text"], **opts)
-    if call["mode"] == "cross_lingual":
-        return tts.cross_lingual(call["tts_text"], wav, **opts)
-    return tts.instruct(call["tts_text"], call["instruct_text"], wav, **opts)
-
-
-def interleave_chunks(gens: dict) -> dict:
-    """Advance the named chunk generators one chunk each in turn until all are done; returns each
-    one's chunk samples in order (for checking that interleaved requests don't affect each other)."""
-    gens = dict(gens)
-    got = {k: [] for k in gens}
-    while gens:
-        for k in list(gens):
-            try:
-                got[k].append(next(gens[k]).samples)
-            except StopIteration:
-                del gens[k]
-    return got
+    return make

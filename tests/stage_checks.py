@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from conftest import load_fixture
+from helpers import load_fixture
 
 ATOL = 1e-3  # flow mel and vocoder waveform, as in test_flow.py / test_vocoder.py
 
@@ -172,7 +172,7 @@ def run_case(t2w, case: str, tokens: list[int] | None = None) -> tuple[np.ndarra
 
 
 def _measure(perturb: float, seeds: int) -> dict:
-    from conftest import FIXTURES, MODEL_DIR
+    from helpers import FIXTURES, MODEL_DIR
     from cosyllama.cpu import CpuPath
     from cosyllama.engine import Token2Wav
     from cosyllama.flow import Flow

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture, synthesize_call
+from helpers import FIXTURES, MODEL_DIR, load_fixture, synthesize_call
 from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama import InputError, load
 from cosyllama.cli import main

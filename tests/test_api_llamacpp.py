@@ -5,8 +5,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture, synthesize_call  # noqa: E402
-from gguf_cache import tiny_gguf  # noqa: E402
+from helpers import FIXTURES, MODEL_DIR, load_fixture, synthesize_call  # noqa: E402
 from stage_checks import StageRecorder, check_stages, check_whole_waveform  # noqa: E402
 
 from cosyllama import load  # noqa: E402
@@ -16,8 +15,8 @@ CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
 
 
 @pytest.fixture(scope="module")
-def gguf_f32(tmp_path_factory):
-    return tiny_gguf(tmp_path_factory.getbasetemp() / "gguf", MODEL_DIR, "speech", "F32")
+def gguf_f32(tiny_gguf):
+    return tiny_gguf("speech", "F32")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture
+from helpers import FIXTURES, MODEL_DIR, load_fixture
 from cosyllama import audio as A
 from cosyllama.config import load_config
 from cosyllama.errors import InputError
@@ -13,14 +13,12 @@ from cosyllama.errors import InputError
 ARR, META = load_fixture("frontend")
 WAVS = META["meta"]["wavs"]
 ATOL = 1e-4  # fixture README, section 7
-MAX_DIFF: dict[str, float] = {}
 
 
 def _close(name, ours, ref, atol=ATOL):
     ours = np.asarray(ours)
     assert ours.shape == ref.shape, name
     diff = float(np.abs(ours - ref).max())
-    MAX_DIFF[name] = diff
     assert diff <= atol, f"{name}: max |diff| {diff}"
 
 
@@ -98,9 +96,3 @@ def test_load_wav_refuses_low_rate(tmp_path):
     path = _write(tmp_path / "8k.wav", 0.1 * np.ones(8_000), 8_000)
     with pytest.raises(InputError, match="8000 Hz"):
         A.load_wav(path, 24_000)
-
-
-def test_report_max_diffs():
-    """Not a check: prints the largest differences seen above (pytest -s)."""
-    for name, diff in sorted(MAX_DIFF.items()):
-        print(f"{name}: {diff:.3g}")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import MODEL_DIR
+from helpers import MODEL_DIR
 from cosyllama.cli import main
 from cosyllama.config import load_config
 from cosyllama.weights import load_flow_weights, load_hift_weights, load_llm_weights
@@ -39,7 +39,7 @@ def test_make_model_deterministic_and_refuses_overwrite(tiny_model, tmp_path, ca
 
 def test_made_model_synthesizes(tiny_model):
     import cosyllama
-    from cosyllama.bench import prompt_wav
+    from cosyllama.tools.bench import prompt_wav
 
     tts = cosyllama.load(tiny_model)
     audio = tts.cross_lingual("Hello there.", prompt_wav(2.0), greedy=True, max_tokens=30, ignore_stop=True).audio()
@@ -88,7 +88,7 @@ def test_bench_rejects_a_device_it_cannot_use(capsys):
 
 def test_size_config_is_what_make_model_writes():
     from cosyllama.errors import InputError
-    from cosyllama.synthetic import size_config
+    from cosyllama.tools.synthetic import size_config
 
     tiny, ref = size_config("tiny"), load_config(MODEL_DIR)  # make-model's tiny = the fixtures' model
     assert (tiny.llm, tiny.flow, tiny.hift, tiny.feat) == (ref.llm, ref.flow, ref.hift, ref.feat)

@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import MODEL_DIR
+from helpers import MODEL_DIR
 from cosyllama.config import REQUIRED_FILES, Tagged, load_config, read_hyperpyyaml
 from cosyllama.errors import CheckpointError, DeviceError, ModelDirError
 from cosyllama.llm.torch_backend import TorchLLM

@@ -63,7 +63,7 @@ def test_report_names_class_kernels_threads_and_precisions():
 _PROBE = """
 import json, sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from cosyllama.flow import Flow
 torch.set_num_threads(1)
 a = load_fixture("e2e_zero_shot_nonstream")[0]
@@ -87,7 +87,7 @@ def test_forcing_the_kernels_down_changes_them_and_the_numbers_but_not_the_resul
     the flow tolerance of the recording either way."""
     import numpy as np
 
-    from conftest import load_fixture
+    from helpers import load_fixture
 
     want = load_fixture("e2e_zero_shot_nonstream")[0]["flow_call0_mel"].flatten()
     plain = _probe({k: "" for k in cpu.ISA_OVERRIDES})

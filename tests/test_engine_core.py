@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
+from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
 from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.flow import Flow

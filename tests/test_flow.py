@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture, recorded_flow_calls
+from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama.errors import CheckpointError, DeviceError, InputError
 from cosyllama.flow import Flow, chunk_attention_mask, cosine_t_span, flow_noise
 

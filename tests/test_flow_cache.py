@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture, recorded_flow_calls
+from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture, recorded_flow_calls
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.errors import InputError
 from cosyllama.flow import DEFAULT_STREAM_CACHE_MB, Flow, FlowStreamCache

@@ -7,7 +7,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture
+from helpers import FIXTURES, MODEL_DIR, load_fixture
 from cosyllama.errors import InputError
 from cosyllama.frontend import Frontend, ModelInput, PromptFeatures
 

@@ -10,14 +10,9 @@ import pytest
 from cosyllama.config import load_config
 from cosyllama.errors import CheckpointError, InputError, ModelDirError
 from cosyllama.llm import gguf as G
-from gguf_cache import tiny_gguf
+from cosyllama.llm.gguf_names import tensor_table
 
 gguf = pytest.importorskip("gguf")
-
-
-@pytest.fixture(scope="session")
-def gguf_root(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "gguf"
 
 
 @pytest.fixture(scope="session")
@@ -35,8 +30,8 @@ def _kv(path):
     return r, out
 
 
-def test_speech_layout_metadata_and_tensors(gguf_root, model_dir, cfg):
-    path = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+def test_speech_layout_metadata_and_tensors(tiny_gguf, model_dir, cfg):
+    path = tiny_gguf("speech", "F32")
     r, kv = _kv(path)
     q = cfg.qwen
     assert kv["general.architecture"] == "qwen2"
@@ -58,8 +53,8 @@ def test_speech_layout_metadata_and_tensors(gguf_root, model_dir, cfg):
     assert kv["cosyllama.llm_fingerprint"] == G.llm_fingerprint(w, q.num_hidden_layers)
 
 
-def test_merged_layout_vocabulary(gguf_root, model_dir, cfg):
-    path = tiny_gguf(gguf_root, model_dir, "merged", "F32")
+def test_merged_layout_vocabulary(tiny_gguf, model_dir, cfg):
+    path = tiny_gguf("merged", "F32")
     n_text = cfg.qwen.vocab_size
     info = G.inspect_gguf(path, cfg)
     assert (info.layout, info.n_vocab, info.speech_offset, info.type) == ("merged", n_text + 6761, n_text, "F32")
@@ -83,8 +78,8 @@ def test_merged_layout_vocabulary(gguf_root, model_dir, cfg):
     buf.close()
 
 
-def test_convert_refuses_overwrite_and_bad_options(gguf_root, model_dir, tmp_path):
-    path = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+def test_convert_refuses_overwrite_and_bad_options(tiny_gguf, model_dir, tmp_path):
+    path = tiny_gguf("speech", "F32")
     with pytest.raises(InputError, match="already exists.*force"):
         G.convert(model_dir, path, type="F32")
     with pytest.raises(InputError, match="allowed: F32, F16"):
@@ -115,28 +110,28 @@ def test_quantize_reports_progress_and_ftype_constants(tmp_path, model_dir):
 # Refusals
 
 
-def test_refuses_wrong_layout(gguf_root, model_dir, cfg):
-    speech = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+def test_refuses_wrong_layout(tiny_gguf, model_dir, cfg):
+    speech = tiny_gguf("speech", "F32")
     with pytest.raises(CheckpointError, match="is a 'speech'-layout GGUF, but a 'merged'-layout file was asked"):
         G.inspect_gguf(speech, cfg, layout="merged")
 
 
-def test_refuses_other_llm_pt(gguf_root, model_dir, cfg):
-    speech = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+def test_refuses_other_llm_pt(tiny_gguf, model_dir, cfg):
+    speech = tiny_gguf("speech", "F32")
     with pytest.raises(CheckpointError, match="converted from a different llm.pt"):
         G.inspect_gguf(speech, cfg, fingerprint="0" * 32)
 
 
-def test_refuses_other_constants(gguf_root, model_dir, cfg):
+def test_refuses_other_constants(tiny_gguf, model_dir, cfg):
     import dataclasses
-    speech = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+    speech = tiny_gguf("speech", "F32")
     other = dataclasses.replace(cfg, speech_token_size=4096)
     with pytest.raises(CheckpointError, match="another CosyVoice3 configuration.*speech_token_size = 6561"):
         G.inspect_gguf(speech, other)
 
 
-def test_refuses_truncated_and_non_gguf(gguf_root, model_dir, cfg, tmp_path):
-    speech = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+def test_refuses_truncated_and_non_gguf(tiny_gguf, model_dir, cfg, tmp_path):
+    speech = tiny_gguf("speech", "F32")
     data = speech.read_bytes()
     for cut in (len(data) // 2, 200, len(data) - 1):
         bad = tmp_path / f"cut{cut}.gguf"
@@ -173,22 +168,16 @@ def write_text_llm(path, hidden: int, n_layers: int, heads: int, kv_heads: int, 
         w.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
 
     kvd = hidden // heads * kv_heads
-    t("token_embd.weight", len(vocab), hidden)
-    for i in range(n_layers):
-        t(f"blk.{i}.attn_norm.weight", hidden)
-        t(f"blk.{i}.attn_q.weight", hidden, hidden)
-        t(f"blk.{i}.attn_q.bias", hidden)
-        t(f"blk.{i}.attn_k.weight", kvd, hidden)
-        t(f"blk.{i}.attn_k.bias", kvd)
-        t(f"blk.{i}.attn_v.weight", kvd, hidden)
-        t(f"blk.{i}.attn_v.bias", kvd)
-        t(f"blk.{i}.attn_output.weight", hidden, hidden)
-        t(f"blk.{i}.ffn_norm.weight", hidden)
-        t(f"blk.{i}.ffn_gate.weight", ff, hidden)
-        t(f"blk.{i}.ffn_up.weight", ff, hidden)
-        t(f"blk.{i}.ffn_down.weight", hidden, ff)
-    t("output_norm.weight", hidden)
-    t("output.weight", len(vocab), hidden)
+    # Shapes per llm.pt key (rows, columns as torch holds them); names from the one GGUF name table.
+    shape = {"input_layernorm.weight": (hidden,), "self_attn.q_proj.weight": (hidden, hidden),
+             "self_attn.q_proj.bias": (hidden,), "self_attn.k_proj.weight": (kvd, hidden),
+             "self_attn.k_proj.bias": (kvd,), "self_attn.v_proj.weight": (kvd, hidden),
+             "self_attn.v_proj.bias": (kvd,), "self_attn.o_proj.weight": (hidden, hidden),
+             "post_attention_layernorm.weight": (hidden,), "mlp.gate_proj.weight": (ff, hidden),
+             "mlp.up_proj.weight": (ff, hidden), "mlp.down_proj.weight": (hidden, ff), "norm.weight": (hidden,),
+             "speech_embedding.weight": (len(vocab), hidden), "llm_decoder.weight": (len(vocab), hidden)}
+    for name, key in tensor_table(n_layers).items():
+        t(name, *shape[key.split(".", 2)[2] if key.startswith("layers.") else key])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MODEL_DIR, load_fixture, recorded_flow_calls, synthesize_call
+from helpers import FIXTURES, MODEL_DIR, load_fixture, recorded_flow_calls, synthesize_call
 from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama import load
 from cosyllama.engine import FlowPrompt

@@ -8,23 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
+from helpers import load_fixture
 from cosyllama.errors import CheckpointError, DeviceError, InputError, MissingDependencyError
 from cosyllama.llm import gguf as G
 from cosyllama.llm.backend import LLMBackend, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate, generate_many
-from gguf_cache import tiny_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from cosyllama.llm import llamacpp_backend as LB  # noqa: E402
+from cosyllama.llm import llamacpp_lib  # noqa: E402
 from cosyllama.llm.llamacpp_backend import BackendBusyError, LlamaCppLLM  # noqa: E402
 
 N_THREADS = 1  # tiny model: one thread is fastest, and robust on a busy 2-core machine
-
-
-@pytest.fixture(scope="session")
-def gguf_root(tmp_path_factory):
-    return tmp_path_factory.getbasetemp() / "gguf"
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +38,10 @@ def greedy_tokens():
 _backends: dict = {}
 
 
-def backend(gguf_root, model_dir, layout, type, **kw) -> LlamaCppLLM:
+def backend(tiny_gguf, model_dir, layout, type, **kw) -> LlamaCppLLM:
     key = (layout, type, tuple(sorted(kw.items())))
     if key not in _backends:
-        _backends[key] = LlamaCppLLM(tiny_gguf(gguf_root, model_dir, layout, type), model_dir,
+        _backends[key] = LlamaCppLLM(tiny_gguf(layout, type), model_dir,
                                      n_threads=N_THREADS, **kw)
     return _backends[key]
 
@@ -68,9 +63,9 @@ def teacher_forced(b: LlamaCppLLM, arrays, prefill) -> np.ndarray:
 
 
 @pytest.mark.parametrize("layout", ["speech", "merged"])
-def test_f32_teacher_forced_logp_matches_reference(gguf_root, model_dir, tf, layout):
+def test_f32_teacher_forced_logp_matches_reference(tiny_gguf, model_dir, tf, layout):
     arrays, prefill, _ = tf
-    b = backend(gguf_root, model_dir, layout, "F32")
+    b = backend(tiny_gguf, model_dir, layout, "F32")
     assert isinstance(b, LLMBackend) and b.kv_type == "f32" and b.flash_attn is False
     logp = teacher_forced(b, arrays, prefill)
     assert logp.dtype == np.float32 and logp.shape == arrays["logp_cached"].shape
@@ -81,30 +76,30 @@ def test_f32_teacher_forced_logp_matches_reference(gguf_root, model_dir, tf, lay
 
 
 @pytest.mark.parametrize("layout", ["speech", "merged"])
-def test_f16_teacher_forced_logp_close_to_reference(gguf_root, model_dir, tf, layout):
+def test_f16_teacher_forced_logp_close_to_reference(tiny_gguf, model_dir, tf, layout):
     arrays, prefill, _ = tf
-    logp = teacher_forced(backend(gguf_root, model_dir, layout, "F16"), arrays, prefill)
+    logp = teacher_forced(backend(tiny_gguf, model_dir, layout, "F16"), arrays, prefill)
     diff = float(np.abs(logp - arrays["logp_cached"]).max())
     print(f"{layout} F16 max |logp - fixture| = {diff:.2e}")
     assert diff < 1e-2
 
 
 @pytest.mark.parametrize("layout", ["speech", "merged"])
-def test_greedy_tokens_match_reference(gguf_root, model_dir, tf, greedy_tokens, layout):
+def test_greedy_tokens_match_reference(tiny_gguf, model_dir, tf, greedy_tokens, layout):
     _, prefill, n_text = tf
-    b = backend(gguf_root, model_dir, layout, "F32")
+    b = backend(tiny_gguf, model_dir, layout, "F32")
     assert list(generate(b, prefill, n_text, DecodeOptions(greedy=True))) == greedy_tokens
     assert b.stats()["active_sequences"] == 0
 
 
 @pytest.mark.parametrize("layout", ["speech", "merged"])
-def test_f16_greedy_follows_reference_until_a_near_tie(gguf_root, model_dir, tf, greedy_tokens, layout):
+def test_f16_greedy_follows_reference_until_a_near_tie(tiny_gguf, model_dir, tf, greedy_tokens, layout):
     """F16 weights move log-probs by ~5e-3 on this random tiny model; the reference's top-2 margin at
     greedy step 9 is only 2.2e-3, so F16 may pick the runner-up there. Before it, tokens must agree."""
     arrays, _ = load_fixture("llm_greedy")
     margins = arrays["step_top5_scores"][:, 0] - arrays["step_top5_scores"][:, 1]
     _, prefill, n_text = tf
-    toks = list(generate(backend(gguf_root, model_dir, layout, "F16"), prefill, n_text, DecodeOptions(greedy=True)))
+    toks = list(generate(backend(tiny_gguf, model_dir, layout, "F16"), prefill, n_text, DecodeOptions(greedy=True)))
     first_diff = next((i for i, (a, b) in enumerate(zip(toks, greedy_tokens)) if a != b), None)
     if first_diff is not None:
         assert margins[first_diff] < 1e-2, (first_diff, margins[first_diff])
@@ -112,11 +107,11 @@ def test_f16_greedy_follows_reference_until_a_near_tie(gguf_root, model_dir, tf,
 
 
 @pytest.mark.parametrize("type", list(G.TYPES))
-def test_every_type_decodes_valid_tokens(gguf_root, model_dir, tf, type):
+def test_every_type_decodes_valid_tokens(tiny_gguf, model_dir, tf, type):
     """Each quantization converts (tiny rows fall back to F16 where blocks do not fit) and decodes."""
     _, prefill, n_text = tf
     for layout in ("speech", "merged"):
-        path = tiny_gguf(gguf_root, model_dir, layout, type)
+        path = tiny_gguf(layout, type)
         with LlamaCppLLM(path, model_dir, n_threads=N_THREADS, n_ctx=512) as b:
             assert b.info.type == type and b.layout == layout
             toks = list(generate(b, prefill, n_text, DecodeOptions(greedy=True)))
@@ -137,8 +132,8 @@ def _prefills(tf):
 
 
 @pytest.mark.parametrize("layout", ["speech", "merged"])
-def test_three_sequences_batched_equal_alone(gguf_root, model_dir, tf, layout):
-    b = backend(gguf_root, model_dir, layout, "F32")
+def test_three_sequences_batched_equal_alone(tiny_gguf, model_dir, tf, layout):
+    b = backend(tiny_gguf, model_dir, layout, "F32")
     opts = DecodeOptions(greedy=True)
     alone = [list(generate(b, p, n, opts)) for p, n in _prefills(tf)]
     stepped_sizes = []
@@ -158,8 +153,8 @@ def test_three_sequences_batched_equal_alone(gguf_root, model_dir, tf, layout):
     assert b.stats()["active_sequences"] == 0 and b.stats()["free_sequences"] == b.n_seq_max
 
 
-def test_batched_logp_equal_single_logp(gguf_root, model_dir, tf):
-    b = backend(gguf_root, model_dir, "speech", "F32")
+def test_batched_logp_equal_single_logp(tiny_gguf, model_dir, tf):
+    b = backend(tiny_gguf, model_dir, "speech", "F32")
     (p1, _), (p2, _), (p3, _) = _prefills(tf)
     hs = [b.start(p, 10) for p in (p1, p2, p3)]
     together = b.step([(h, 7) for h, _ in hs])
@@ -172,9 +167,9 @@ def test_batched_logp_equal_single_logp(gguf_root, model_dir, tf):
         assert float((single - lp).abs().max()) < 1e-5
 
 
-def test_cancelled_sequence_frees_its_cells(gguf_root, model_dir, tf):
+def test_cancelled_sequence_frees_its_cells(tiny_gguf, model_dir, tf):
     _, prefill, n_text = tf
-    b = backend(gguf_root, model_dir, "speech", "F32")
+    b = backend(tiny_gguf, model_dir, "speech", "F32")
     other, _ = b.start(prefill, 50)
     gen = generate(b, prefill, n_text, DecodeOptions(greedy=True))
     for _ in range(5):
@@ -194,9 +189,9 @@ def test_cancelled_sequence_frees_its_cells(gguf_root, model_dir, tf):
         b.step([(other, 1)])
 
 
-def test_slots_exhausted_and_capacity(gguf_root, model_dir, tf):
+def test_slots_exhausted_and_capacity(tiny_gguf, model_dir, tf):
     _, prefill, _ = tf
-    with LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "F32"), model_dir, n_threads=N_THREADS,
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_threads=N_THREADS,
                      n_seq_max=2, n_ctx=512) as b:
         h1, _ = b.start(prefill, 100)
         h2, _ = b.start(prefill, 100)
@@ -210,9 +205,9 @@ def test_slots_exhausted_and_capacity(gguf_root, model_dir, tf):
             b.start(prefill, 1000)
 
 
-def test_lazy_context_grows_when_idle(gguf_root, model_dir, tf):
+def test_lazy_context_grows_when_idle(tiny_gguf, model_dir, tf):
     _, prefill, _ = tf
-    with LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "F32"), model_dir, n_threads=N_THREADS,
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_threads=N_THREADS,
                      n_seq_max=2) as b:
         assert b.n_ctx == 0  # nothing allocated before the first request
         h, _ = b.start(prefill, 10)
@@ -223,8 +218,8 @@ def test_lazy_context_grows_when_idle(gguf_root, model_dir, tf):
         b.release(h)
 
 
-def test_threads_decoding_concurrently_match_alone(gguf_root, model_dir, tf):
-    b = backend(gguf_root, model_dir, "speech", "F32")
+def test_threads_decoding_concurrently_match_alone(tiny_gguf, model_dir, tf):
+    b = backend(tiny_gguf, model_dir, "speech", "F32")
     opts = DecodeOptions(greedy=True)
     reqs = _prefills(tf)
     alone = [list(generate(b, p, n, opts)) for p, n in reqs]
@@ -241,9 +236,9 @@ def test_threads_decoding_concurrently_match_alone(gguf_root, model_dir, tf):
     assert results == alone
 
 
-def test_prefill_longer_than_n_batch_is_split(gguf_root, model_dir, tf):
+def test_prefill_longer_than_n_batch_is_split(tiny_gguf, model_dir, tf):
     arrays, prefill, _ = tf
-    with LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "F32"), model_dir, n_threads=N_THREADS,
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_threads=N_THREADS,
                      n_batch=16) as b:
         logp = teacher_forced(b, arrays, prefill)
     assert float(np.abs(logp - arrays["logp_cached"]).max()) < 1e-4
@@ -253,9 +248,9 @@ def test_prefill_longer_than_n_batch_is_split(gguf_root, model_dir, tf):
 # Refusals
 
 
-def test_refuses_bad_inputs(gguf_root, model_dir, tf):
+def test_refuses_bad_inputs(tiny_gguf, model_dir, tf):
     _, prefill, _ = tf
-    b = backend(gguf_root, model_dir, "speech", "F32")
+    b = backend(tiny_gguf, model_dir, "speech", "F32")
     with pytest.raises(InputError, match="outside the text vocabulary"):
         b.start(Prefill((10**6,), ()), 5)
     with pytest.raises(InputError, match="prompt speech tokens .* outside 0..6560"):
@@ -275,8 +270,8 @@ def test_refuses_bad_inputs(gguf_root, model_dir, tf):
     assert b.stats()["active_sequences"] == 0
 
 
-def test_backend_refuses_wrong_layout_truncated_and_foreign(gguf_root, model_dir, tmp_path):
-    speech = tiny_gguf(gguf_root, model_dir, "speech", "F32")
+def test_backend_refuses_wrong_layout_truncated_and_foreign(tiny_gguf, model_dir, tmp_path):
+    speech = tiny_gguf("speech", "F32")
     with pytest.raises(CheckpointError, match="'speech'-layout GGUF, but a 'merged'"):
         LlamaCppLLM(speech, model_dir, layout="merged")
     cut = tmp_path / "cut.gguf"
@@ -292,7 +287,7 @@ def test_backend_refuses_wrong_layout_truncated_and_foreign(gguf_root, model_dir
         LlamaCppLLM(chat, model_dir)
 
 
-def test_backend_refuses_gguf_of_another_llm_pt(gguf_root, model_dir, tmp_path):
+def test_backend_refuses_gguf_of_another_llm_pt(tiny_gguf, model_dir, tmp_path):
     """Same configuration, different weights: the fingerprint check catches it."""
     import shutil
     d = tmp_path / "other"
@@ -301,30 +296,30 @@ def test_backend_refuses_gguf_of_another_llm_pt(gguf_root, model_dir, tmp_path):
     sd["llm_decoder.weight"] = sd["llm_decoder.weight"] + 0.01
     torch.save(sd, d / "llm.pt")
     with pytest.raises(CheckpointError, match="different llm.pt"):
-        LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "F32"), d)
+        LlamaCppLLM(tiny_gguf("speech", "F32"), d)
 
 
-def test_gpu_layers_refused_without_gpu_build(gguf_root, model_dir):
+def test_gpu_layers_refused_without_gpu_build(tiny_gguf, model_dir):
     if llama_cpp.llama_supports_gpu_offload():
         pytest.skip("this llama-cpp-python build has GPU support")
     with pytest.raises(DeviceError, match="no GPU support"):
-        LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "F32"), model_dir, n_gpu_layers=10)
+        LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_gpu_layers=10)
 
 
-def test_unknown_kv_type(gguf_root, model_dir):
+def test_unknown_kv_type(tiny_gguf, model_dir):
     with pytest.raises(InputError, match="allowed: f32, f16"):
-        LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "F32"), model_dir, kv_type="f8")
+        LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, kv_type="f8")
 
 
 def test_missing_llama_cpp_gives_install_hint(monkeypatch):
     import sys
-    monkeypatch.setattr(LB, "_llama_cpp", None)
+    monkeypatch.setattr(llamacpp_lib, "_llama_cpp", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(MissingDependencyError, match=r"pip install 'cosyllama\[llama\]'"):
-        LB.import_llama_cpp()
+        llamacpp_lib.import_llama_cpp()
 
 
-def test_llama_log_is_silent_by_default(gguf_root, model_dir, capfd):
+def test_llama_log_is_silent_by_default(tiny_gguf, model_dir, capfd):
     capfd.readouterr()
-    LlamaCppLLM(tiny_gguf(gguf_root, model_dir, "speech", "Q8_0"), model_dir, n_ctx=256).close()
+    LlamaCppLLM(tiny_gguf("speech", "Q8_0"), model_dir, n_ctx=256).close()
     assert capfd.readouterr().err == ""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, SilentTokenFilter, TokenDecoder, generate, generate_many
 from cosyllama.llm.torch_backend import TorchLLM

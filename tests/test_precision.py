@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture, recorded_flow_calls
+from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama import precision as prec
 from cosyllama.audio import mel_spectrogram
 from cosyllama.config import load_config

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_fixture
+from helpers import load_fixture
 from cosyllama.config import SamplingConfig
 from cosyllama.llm.sampling import Sampler, greedy_sample, nucleus_candidates, ras_sample
 

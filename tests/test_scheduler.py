@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
@@ -191,12 +191,11 @@ def test_closed_scheduler_fails_its_requests(torch_llm, prefills):
         next(sched.generate(p, n, DecodeOptions(greedy=True)))
 
 
-def test_llamacpp_eight_concurrent_equal_alone(tmp_path_factory, prefills):
+def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
     pytest.importorskip("llama_cpp")
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
-    from gguf_cache import tiny_gguf
 
-    path = tiny_gguf(tmp_path_factory.getbasetemp() / "gguf", MODEL_DIR, "speech", "F32")
+    path = tiny_gguf("speech", "F32")
     llm = LlamaCppLLM(path, MODEL_DIR, n_threads=1, n_seq_max=8)
     try:
         opts = DecodeOptions(greedy=True)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import FIXTURES, MODEL_DIR
+from helpers import FIXTURES, MODEL_DIR
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
@@ -72,12 +72,11 @@ class Throttled:
 
 
 @pytest.fixture(scope="module")
-def tts(tmp_path_factory):
+def tts(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
     from cosyllama.tts import TTS
-    from gguf_cache import tiny_gguf
 
-    path = tiny_gguf(tmp_path_factory.getbasetemp() / "gguf", MODEL_DIR, "speech", "F32")
+    path = tiny_gguf("speech", "F32")
     backend = LlamaCppLLM(path, MODEL_DIR, n_threads=1, n_seq_max=8)
     yield TTS(MODEL_DIR, llm="llamacpp", llm_backend=Throttled(backend))
     backend.close()
@@ -323,7 +322,7 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     from types import SimpleNamespace
 
     from cosyllama import server
-    from cosyllama.llm import llamacpp_backend as LB
+    from cosyllama.llm import llamacpp_lib as LB
 
     fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
     monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)

@@ -8,15 +8,13 @@ layer, a wrong streaming hop, and a vocoder that is 1 % off in one layer.
 
 from __future__ import annotations
 
-import functools
 import shutil
 
 import pytest
 import torch
 
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from stage_checks import StageRecorder, check_stages, check_whole_waveform, run_case
-from cosyllama import engine
 from cosyllama.engine import Token2Wav
 from cosyllama.flow import Flow
 from cosyllama.vocoder import HiFT
@@ -79,10 +77,11 @@ def test_a_wrong_sign_in_one_dit_layer_fails(tmp_path, ref_hift, case):
         check_whole_waveform(speech, case)
 
 
-def test_a_wrong_streaming_hop_fails(t2w, ref_hift, monkeypatch):
+def test_a_wrong_streaming_hop_fails(t2w, ref_hift):
     case = "zero_shot_stream"
-    monkeypatch.setattr(engine, "_StreamState", functools.partial(engine._StreamState, hop=26))  # 25 is right
-    rec, speech, sizes, tokens = _run(t2w, case)
+    assert t2w.token_hop == 25  # the fixture model's chunk size
+    wrong = Token2Wav(t2w.flow, t2w.hift, 24000, token_hop=26)
+    rec, speech, sizes, tokens = _run(wrong, case)
     with pytest.raises(AssertionError, match="chunk sizes differ"):
         check_stages(rec, ref_hift, case, tokens, sizes)
     with pytest.raises(AssertionError, match="whole waveform"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from cosyllama.errors import InputError, ModelDirError
 from cosyllama.text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, ENDOFPROMPT_ID, SPECIAL_TOKENS, TEXT_VOCAB_SIZE,
                             TextNormalizer, TextTokenizer, instruct_prompt_text, is_only_punctuation, replace_blank,

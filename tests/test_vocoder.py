@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture
 from stage_checks import check_whole_waveform
 from cosyllama.config import load_config
 from cosyllama.errors import CheckpointError, DeviceError, InputError

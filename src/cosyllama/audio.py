@@ -1,4 +1,4 @@
-"""Audio input and the three prompt feature extractors (spec §4).
+"""Audio input and the three prompt feature extractors (see docs/reference.md#prompt-audio).
 
 * reading (soundfile: wav, flac, ogg, mp3, ...), mixing to mono, resampling to 16 and 24 kHz;
 * Whisper-style 128-bin log-mel at 16 kHz (speech tokenizer input);

@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .defaults import LLM_CHOICES, LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -30,7 +31,7 @@ def cmd_convert(args) -> int:
     from .llm.gguf import convert
 
     out = convert(args.model_dir, args.out, layout=args.layout, type=args.type, force=args.force,
-                  progress=counting_progress())
+                  progress=counting_progress(), llm_weights=args.llm_weights)
     print(f"wrote {out}")
     return 0
 
@@ -42,7 +43,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_make_model(args) -> int:
-    from .synthetic import make_model
+    from .tools.synthetic import make_model
 
     make_model(args.dir, size=args.size, seed=args.seed, force=args.force, progress=_progress)
     print(f"wrote a random-weight {args.size} model to {args.dir}")
@@ -50,13 +51,13 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .tools.bench import run_bench
 
     return run_bench(args, progress=_progress)
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(args, progress=_progress)
 
@@ -66,6 +67,24 @@ def cmd_serve(args) -> int:
 
     serve(args)
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# options several sub-commands share (each defined once)
+
+
+def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm-weights", default=LLM_WEIGHTS, metavar="FILE",
+                   help=f"LLM checkpoint in the model directory (default {LLM_WEIGHTS}; the official directory "
+                        "also ships the RL-tuned llm.rl.pt); a GGUF must be converted from the same file")
+
+
+def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=PRECISION, help=help)
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--instruct", help="instruction for instruct mode (e.g. 'Speak slowly.')")
     s.add_argument("--mode", choices=["zero-shot", "cross-lingual", "instruct"], default=None,
                    help="default: instruct if --instruct, zero-shot if --prompt-text, else cross-lingual")
-    s.add_argument("--llm", choices=["torch", "llamacpp"], default=None,
+    s.add_argument("--llm", choices=LLM_CHOICES, default=None,
                    help="LLM backend (default: llamacpp when --gguf is given, else torch)")
     s.add_argument("--gguf", help="GGUF file for --llm llamacpp")
     s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
@@ -94,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     s.add_argument("--speed", type=float, default=1.0, help="speaking-rate factor (non-streaming)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    s.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    s.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="flow compute: auto = bf16 where the CPU/GPU has it natively, else fp32 (the reference)")
+    add_threads_option(s)
+    add_precision_option(s, "flow compute: auto = bf16 where the CPU/GPU has it natively, else fp32 (the reference)")
+    add_llm_weights_option(s)
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.set_defaults(func=cmd_synth)
 
@@ -106,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--layout", choices=["speech", "merged"], default="speech")
     c.add_argument("--type", default="Q8_0", help="F32, F16, BF16, Q8_0, Q6_K, Q5_K_M, ... (default Q8_0)")
     c.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    add_llm_weights_option(c)
     c.set_defaults(func=cmd_convert)
 
     m = sub.add_parser("make-model", help="write a random-weight model directory in the official layout")
@@ -120,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results as JSON")
     b.add_argument("--parts", default="llm,flow,vocoder,pipeline", help="comma list of parts to run")
     b.add_argument("--repeat", type=int, default=1, help="runs per configuration (median reported)")
-    b.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    add_threads_option(b)
     b.add_argument("--prompt-seconds", type=float, default=3.0)
     b.add_argument("--output-seconds", type=float, default=10.0)
     b.add_argument("--device", default="cpu",
@@ -129,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="no-weights demo: synthesize with both backends on a full-size random model")
-    d.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    add_threads_option(d)
     d.add_argument("--seconds", type=float, default=10.0, help="at most this much audio per backend (default 10)")
     d.add_argument("--out-dir", help="where to write the demo WAVs (default: the cache directory)")
     d.set_defaults(func=cmd_demo)
@@ -139,15 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--gguf", help="serve the LLM from this GGUF through llama.cpp")
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--parallel", type=int, default=8,
-                   help="llama.cpp sequences decoded together in one batch (default 8)")
-    v.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    v.add_argument("--parallel", type=int, default=SERVE_PARALLEL,
+                   help=f"llama.cpp sequences decoded together in one batch (default {SERVE_PARALLEL})")
+    add_threads_option(v)
     v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
     v.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers to offload to a GPU")
-    v.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="flow compute precision (default auto)")
-    v.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get 503 (default 16)")
-    v.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default 4096)")
+    add_precision_option(v, f"flow compute precision (default {PRECISION})")
+    add_llm_weights_option(v)
+    v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"requests that may wait; more get 503 (default {MAX_QUEUE})")
+    v.add_argument("--max-input-chars", type=int, default=MAX_INPUT_CHARS,
+                   help=f"longest input text (default {MAX_INPUT_CHARS})")
     v.add_argument("--voices", help="voice file (written by VoiceStore.save) to register at start")
     v.add_argument("--stream-cache-mb", type=float, default=None,
                    help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "

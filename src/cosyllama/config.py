@@ -23,7 +23,8 @@ from .errors import ModelDirError
 YAML_NAME = "cosyvoice3.yaml"
 QWEN_DIR = "CosyVoice-BlankEN"
 
-# Files the official Fun-CosyVoice3-0.5B directory must hold (spec §1.1); value = what it is for.
+# Files the official Fun-CosyVoice3-0.5B directory must hold; value = what it is for.
+# See docs/reference.md#required-files.
 REQUIRED_FILES = {
     YAML_NAME: "model configuration",
     f"{QWEN_DIR}/config.json": "Qwen2 hyper-parameters",
@@ -36,7 +37,8 @@ REQUIRED_FILES = {
     "speech_tokenizer_v3.onnx": "speech tokenizer",
 }
 
-N_SPECIAL_SPEECH_IDS = 200  # sos, eos, task, fill and 196 reserved ids after the speech codes (spec §6.2)
+# sos, eos, task, fill and 196 reserved ids after the speech codes; see docs/reference.md#special-ids
+N_SPECIAL_SPEECH_IDS = 200
 FLOW_N_TIMESTEPS = 10  # Euler steps; fixed by the reference's flow.inference, not in the yaml
 
 
@@ -169,7 +171,7 @@ class QwenConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Repetition-aware sampling parameters (spec §6.5)."""
+    """Repetition-aware sampling parameters (see docs/reference.md#ras-sampling)."""
 
     top_p: float = 0.8
     top_k: int = 25

@@ -4,18 +4,18 @@ This is the only module that knows about streaming. All state of a request lives
 :class:`_StreamState` created per call; the models are shared read-only, so several generators
 (threads, server requests) can run interleaved without touching each other.
 
-Streaming schedule (spec §9.3): the first chunk covers ``25 + pad`` tokens, where ``pad`` rounds the
-prompt token count up to a multiple of 25 (so chunks align with the DiT's 50-frame attention
-blocks); every chunk needs 3 more tokens of look-ahead; the hop doubles after each chunk up to 100.
-Each chunk runs the flow over prompt + all tokens so far (block-causal attention) and the vocoder
-over all mel so far, and emits only the new samples; here the vocoder continues from a per-request
-:class:`~cosyllama.vocoder.VocoderStream` instead (the same new samples up to float rounding, at a
-cost that does not grow with the utterance). The last call uses full attention (upstream
-quirk Q4). Unlike the reference, at reduced flow precision (bf16) the flow does not recompute the
-attention blocks earlier chunks completed: each request keeps a
-:class:`~cosyllama.flow.FlowStreamCache` (same mel up to float rounding; bounded by
-``stream_cache_mb``; freed when the request's generator ends or is closed). At fp32, the
-reference-parity mode, it is off unless asked for (see :class:`Token2Wav`).
+Streaming schedule (see docs/reference.md#chunk-schedule): the first chunk covers ``25 + pad`` tokens, where
+``pad`` rounds the prompt token count up to a multiple of 25 (so chunks align with the DiT's 50-frame
+attention blocks); every chunk needs 3 more tokens of look-ahead; the hop doubles after each chunk up to 100.
+Each chunk runs the flow over prompt + all tokens so far (block-causal attention) and the vocoder over all mel
+so far, and emits only the new samples; here the vocoder continues from a per-request
+:class:`~cosyllama.vocoder.VocoderStream` instead (the same new samples up to float rounding, at a cost that
+does not grow with the utterance). The last call uses full attention (see
+docs/reference.md#q4-full-attention-final-call). Unlike the reference, at reduced flow precision (bf16) the
+flow does not recompute the attention blocks earlier chunks completed: each request keeps a
+:class:`~cosyllama.flow.FlowStreamCache` (same mel up to float rounding; bounded by ``stream_cache_mb``; freed
+when the request's generator ends or is closed). At fp32, the reference-parity mode, it is off unless asked
+for (see :class:`Token2Wav`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,8 +36,7 @@ from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
 
 DEFAULT_PROMPT_CACHE_MB = 512.0  # frames shared between streaming requests of one prompt (see Token2Wav)
-TOKEN_HOP = 25  # first streaming hop, tokens
-TOKEN_MAX_HOP = 100  # the hop doubles up to this
+MAX_HOP_CHUNKS = 4  # the hop doubles up to this many first hops (100 tokens for the official config)
 HOP_GROWTH = 2
 
 
@@ -72,7 +71,7 @@ class _StreamState:
     """Per-request streaming progress (never stored on a shared object)."""
 
     prompt_pad: int
-    hop: int = TOKEN_HOP
+    hop: int  # tokens of the next chunk, look-ahead and prompt padding aside
     token_offset: int = 0
     tokens: list[int] = field(default_factory=list)
     vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance (set by stream)
@@ -91,8 +90,8 @@ class Token2Wav:
     :class:`cosyllama.vocoder.HiFT`; both are used read-only.
 
     ``stream_cache_mb``: bound of each streaming request's flow K/V cache in MiB (see
-    :class:`~cosyllama.flow.FlowStreamCache`: ~1.8 MB per mel frame at full size in bf16, 3.6 MB in
-    fp32; past the bound the frames after it are recomputed every chunk); 0 turns the cache off
+    :class:`~cosyllama.flow.FlowStreamCache`; its size per frame: see
+    docs/benchmarks.md#memory-of-the-streaming-caches; past the bound the frames after it are recomputed every chunk); 0 turns the cache off
     (the reference's recompute-everything behaviour). None (default): ``DEFAULT_STREAM_CACHE_MB``
     (2048) when the flow runs at reduced precision, off at fp32. Why off at fp32: the reference
     itself does not give an earlier block bit-identical values in successive calls (attention over
@@ -105,28 +104,43 @@ class Token2Wav:
     blocks that end before frame ``2 * (P - 3)`` (P prompt tokens; later frames read the first new
     tokens through the look-ahead) are the same in every request of that prompt. The first request
     of a prompt keeps them after its first chunk; later ones start their first chunk after them.
-    3 s of prompt shares 100 of its 150 frames, ~180 MB at full size in bf16; least recently used
-    prompts go first. None (default):
-    ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0 turns it off."""
+    3 s of prompt shares 100 of its 150 frames; least recently used prompts go first. None
+    (default): ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0
+    turns it off."""
 
-    def __init__(self, flow, hift, sample_rate: int, lookahead: int = 3, token_mel_ratio: int = 2,
-                 stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None):
+    def __init__(self, flow, hift, sample_rate: int, lookahead: int | None = None,
+                 token_mel_ratio: int | None = None, stream_cache_mb: float | None = None,
+                 prompt_cache_mb: float | None = None, token_hop: int | None = None):
         for name, v in (("stream_cache_mb", stream_cache_mb), ("prompt_cache_mb", prompt_cache_mb)):
             if v is not None and not v >= 0:
                 raise InputError(f"{name} must be >= 0, got {v!r}")
         self.flow, self.hift = flow, hift
         self.sample_rate = sample_rate
-        self.lookahead = lookahead
-        self.token_mel_ratio = token_mel_ratio
+        # What the flow was built with, unless the caller says otherwise (see from_config).
+        self.lookahead = flow.cfg.pre_lookahead_len if lookahead is None else lookahead
+        self.token_mel_ratio = flow.cfg.token_mel_ratio if token_mel_ratio is None else token_mel_ratio
+        # First streaming hop: one attention block of tokens, so that chunks end on block borders.
+        self.token_hop = flow.cfg.static_chunk_size // self.token_mel_ratio if token_hop is None else token_hop
+        if self.token_hop < 1:
+            raise InputError(f"the streaming hop must be >= 1 token, got {self.token_hop}")
         self.stream_cache_mb = stream_cache_mb
         self.prompt_cache_mb = prompt_cache_mb
         self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
         self._prompt_lock = threading.Lock()
 
+    @classmethod
+    def from_config(cls, config, flow, hift, *, stream_cache_mb: float | None = None,
+                    prompt_cache_mb: float | None = None) -> Token2Wav:
+        """The driver for a model's ``config`` (a :class:`~cosyllama.config.ModelConfig`): its
+        sample rate, look-ahead, mel frames per token and streaming chunk size."""
+        return cls(flow, hift, config.sample_rate, lookahead=config.flow.pre_lookahead_len,
+                   token_mel_ratio=config.token_mel_ratio, token_hop=config.chunk_size,
+                   stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
+
     def _stream_cache_mb(self) -> float:
         mb = self.stream_cache_mb
         if mb is None:
-            mb = 0.0 if getattr(self.flow, "precision", torch.float32) == torch.float32 else DEFAULT_STREAM_CACHE_MB
+            mb = 0.0 if self.flow.precision == torch.float32 else DEFAULT_STREAM_CACHE_MB
         return mb
 
     def new_stream_cache(self) -> FlowStreamCache | None:
@@ -139,7 +153,7 @@ class Token2Wav:
     def shared_prompt_frames(self, n_prompt_tokens: int) -> int:
         """Leading mel frames every streaming request with a prompt of this many tokens computes
         alike: whole attention blocks before ``token_mel_ratio * (P - lookahead)``; 0 if none."""
-        chunk = getattr(getattr(getattr(self.flow, "decoder", None), "estimator", None), "static_chunk_size", 0)
+        chunk = self.flow.block_frames
         if not chunk:
             return 0
         return max(0, self.token_mel_ratio * (n_prompt_tokens - self.lookahead)) // chunk * chunk
@@ -152,9 +166,7 @@ class Token2Wav:
 
     def _prompt_key(self, prompt: FlowPrompt) -> bytes:
         h = hashlib.sha256()
-        dec = self.flow.decoder
-        h.update(repr((id(dec), getattr(dec, "_weights_version", None), str(self.flow.precision),
-                       dec.n_timesteps)).encode())
+        h.update(repr(self.flow.solver_key()).encode())
         for t in (prompt.tokens, prompt.feat, prompt.embedding):
             a = t.detach().cpu().contiguous()
             h.update(repr((tuple(a.shape), str(a.dtype))).encode())
@@ -188,7 +200,7 @@ class Token2Wav:
             return False
         key = self._prompt_key(prompt)
         if self._prompt_frames_for(key) is None:
-            cache.mark = shared
+            cache.mark_prefix(shared)
             # One token after the prompt plus the look-ahead: the shared frames read none of them.
             self._mel([0] * (1 + self.lookahead), prompt, 0, streaming=True, finalize=False, cache=cache)
             self._keep_prompt_frames(key, cache.prefix(p, shared))
@@ -220,11 +232,11 @@ class Token2Wav:
             mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
         return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
-    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
-               on_tokens: Callable[[list[int]], None] | None = None) -> Iterator[AudioChunk]:
+    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int) -> Iterator[AudioChunk]:
         """Consume tokens as they are decoded and yield audio as soon as each chunk exists."""
         p = prompt.tokens.shape[1]
-        st = _StreamState(prompt_pad=math.ceil(p / TOKEN_HOP) * TOKEN_HOP - p)
+        first_hop = self.token_hop
+        st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
         st.flow_cache = self.new_stream_cache()
         st.vocoder = self.hift.new_stream()
         shared, keep_key = self.shared_prompt_frames(p), None
@@ -234,7 +246,8 @@ class Token2Wav:
             if frames is not None:
                 st.flow_cache.load(frames)  # the first chunk starts after the prompt's shared blocks
             else:  # the first chunk also keeps what a cache of just those blocks needs
-                keep_key, st.flow_cache.mark = key, shared
+                keep_key = key
+                st.flow_cache.mark_prefix(shared)
         try:
             for tok in token_iter:
                 st.tokens.append(tok)
@@ -245,16 +258,16 @@ class Token2Wav:
                                     cache=st.flow_cache)
                     if keep_key is not None:
                         self._keep_prompt_frames(keep_key, st.flow_cache.prefix(p, shared))
-                        st.flow_cache.mark, st.flow_cache.conv_mark, keep_key = 0, {}, None
+                        st.flow_cache.unmark_prefix()
+                        keep_key = None
                     samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
-                    st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
+                    st.hop = min(MAX_HOP_CHUNKS * first_hop, HOP_GROWTH * st.hop)
                     if samples.size:
                         yield AudioChunk(samples, self.sample_rate, segment, False)
-            # The final call uses full attention (upstream quirk Q4): nothing cached applies to it.
+            # The final call uses full attention (see docs/reference.md#q4-full-attention-final-call): nothing cached
+            # applies to it.
             self._drop_cache(st)
-            if on_tokens is not None:
-                on_tokens(st.tokens)
             samples = np.zeros(0, dtype=np.float32)
             if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens
                 mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)

@@ -1,4 +1,5 @@
-"""The frontend: text and prompt audio -> the inputs of the LLM and the flow, per mode (spec §5).
+"""The frontend: text and prompt audio -> the inputs of the LLM and the flow, per mode (see
+docs/reference.md#model-inputs).
 
 One :class:`Frontend` per model directory (tokenizer, wetext normalizers, ONNX sessions, all
 created once; no per-request state, safe to share between threads). A prompt clip is turned into
@@ -28,15 +29,14 @@ from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextToken
                    zero_shot_prompt_text)
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
-TOKEN_RATE = 25  # speech tokens per second
 
 
 @dataclass(frozen=True)
 class PromptFeatures:
     """A voice: what one prompt clip (and its transcript) gives, computed once and reusable.
 
-    ``speech_tokens`` and ``prompt_feat`` are aligned (spec §4.5): with P = min(F // 2, n_tokens)
-    they hold the first P tokens and the first 2P mel frames. Treat the tensors as read-only.
+    ``speech_tokens`` and ``prompt_feat`` are aligned (see docs/reference.md#prompt-alignment): with P = min(F
+    // 2, n_tokens) they hold the first P tokens and the first 2P mel frames. Treat the tensors as read-only.
     """
 
     speech_tokens: torch.Tensor  # int32 (P,): 25 Hz speech token ids in [0, 6561)
@@ -44,11 +44,12 @@ class PromptFeatures:
     prompt_feat: torch.Tensor  # float32 (2P, 80): natural-log mel at 24 kHz, 50 frames/s
     prompt_text: str | None  # LLM prompt text incl. <|endofprompt|>; None when no transcript was given
     prompt_text_ids: tuple[int, ...]  # token ids of prompt_text; () when None
+    token_rate: int = 25  # speech tokens per second: the config's token_frame_rate (25 for CosyVoice3)
 
     @property
     def duration(self) -> float:
-        """Seconds of prompt audio kept after alignment (25 tokens per second)."""
-        return len(self.speech_tokens) / TOKEN_RATE
+        """Seconds of prompt audio kept after alignment."""
+        return len(self.speech_tokens) / self.token_rate
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class ModelInput:
     prompt_text_ids: tuple[int, ...]  # (Lp,) transcript (zero_shot) or instruction (instruct2); () otherwise
     llm_prompt_speech_tokens: torch.Tensor  # int32 (P,) in zero_shot; (0,) otherwise
     flow_prompt_speech_tokens: torch.Tensor  # int32 (P,); vc: the prompt's tokens, unaligned
-    prompt_feat: torch.Tensor  # float32 (2P, 80); vc: (F, 80), unaligned (reference quirk Q10)
+    # float32 (2P, 80); vc: (F, 80), unaligned (see docs/reference.md#q10-unaligned-vc-prompt)
+    prompt_feat: torch.Tensor
     speaker_embedding: torch.Tensor  # float32 (192,)
     source_speech_tokens: torch.Tensor | None = None  # int32 (S,): vc only, the speech to convert
 
@@ -131,7 +133,8 @@ class Frontend:
         return tuple(self.tokenizer.encode(text))
 
     def normalize_and_split(self, text: str, text_frontend: bool = True, russian_numbers: bool = True) -> list[str]:
-        """Target text -> segments (spec §3.2); each segment is synthesized by its own LLM call.
+        """Target text -> segments (see docs/reference.md#segment-splitting); each segment is synthesized by its own
+        LLM call.
 
         ``text_frontend=False`` skips normalization and splitting (as does ``<|…|>`` markup).
         ``russian_numbers``: Russian sentences get Russian number words (default) instead of English.
@@ -165,6 +168,7 @@ class Frontend:
             prompt_feat=feat[:n * self.config.token_mel_ratio].contiguous(),
             prompt_text=full_text,
             prompt_text_ids=() if full_text is None else self.tokenize(full_text),
+            token_rate=self.config.token_frame_rate,
         )
 
     def _extract(self, wav: AudioSource, what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,7 +228,8 @@ class Frontend:
 
     def vc(self, source_wav: AudioSource, prompt_wav: AudioSource) -> ModelInput:
         """Voice conversion: the speech tokens of ``source_wav`` rendered in the voice of
-        ``prompt_wav`` by the flow alone. Prompt tokens/mel are not aligned (reference, quirk Q10)."""
+        ``prompt_wav`` by the flow alone. Prompt tokens/mel are not aligned (see
+        docs/reference.md#q10-unaligned-vc-prompt)."""
         wav, sr = read_audio(source_wav)
         check_prompt_audio(wav, sr, f"source audio {source_name(source_wav)}")
         source_tokens = self.encoder.speech_tokens(resample(wav, sr, TOKENIZER_SAMPLE_RATE))

@@ -1,6 +1,6 @@
-"""Speech tokens and speaker embedding from prompt audio, with the two ONNX models of the model
-directory (spec §4.2, §4.3): ``speech_tokenizer_v3.onnx`` (16 kHz Whisper log-mel -> 25 Hz speech
-tokens) and ``campplus.onnx`` (Kaldi fbank -> 192-d speaker embedding).
+"""Speech tokens and speaker embedding from prompt audio, with the two ONNX models of the model directory (see
+docs/reference.md#speech-tokenizer and docs/reference.md#speaker-embedding): ``speech_tokenizer_v3.onnx`` (16
+kHz Whisper log-mel -> 25 Hz speech tokens) and ``campplus.onnx`` (Kaldi fbank -> 192-d speaker embedding).
 
 One :class:`PromptEncoder` per model directory holds the two onnxruntime sessions, created once.
 ``InferenceSession.run`` is thread-safe, and the encoder keeps no other state, so one instance

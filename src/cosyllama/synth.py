@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .defaults import LLM_WEIGHTS
 from .errors import InputError
 
 SUBTYPES = {"pcm16": "PCM_16", "float": "FLOAT"}
@@ -35,31 +36,19 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, out_forma
         raise InputError(f"cannot write {str(path)!r}: {e}") from e
 
 
-def _pick_mode(args) -> str:
-    if args.mode:
-        return args.mode
-    if args.instruct:
-        return "instruct"
-    return "zero-shot" if args.prompt_text else "cross-lingual"
-
-
-def _pick_llm(args) -> str:
-    if args.llm is None:
-        return "llamacpp" if args.gguf else "torch"
-    if args.llm == "torch" and args.gguf:
-        raise InputError("--gguf is for --llm llamacpp; drop --gguf or pass --llm llamacpp")
-    if args.llm == "llamacpp" and not args.gguf:
-        raise InputError("--llm llamacpp needs --gguf FILE (make one with `cosyllama convert`)")
-    return args.llm
-
-
 def run_synth(args, progress: Callable[[str], None] = print) -> int:
-    from .tts import TTS, SynthesisOptions
+    from .llm.factory import choose_llm
+    from .tts import TTS, SynthesisOptions, choose_mode
 
     if not args.text or not args.text.strip():
         raise InputError("--text is empty; give the text to speak")
-    mode = _pick_mode(args)
-    llm = _pick_llm(args)
+    mode = choose_mode(args.mode, args.instruct, bool(args.prompt_text))
+    try:
+        llm = choose_llm(args.llm, args.gguf)
+    except InputError:  # the same rule, in the CLI's words
+        if args.llm == "torch":
+            raise InputError("--gguf is for --llm llamacpp; drop --gguf or pass --llm llamacpp") from None
+        raise InputError("--llm llamacpp needs --gguf FILE (make one with `cosyllama convert`)") from None
     if args.prompt_wav is None:
         raise InputError(f"{mode} mode needs --prompt-wav (a 16 kHz+ clip of the voice, up to 30 s)")
     if mode == "zero-shot" and not args.prompt_text:
@@ -75,7 +64,7 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
 
     t0 = time.perf_counter()
     tts = TTS(args.model_dir, llm=llm, gguf=args.gguf, device=args.device, threads=args.threads,
-              precision=args.precision)
+              precision=args.precision, llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS))
     load_s = time.perf_counter() - t0
     progress(f"loaded {args.model_dir} (llm: {llm}{', ' + Path(args.gguf).name if args.gguf else ''}, "
              f"device: {tts.device}) in {load_s:.1f} s")
@@ -85,12 +74,8 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
         progress(line)
 
     opts = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed)
-    if mode == "zero-shot":
-        syn = tts.zero_shot(args.text, args.prompt_wav, args.prompt_text, options=opts)
-    elif mode == "cross-lingual":
-        syn = tts.cross_lingual(args.text, args.prompt_wav, options=opts)
-    else:
-        syn = tts.instruct(args.text, args.instruct, args.prompt_wav, options=opts)
+    syn = tts.synthesize(args.text, mode=mode, instruction=args.instruct, prompt_wav=args.prompt_wav,
+                         prompt_text=args.prompt_text if mode == "zero-shot" else None, options=opts)
 
     t1 = time.perf_counter()
     parts = []

@@ -1,5 +1,5 @@
 """Text frontend: the Qwen2 BPE tokenizer with CosyVoice3's special tokens, text normalization,
-sentence/segment splitting and the CosyVoice3 prompt conventions (spec §2, §3).
+sentence/segment splitting and the CosyVoice3 prompt conventions (see docs/reference.md#text).
 
 Tokenizer. ``CosyVoice-BlankEN/`` holds a Qwen2 byte-level BPE (``vocab.json`` + ``merges.txt``,
 added tokens in ``tokenizer_config.json``). We assemble the same tokenizer with the ``tokenizers``
@@ -74,7 +74,8 @@ _PINYIN_TOKENS = tuple("""
 [ùn] [ú] [ún] [ā] [āi] [ān] [āng] [āo] [ē] [ēi] [ēn] [ēng] [ě] [ěi] [ěn] [ěng] [ěr] [ī] [īn] [īng]
 [ō] [ōng] [ōu] [ū] [ūn] [ǎ] [ǎi] [ǎn] [ǎng] [ǎo] [ǐ] [ǐn] [ǐng] [ǒ] [ǒng] [ǒu] [ǔ] [ǔn] [ǘ] [ǚ] [ǜ]
 """.split())
-# eos/pad first, then the reference's `additional_special_tokens`, in this exact order (spec §2).
+# eos/pad first, then the reference's `additional_special_tokens`, in this exact order (see
+# docs/reference.md#tokenizer).
 SPECIAL_TOKENS = ("<|endoftext|>",) + _CONTROL_TOKENS + _ARPABET_TOKENS + _PINYIN_TOKENS
 
 
@@ -184,7 +185,7 @@ def _added_token(content: str, tid: int, special: bool = True) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# Normalization (spec §3.2)
+# Normalization (see docs/reference.md#normalization)
 
 _CJK_RE = re.compile(r"[\u4e00-\u9fff]")
 _CYRILLIC_RE = re.compile(r"[\u0400-\u04ff]")
@@ -348,7 +349,7 @@ def expand_russian_sentences(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Prompt conventions (spec §3.3); see the module docstring for the rules we chose.
+# Prompt conventions (see docs/reference.md#prompt-conventions); see the module docstring for the rules we chose.
 
 
 def zero_shot_prompt_text(prompt_text: str) -> str:

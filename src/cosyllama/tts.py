@@ -11,6 +11,7 @@ calls may run from several threads or be interleaved.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -21,17 +22,22 @@ import torch
 
 from .audio import AudioSource
 from .config import load_config
+from .defaults import LLM_CHOICES, LLM_WEIGHTS, N_SEQ_MAX, PRECISION
 from .device import resolve_device
 from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed
 from .errors import InputError
 from .flow import Flow
 from .frontend import Frontend, ModelInput, PromptFeatures
 from .llm.backend import LLMBackend, Prefill
-from .llm.decode import DecodeOptions, SilentTokenFilter, generate
+from .llm.decode import DecodeOptions, DirectTokens, SilentTokenFilter
+from .llm.factory import choose_llm, make_llm, make_token_source
 from .vocoder import HiFT
 from .voices import VoiceStore
 
-LLM_CHOICES = ("torch", "llamacpp")
+MODES = ("zero-shot", "cross-lingual", "instruct")  # the modes TTS.synthesize chooses between
+
+__all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOptions", "TTS", "Timings", "choose_mode",
+           "load"]
 
 
 @dataclass(frozen=True)
@@ -99,19 +105,16 @@ def _timed(it: Iterator, acc: list[float]) -> Iterator:
         yield x
 
 
-class DirectTokens:
-    """Token source that decodes each request on its own (the default).
-
-    A token source has ``generate(prefill, n_text_tokens, options) -> Iterator[int]`` with the
-    semantics of :func:`cosyllama.llm.decode.generate` (closing the iterator frees the sequence).
-    The server swaps in a batching scheduler that advances many requests in one backend step.
-    """
-
-    def __init__(self, backend: LLMBackend):
-        self.backend = backend
-
-    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions) -> Iterator[int]:
-        return generate(self.backend, prefill, n_text_tokens, options)
+def choose_mode(mode: str | None = None, instruction: str | None = None, has_transcript: bool = False) -> str:
+    """The synthesis mode (one of :data:`MODES`): ``mode`` when given, else instruct with an
+    instruction, zero-shot with a prompt transcript, cross-lingual without one."""
+    if mode is not None:
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        return mode
+    if instruction is not None:
+        return "instruct"
+    return "zero-shot" if has_transcript else "cross-lingual"
 
 
 class TTS:
@@ -123,51 +126,54 @@ class TTS:
     compute, ``"auto"`` (bf16 where the CPU/GPU does it natively, else fp32), ``"fp32"`` (the
     reference path) or ``"bf16"``; the vocoder stays fp32 unless ``"bf16"`` is asked for.
     stream_cache_mb: bound in MiB of each streaming request's flow K/V cache (earlier attention
-    blocks are not recomputed for later chunks; ~1.7 MB per mel frame in bf16); None: 2048 at bf16,
-    off at fp32 (reference parity); 0: off. prompt_cache_mb: bound in MiB of the flow frames that
-    streaming requests with the same voice share (their first chunk skips them; ~180 MB per 3 s
-    voice in bf16); None: 512 whenever the streaming cache is on, else off; 0: off.
+    blocks are not recomputed for later chunks); None: 2048 at bf16, off at fp32 (reference
+    parity); 0: off. prompt_cache_mb: bound in MiB of the flow frames that streaming requests with
+    the same voice share (their first chunk skips them); None: 512 whenever the streaming cache is
+    on, else off; 0: off. What they hold per frame and per voice: see
+    docs/benchmarks.md#memory-of-the-streaming-caches.
+    llm_weights: the LLM checkpoint in the model directory (``"llm.pt"``, or the RL-tuned
+    ``"llm.rl.pt"`` the official directory also ships); a llama.cpp GGUF must have been converted
+    from the same file. parallel: sequences one llama.cpp context decodes together.
+
+    The model directory's config is read once, here; every stage is built from it.
     """
 
     def __init__(self, model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None,
                  device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0,
-                 llm_backend: LLMBackend | None = None, precision: str = "auto",
-                 stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None):
+                 llm_backend: LLMBackend | None = None, precision: str = PRECISION,
+                 stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
+                 llm_weights: str | Path = LLM_WEIGHTS, parallel: int = N_SEQ_MAX):
         if llm not in LLM_CHOICES:
             raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
-        if llm == "llamacpp" and gguf is None and llm_backend is None:
-            raise InputError("llm='llamacpp' needs a GGUF file (gguf=...); make one with "
-                             "`cosyllama convert --model-dir DIR --out FILE.gguf`")
-        if llm == "torch" and gguf is not None:
+        if llm_backend is None:
+            choose_llm(llm, gguf)  # refuse a mismatched llm/gguf pair before loading anything
+        elif llm == "torch" and gguf is not None:
             raise InputError("a GGUF file was given but llm='torch'; pass llm='llamacpp' to use it")
         self.device = resolve_device(device)
         if threads is not None:
             if threads < 1:
                 raise InputError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
-        self.config = load_config(model_dir)
-        self.model_dir = self.config.model_dir
-        self.sample_rate = self.config.sample_rate
-        self.frontend = Frontend(self.model_dir, self.config)
-        if llm_backend is not None:
-            self.llm = llm_backend
-        elif llm == "torch":
-            from .llm.torch_backend import TorchLLM
-            from .weights import load_llm_weights
-
-            self.llm = TorchLLM(self.config.llm, load_llm_weights(self.model_dir / "llm.pt", self.config.llm),
-                                self.device)
-        else:
-            from .llm.llamacpp_backend import LlamaCppLLM
-
-            self.llm = LlamaCppLLM(gguf, self.model_dir, n_threads=threads, n_gpu_layers=n_gpu_layers)
-        self.token2wav = Token2Wav(Flow.from_dir(self.model_dir, self.device, precision=precision),
-                                   HiFT.from_dir(self.model_dir, self.device, precision=precision), self.sample_rate,
-                                   lookahead=self.config.flow.pre_lookahead_len,
-                                   token_mel_ratio=self.config.token_mel_ratio,
-                                   stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
-        self.token_source = DirectTokens(self.llm)
+        self.config = config = load_config(model_dir)
+        self.model_dir = config.model_dir
+        self.sample_rate = config.sample_rate
+        self.frontend = Frontend(self.model_dir, config)
+        self.llm = llm_backend if llm_backend is not None else make_llm(
+            config, llm, gguf=gguf, llm_weights=llm_weights, device=self.device, threads=threads,
+            n_gpu_layers=n_gpu_layers, n_seq_max=parallel)
+        self.token2wav = Token2Wav.from_config(
+            config, Flow.from_config(config, self.device, precision=precision),
+            HiFT.from_config(config, self.device, precision=precision),
+            stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
+        self.token_source = make_token_source(self.llm)
         self.voices = VoiceStore()
+
+    def with_token_source(self, token_source) -> TTS:
+        """A view of this TTS (same models, same voices) whose LLM tokens come from
+        ``token_source`` (e.g. the server's batching scheduler); this one is left as it is."""
+        view = copy.copy(self)
+        view.token_source = token_source
+        return view
 
     # -- voices ------------------------------------------------------------------------------------
 
@@ -247,6 +253,24 @@ class TTS:
         inp = self.frontend.vc(source_wav, prompt_wav)
         return self._run([inp], opts, time.perf_counter() - t0)
 
+    def synthesize(self, text: str, *, mode: str | None = None, instruction: str | None = None,
+                   voice: PromptFeatures | str | None = None, prompt_wav: AudioSource | None = None,
+                   prompt_text: str | None = None, options: SynthesisOptions | None = None, **kw) -> Synthesis:
+        """One of the three text modes, chosen by :func:`choose_mode` when ``mode`` is None: instruct
+        with an ``instruction``, zero-shot when the voice (or ``prompt_text``) has a transcript,
+        else cross-lingual."""
+        if mode is None:
+            v = self.voices.get(voice) if isinstance(voice, str) else voice
+            has_text = bool(prompt_text) or bool(getattr(v, "prompt_text", None))
+            mode = choose_mode(None, instruction, has_text)
+        else:
+            mode = choose_mode(mode)
+        if mode == "instruct":
+            return self.instruct(text, instruction, prompt_wav, voice=voice, options=options, **kw)
+        if mode == "zero-shot":
+            return self.zero_shot(text, prompt_wav, prompt_text, voice=voice, options=options, **kw)
+        return self.cross_lingual(text, prompt_wav, voice=voice, options=options, **kw)
+
     # -- the shared path ----------------------------------------------------------------------------
 
     def _options(self, options: SynthesisOptions | None, kw: dict) -> SynthesisOptions:
@@ -263,8 +287,9 @@ class TTS:
     def _flow_prompt(self, inp: ModelInput) -> FlowPrompt:
         tokens, feat = inp.flow_prompt_speech_tokens, inp.prompt_feat
         if inp.mode == "vc":
-            # The reference leaves the VC prompt unaligned (quirk Q10), which shifts the boundary
-            # between prompt and converted speech; we align it like every other mode.
+            # The reference leaves the VC prompt unaligned (see docs/reference.md#q10-unaligned-vc-prompt),
+            # which shifts the boundary between prompt and converted speech; we align it like every other
+            # mode.
             n = min(feat.shape[0] // self.config.token_mel_ratio, tokens.shape[0])
             tokens, feat = tokens[:n], feat[: n * self.config.token_mel_ratio]
         return self._to_flow_prompt(tokens, feat, inp.speaker_embedding)
@@ -318,8 +343,10 @@ class TTS:
 
 
 def load(model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None, device: str = "cpu",
-         threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto",
-         stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None) -> TTS:
+         threads: int | None = None, n_gpu_layers: int = 0, precision: str = PRECISION,
+         stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
+         llm_weights: str | Path = LLM_WEIGHTS) -> TTS:
     """Load a CosyVoice3 model directory; see :class:`TTS`."""
     return TTS(model_dir, llm=llm, gguf=gguf, device=device, threads=threads, n_gpu_layers=n_gpu_layers,
-               precision=precision, stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
+               precision=precision, stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb,
+               llm_weights=llm_weights)

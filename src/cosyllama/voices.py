@@ -69,7 +69,7 @@ class VoiceStore:
         data = {"format": FORMAT, "version": VERSION, "voices": {
             vid: {"speech_tokens": v.speech_tokens, "speaker_embedding": v.speaker_embedding,
                   "prompt_feat": v.prompt_feat, "prompt_text": v.prompt_text,
-                  "prompt_text_ids": list(v.prompt_text_ids)}
+                  "prompt_text_ids": list(v.prompt_text_ids), "token_rate": v.token_rate}
             for vid, v in items.items()}}
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
@@ -95,7 +95,8 @@ class VoiceStore:
                 voice = PromptFeatures(
                     speech_tokens=d["speech_tokens"].to(torch.int32), speaker_embedding=d["speaker_embedding"].float(),
                     prompt_feat=d["prompt_feat"].float(), prompt_text=d["prompt_text"],
-                    prompt_text_ids=tuple(int(x) for x in d["prompt_text_ids"]))
+                    prompt_text_ids=tuple(int(x) for x in d["prompt_text_ids"]),
+                    **({"token_rate": int(d["token_rate"])} if "token_rate" in d else {}))
             except (KeyError, AttributeError, TypeError) as e:
                 raise InputError(f"{path}: voice {vid!r} is incomplete ({e})") from e
             self.add(vid, voice)

@@ -66,11 +66,12 @@ def check_float(sd: Mapping[str, torch.Tensor], what: str) -> None:
 # llm.pt
 
 LLM_BODY_PREFIX = "llm.model.model."
-LLM_LM_HEAD = "llm.model.lm_head.weight"  # present for upstream's strict load; never used (spec §6.1)
+# Present for upstream's strict load; never used (see docs/reference.md#llm-weights).
+LLM_LM_HEAD = "llm.model.lm_head.weight"
 
 
 def llm_key_table(cfg: LLMConfig) -> dict[str, tuple[int, ...]]:
-    """Every key of ``llm.pt`` and its shape (spec §15.1)."""
+    """Every key of ``llm.pt`` and its shape (see docs/reference.md#llm-weights)."""
     q = cfg.qwen
     h, kv = q.hidden_size, q.num_key_value_heads * q.head_dim
     p = LLM_BODY_PREFIX
@@ -114,7 +115,7 @@ def load_llm_weights(path: str | Path, cfg: LLMConfig) -> dict[str, torch.Tensor
 
 
 def flow_key_table(cfg: FlowConfig) -> dict[str, tuple[int, ...]]:
-    """Every key of ``flow.pt`` and its shape (spec §15.2)."""
+    """Every key of ``flow.pt`` and its shape (see docs/reference.md#flow-weights)."""
     d, mel = cfg.dit_dim, cfg.mel_dim
     ff, pc = cfg.dit_dim * cfg.dit_ff_mult, cfg.pre_lookahead_channels
     inner = cfg.dit_heads * cfg.dit_dim_head
@@ -163,7 +164,7 @@ def load_flow_weights(path: str | Path, cfg: FlowConfig) -> dict[str, torch.Tens
 # ----------------------------------------------------------------------------------------------
 # hift.pt
 
-HIFT_PREFIX = "generator."  # checkpoints saved from the GAN wrapper carry it (spec §13 item 2)
+HIFT_PREFIX = "generator."  # checkpoints saved from the GAN wrapper carry it; see docs/reference.md#hift-weights
 _WN_STYLES = {  # weight-norm key suffixes: (gain g, direction v)
     "new": ("parametrizations.weight.original0", "parametrizations.weight.original1"),
     "old": ("weight_g", "weight_v"),
@@ -210,7 +211,7 @@ def _hift_layers(cfg: HiftConfig) -> tuple[dict[str, tuple[int, ...]], dict[str,
 
 
 def hift_key_table(cfg: HiftConfig, style: str = "new") -> dict[str, tuple[int, ...]]:
-    """Every key of ``hift.pt`` (without the ``generator.`` prefix) and its shape (spec §15.3).
+    """Every key of ``hift.pt`` (without the ``generator.`` prefix) and its shape (see docs/reference.md#hift-weights).
     ``style`` names the weight-norm keys: "new" (``parametrizations.weight.original0/1``) or
     "old" (``weight_g`` / ``weight_v``)."""
     g_name, v_name = _WN_STYLES[style]

@@ -18,7 +18,7 @@ from ..config import LLMConfig
 
 @dataclass(frozen=True)
 class Prefill:
-    """The LLM prompt of one request (spec §6.3).
+    """The LLM prompt of one request (see docs/reference.md#prefill).
 
     The backend assembles ``[sos] + text(text_ids) + [task_id] + speech(prompt_speech_tokens)``:
     ``text_ids`` are Qwen text ids (prompt/instruct text followed by the target text) and

@@ -1,11 +1,12 @@
 """The decoding loop: length limits, stop rule and sampling around any :class:`LLMBackend`.
 
-Rules (spec §6.3-6.4, design.md):
+Rules (see docs/reference.md#length-limits and docs/design.md#sampling-rules):
 
 * ``min_len = int(2 * n_text)``, ``max_len = int(20 * n_text)`` with ``n_text`` the number of
   target-text tokens (prompt/instruct text excluded).
 * While fewer than ``min_len`` tokens are out, ALL special ids (6561..6760) are masked. This
-  deliberately fixes upstream quirk Q1, where only id 6561 was masked.
+  deliberately fixes upstream's min_len mask, where only id 6561 was masked (see docs/reference.md#q1-min_len-mask
+  and docs/reference.md#full-min-length-mask).
 * Any special id ends decoding and is not emitted; at most ``max_len`` tokens are emitted.
 
 The per-request policy lives in :class:`TokenDecoder` so that a scheduler can advance many
@@ -129,14 +130,16 @@ def generate_many(backend: LLMBackend, requests: Sequence[tuple[Prefill, int, De
     return [d.tokens for d in decoders]
 
 
-# Silence/breath speech codes (spec §6.6); fixed by the reference, not in the model files.
+# Silence/breath speech codes (see docs/reference.md#silent-token-filter); fixed by the reference, not in the
+# model files.
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
 MAX_SILENT_RUN = 5
 
 
 class SilentTokenFilter:
-    """Drops the 6th and later consecutive silent tokens before they reach the flow (spec §6.6).
-    The LLM itself still conditions on them; this only filters what is passed on."""
+    """Drops the 6th and later consecutive silent tokens before they reach the flow (see
+    docs/reference.md#silent-token-filter). The LLM itself still conditions on them; this only filters what is
+    passed on."""
 
     def __init__(self):
         self.run = 0
@@ -150,3 +153,18 @@ class SilentTokenFilter:
 
     def filter(self, tokens: Sequence[int]) -> list[int]:
         return [t for t in tokens if self.keep(t)]
+
+
+class DirectTokens:
+    """Token source that decodes each request on its own (the Python API's default).
+
+    A token source has ``generate(prefill, n_text_tokens, options) -> Iterator[int]`` with the
+    semantics of :func:`generate` (closing the iterator frees the sequence). The server uses a
+    batching scheduler instead, which advances many requests in one backend step.
+    """
+
+    def __init__(self, backend: LLMBackend):
+        self.backend = backend
+
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions) -> Iterator[int]:
+        return generate(self.backend, prefill, n_text_tokens, options)

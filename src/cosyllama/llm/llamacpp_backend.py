@@ -10,7 +10,7 @@ ids and cells; nothing is held across a generation.
 Only the last position of each sequence produces logits; only its 6761 speech logits are read and
 turned into log-probabilities here. Sampling is the shared sampler's job, never llama.cpp's.
 
-``llama_cpp`` is imported lazily (:func:`import_llama_cpp`), so ``import cosyllama`` works without it.
+``llama_cpp`` is imported lazily (:mod:`cosyllama.llm.llamacpp_lib`), so ``import cosyllama`` works without it.
 """
 
 from __future__ import annotations
@@ -18,86 +18,28 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..config import load_config
-from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError, MissingDependencyError
+from ..config import ModelConfig, load_config
+from ..defaults import LLM_WEIGHTS, N_SEQ_MAX
+from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
 from ..weights import load_llm_weights
 from .backend import Prefill
-from .gguf import inspect_gguf, llm_fingerprint
+from .gguf_read import inspect_gguf, llm_fingerprint
+from .llamacpp_lib import (INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint,
+                           set_llama_verbose)
 
-INSTALL_HINT = "pip install 'cosyllama[llama]'"
-DEFAULT_N_SEQ_MAX = 4  # concurrent sequences one context holds
+DEFAULT_N_SEQ_MAX = N_SEQ_MAX  # concurrent sequences one context holds
 DEFAULT_N_BATCH = 512  # positions per llama_decode call (longer prefills are split)
 MIN_CELLS_PER_SEQ = 1024  # lazily sized contexts reserve at least this many KV cells per sequence
 _CELL_ROUND = 256
 
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-
-_GGML_LOG_LEVEL_CONT = 5
-
-
-# ----------------------------------------------------------------------------------------------
-# Importing llama_cpp and routing its log
-
-_import_lock = threading.Lock()
-_llama_cpp = None
-_log_callback = None  # the ctypes callback must stay referenced for as long as llama.cpp may call it
-_log_handler: Callable[[int, str], None] | None = None
-_log_verbose = False
-
-
-def import_llama_cpp():
-    """Import llama-cpp-python once, initialise the backend and take over its log output."""
-    global _llama_cpp, _log_callback
-    with _import_lock:
-        if _llama_cpp is not None:
-            return _llama_cpp
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise MissingDependencyError(f"the llama.cpp LLM backend needs llama-cpp-python: {INSTALL_HINT}") from e
-
-        @llama_cpp.llama_log_callback
-        def route(level: int, text: bytes, user_data) -> None:
-            msg = text.decode("utf-8", errors="replace") if text else ""
-            handler = _log_handler
-            if handler is not None:
-                handler(level, msg)
-            elif _log_verbose:
-                sys.stderr.write(msg)
-
-        _log_callback = route
-        llama_cpp.llama_log_set(route, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        _llama_cpp = llama_cpp
-        return llama_cpp
-
-
-def set_llama_verbose(verbose: bool) -> None:
-    """Show (True) or hide (False, the default) llama.cpp's own log on stderr. Process-wide,
-    because llama.cpp has a single log callback."""
-    global _log_verbose
-    _log_verbose = bool(verbose)
-
-
-@contextlib.contextmanager
-def llama_log_handler(handler: Callable[[int, str], None]) -> Iterator[None]:
-    """Send llama.cpp log lines ``(ggml level, text)`` to ``handler`` inside the ``with`` block."""
-    global _log_handler
-    import_llama_cpp()
-    previous, _log_handler = _log_handler, handler
-    try:
-        yield
-    finally:
-        _log_handler = previous
-
 
 # ----------------------------------------------------------------------------------------------
 # Sequences
@@ -139,24 +81,6 @@ class _Batch:
         self.struct = b
 
 
-def openmp_serving_hint() -> str | None:
-    """A one-line advice when this llama-cpp-python build threads with OpenMP, else None.
-
-    Such a build shares libgomp with PyTorch (one copy is loaded per process), and libgomp cuts
-    its threads' spin-waiting short once the thread teams of all threads together outnumber the
-    cores — which a server's flow threads make happen. Measured with
-    ``scripts/bench_concurrency.py --torch-thread`` on 2 vCPUs: 21-29 % slower decode, while a
-    build without OpenMP (ggml's own thread pool) was unaffected.
-    """
-    info = import_llama_cpp().llama_print_system_info()
-    info = info.decode("utf-8", "replace") if isinstance(info, bytes) else str(info)
-    if "OPENMP = 1" not in info:
-        return None
-    return ("llama-cpp-python was built with OpenMP, which shares its threads with PyTorch's: with flow work "
-            "running beside it, LLM decoding measured 21-29 % slower. For serving, rebuild it without: "
-            'CMAKE_ARGS="-DGGML_OPENMP=OFF" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python')
-
-
 # ----------------------------------------------------------------------------------------------
 # The backend
 
@@ -165,8 +89,9 @@ class LlamaCppLLM:
     """The CosyVoice3 speech LLM from a GGUF (either layout), implementing :class:`LLMBackend`.
 
     ``gguf_path``: a file from :func:`cosyllama.llm.gguf.convert` or a published merged-layout GGUF.
-    ``model_dir``: the official model directory it belongs to (config; ``llm.pt`` for the prompt's
-    text embedding rows in the speech layout and for the fingerprint check).
+    ``model_dir``: the official model directory it belongs to, or its parsed :class:`ModelConfig`
+    (config; ``llm_weights``, default ``llm.pt``, for the prompt's text embedding rows in the speech
+    layout and for the fingerprint check: the GGUF must have been converted from that file).
     ``n_threads``: CPU threads (default: all available). ``n_gpu_layers``: layers offloaded to a GPU
     (a build without GPU support refuses values > 0). ``n_ctx``: KV cells shared by all sequences;
     ``None`` sizes the context from the first request (at least ``MIN_CELLS_PER_SEQ`` per sequence)
@@ -179,16 +104,19 @@ class LlamaCppLLM:
 
     name = "llamacpp"
 
-    def __init__(self, gguf_path: str | os.PathLike, model_dir: str | os.PathLike, n_threads: int | None = None,
-                 n_gpu_layers: int = 0, n_ctx: int | None = None, *, n_seq_max: int = DEFAULT_N_SEQ_MAX,
-                 n_batch: int = DEFAULT_N_BATCH, kv_type: str | None = None, flash_attn: bool | None = None,
-                 layout: str | None = None, verbose: bool = False):
-        cfg = load_config(model_dir)
+    def __init__(self, gguf_path: str | os.PathLike, model_dir: str | os.PathLike | ModelConfig,
+                 n_threads: int | None = None, n_gpu_layers: int = 0, n_ctx: int | None = None, *,
+                 n_seq_max: int = DEFAULT_N_SEQ_MAX, n_batch: int = DEFAULT_N_BATCH, kv_type: str | None = None,
+                 flash_attn: bool | None = None, layout: str | None = None, verbose: bool = False,
+                 llm_weights: str | os.PathLike = LLM_WEIGHTS):
+        cfg = model_dir if isinstance(model_dir, ModelConfig) else load_config(model_dir)
         self.config = self.cfg = cfg.llm
         self.vocab_size = cfg.llm.vocab_size
-        weights = load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm)
+        weights_path = cfg.model_dir / llm_weights
+        weights = load_llm_weights(weights_path, cfg.llm)
         self.info = inspect_gguf(gguf_path, cfg.llm, layout=layout,
-                                 fingerprint=llm_fingerprint(weights, cfg.llm.qwen.num_hidden_layers))
+                                 fingerprint=llm_fingerprint(weights, cfg.llm.qwen.num_hidden_layers),
+                                 weights_name=weights_path.name)
         self.layout = self.info.layout
         # Memory-mapped rows for prompts submitted as embeddings (speech layout).
         self._text_rows = weights["embed_tokens.weight"]
@@ -450,4 +378,4 @@ class LlamaCppLLM:
 
 
 __all__ = ["LlamaCppLLM", "LlamaSequence", "BackendBusyError", "import_llama_cpp", "llama_log_handler",
-           "set_llama_verbose", "KV_TYPES", "INSTALL_HINT"]
+           "openmp_serving_hint", "set_llama_verbose", "KV_TYPES", "INSTALL_HINT"]

@@ -170,7 +170,7 @@ class SpeechLM(nn.Module):
         return KVCache(self.cfg.qwen, capacity, p.device, p.dtype)
 
     def prefill_embeddings(self, text_ids, prompt_speech_tokens) -> torch.Tensor:
-        """lm_input (L, hidden) = [sos] ++ text rows ++ [task] ++ prompt speech rows (spec §6.3)."""
+        """lm_input (L, hidden) = [sos] ++ text rows ++ [task] ++ prompt speech rows (see docs/reference.md#prefill)."""
         dev = self.llm_decoder.weight.device
         sp = torch.tensor([self.cfg.sos, self.cfg.task_id], dtype=torch.long, device=dev)
         text = self.embed_tokens(torch.as_tensor(list(text_ids), dtype=torch.long, device=dev))

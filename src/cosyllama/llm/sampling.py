@@ -1,6 +1,6 @@
 """Backend-independent token choice: upstream's repetition-aware sampling (RAS) and greedy.
 
-RAS (spec §6.5): softmax -> stable descending sort -> keep candidates while (cum < top_p and
+RAS (see docs/reference.md#ras-sampling): softmax -> stable descending sort -> keep candidates while (cum < top_p and
 count < top_k), so the candidate that crosses top_p is kept -> draw one from the kept (unnormalised)
 probabilities. If the drawn id occurs at least ``win_size * tau_r`` times in the last ``win_size``
 emitted tokens, ban it and draw from the FULL distribution instead.

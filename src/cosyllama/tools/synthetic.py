@@ -1,7 +1,7 @@
 """Random-weight model directories in the official Fun-CosyVoice3-0.5B layout (``make-model``).
 
-``full`` has the real shapes (spec §15), so everything runs at the real speed; the audio is noise.
-``tiny`` has the fixture model's sizes, for tests. The checkpoints are built from the same key
+``full`` has the real shapes (see docs/reference.md#model-sizes), so everything runs at the real speed; the
+audio is noise. ``tiny`` has the fixture model's sizes, for tests. The checkpoints are built from the same key
 tables that loading checks (:mod:`cosyllama.weights`), so a made model always loads strictly.
 The tokenizer is a small byte-level BPE (shipped in ``cosyllama/data/blanken``) whose three Qwen2
 specials sit at their real ids; the ONNX files are light stand-ins with the official inputs and
@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import QWEN_DIR, REQUIRED_FILES, ModelConfig, load_config
-from .errors import InputError, MissingDependencyError
+from ..config import QWEN_DIR, REQUIRED_FILES, ModelConfig, load_config
+from ..errors import InputError, MissingDependencyError
 
-DATA = Path(__file__).parent / "data" / "blanken"
+DATA = Path(__file__).resolve().parents[1] / "data" / "blanken"  # package data of cosyllama
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json", "generation_config.json")
 
 
@@ -44,7 +44,7 @@ class Sizes:
 
 
 SIZES = {
-    # Fun-CosyVoice3-0.5B (spec §1.2, §6.1, §15)
+    # Fun-CosyVoice3-0.5B; see docs/reference.md#model-sizes
     "full": Sizes(896, 24, 14, 2, 4864, 1024, 1024, 22, 16, 64, 512, 512),
     # the golden fixtures' tiny model
     "tiny": Sizes(16, 2, 4, 2, 64, 64, 64, 2, 4, 16, 32, 32),
@@ -277,7 +277,7 @@ def size_config(size: str) -> ModelConfig:
 def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, force: bool = False,
                progress: Callable[[str], None] = lambda msg: None) -> Path:
     """Write a random-weight CosyVoice3 model directory. Deterministic for a given ``seed``."""
-    from .weights import flow_key_table, hift_key_table, llm_key_table, LLM_BODY_PREFIX, LLM_LM_HEAD
+    from ..weights import flow_key_table, hift_key_table, llm_key_table, LLM_BODY_PREFIX, LLM_LM_HEAD
 
     if size not in SIZES:
         raise InputError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")

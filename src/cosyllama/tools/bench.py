@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import InputError
-from .progress import LineProgress as Progress
-from .progress import counting_progress
+from ..errors import InputError
+from ..progress import LineProgress as Progress
+from ..progress import counting_progress
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
@@ -57,7 +57,7 @@ def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
 
 
 def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
-    from .llm.gguf import convert
+    from ..llm.gguf import convert
 
     import hashlib
 
@@ -103,8 +103,8 @@ def peak_rss_mb() -> float:
 
 
 def _llm_prefill(cfg, prompt_tokens: int):
-    from .llm.backend import Prefill
-    from .text import ENDOFPROMPT_ID
+    from ..llm.backend import Prefill
+    from ..text import ENDOFPROMPT_ID
 
     rng = np.random.default_rng(1)
     text = [int(x) for x in rng.integers(100, 1000, 40)]
@@ -114,7 +114,7 @@ def _llm_prefill(cfg, prompt_tokens: int):
 
 
 def bench_llm_backend(backend, prompt_tokens: int, decode_tokens: int, repeat: int) -> dict:
-    from .llm.decode import DecodeOptions, generate
+    from ..llm.decode import DecodeOptions, generate
 
     prefill, n_text = _llm_prefill(backend.config, prompt_tokens)
     opts = DecodeOptions(greedy=True, ignore_stop=True, max_len=decode_tokens)
@@ -140,7 +140,7 @@ def llamacpp_gpu_layers(device: torch.device, progress: Progress) -> int:
     llama-cpp-python build supports it; else 0, and the progress line says so (rows say "cpu")."""
     if device.type != "cuda":
         return 0
-    from .llm.llamacpp_backend import import_llama_cpp
+    from ..llm.llamacpp_backend import import_llama_cpp
 
     if import_llama_cpp().llama_supports_gpu_offload():
         return 999
@@ -150,7 +150,7 @@ def llamacpp_gpu_layers(device: torch.device, progress: Progress) -> int:
 
 def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, repeat: int, progress: Progress,
             configs=LLM_CONFIGS, device: torch.device = torch.device("cpu")) -> list[dict]:
-    from .config import load_config
+    from ..config import load_config
 
     cfg = load_config(model_dir)
     rows = []
@@ -158,13 +158,13 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
     for backend_name, layout, type_name in configs:
         label = f"{backend_name} {layout or ''} {type_name}".replace("  ", " ")
         if backend_name == "torch":
-            from .llm.torch_backend import TorchLLM
-            from .weights import load_llm_weights
+            from ..llm.torch_backend import TorchLLM
+            from ..weights import load_llm_weights
 
             backend = TorchLLM(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm), device)
             where = device.type
         else:
-            from .llm.llamacpp_backend import LlamaCppLLM
+            from ..llm.llamacpp_backend import LlamaCppLLM
 
             if gpu_layers is None:
                 gpu_layers = llamacpp_gpu_layers(device, progress)
@@ -204,8 +204,8 @@ def _time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> tuple[
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
                      progress: Progress, device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[dict]]:
     """Flow per precision (fidelity vs fp32 on the same inputs), then the vocoder, fp32 and bf16."""
-    from .flow import Flow
-    from .vocoder import HiFT
+    from ..flow import Flow
+    from ..vocoder import HiFT
 
     p, n = round(prompt_s * TOKEN_RATE), round(output_s * TOKEN_RATE)
     g = torch.Generator().manual_seed(0)
@@ -250,7 +250,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
 
 def pipeline_worker(spec: dict) -> dict:
     """Run in a child process: load a TTS, synthesize non-streaming then streaming; report."""
-    from .tts import TTS, SynthesisOptions
+    from ..tts import TTS, SynthesisOptions
 
     torch.set_num_threads(spec["threads"])
     tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"],
@@ -296,7 +296,7 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
                 gpu_layers = llamacpp_gpu_layers(device, progress)
             spec["n_gpu_layers"] = gpu_layers
         progress(f"pipeline: {label} (child process)")
-        proc = subprocess.run([sys.executable, "-m", "cosyllama.bench", "--pipeline-worker", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "cosyllama.tools.bench", "--pipeline-worker", json.dumps(spec)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pipeline worker for {label} failed:\n{proc.stderr[-4000:]}")
@@ -311,7 +311,7 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
 
 def machine_info(threads: int, device: torch.device = torch.device("cpu"), llm: bool = True) -> dict:
     """The machine and the CPU path (class, ISA, torch kernels, llama.cpp build) the rows ran on."""
-    from .cpu import CpuPath
+    from ..cpu import CpuPath
 
     info = CpuPath(threads=threads, device=str(device), llm="llamacpp" if llm else "torch").as_dict()
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -368,11 +368,11 @@ def run_bench(args, progress: Progress = print) -> int:
         raise InputError("--output-seconds must be > 0 and --prompt-seconds in (0, 30]")
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    from .device import resolve_device
+    from ..device import resolve_device
 
     device = resolve_device(getattr(args, "device", "cpu"))
     model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
-    from .config import load_config
+    from ..config import load_config
 
     load_config(model_dir)
     machine = machine_info(threads, device, llm=bool(parts & {"llm", "pipeline"}))

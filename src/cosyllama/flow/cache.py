@@ -1,0 +1,216 @@
+"""The per-request streaming cache of the flow: K/V and conv context of the attention blocks an
+earlier call of the same request completed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import InputError
+from .dit import CONV_POS_KERNEL
+
+if TYPE_CHECKING:
+    from .dit import CausalConvPositionEmbedding
+
+CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)  # input frames back that one conv position embedding frame reads
+
+DEFAULT_STREAM_CACHE_MB = 2048.0  # MiB per request (how many frames that is: docs/benchmarks.md)
+
+
+class FlowStreamCache:
+    """What one streaming request's flow calls can reuse from its earlier calls.
+
+    Why it is valid: in a streaming, non-final call (block-causal attention over
+    ``static_chunk_size``-frame blocks, the real next 3 tokens as look-ahead) a frame depends only
+    on frames of its own and earlier blocks: the mask hides later blocks, the two position convs
+    are causal, the pre-lookahead layer reads the actual next tokens, and the ODE starts from the
+    same fixed noise prefix. So frames of blocks an earlier call of the request completed have,
+    at every Euler step and block and in both CFG rows, the same hidden states in every later call
+    that extends its tokens. Such a call computes only its new frames, attending to the cached K
+    (after RoPE) and V of the earlier ones; the result equals recomputing from scratch up to float
+    rounding: the reference itself does not reproduce earlier blocks bit for bit from call to call
+    (their attention runs over more, masked, keys, which rounds differently), so cached frames
+    differ from recomputed ones by ~1e-6 at fp32 (observed <= 3e-6 on mels of magnitude ~10), and
+    at bf16 by its own rounding (~2e-3). A call with nothing to reuse runs the same operations as
+    the uncached path.
+
+    Held (per Euler step): for each DiT block K and V of the cached frames for both CFG rows,
+    each ``(2, frames, inner)`` in the solver's dtype; the last ``CONV_CONTEXT`` (60) input-projection
+    frames ``(2, 60, dim)`` float32 (what the position convs of the next frames read back); plus the
+    finished mel of the cached frames and the prompt/token ids they came from. K/V dominate:
+    ``steps x blocks x 2 rows x 2 x inner`` values per frame (:meth:`CFM.kv_bytes_per_frame`;
+    sizes at full size: see docs/benchmarks.md#memory-of-the-streaming-caches).
+
+    Bound: the K/V kept never exceed ``max_mb`` megabytes (MiB; default
+    ``DEFAULT_STREAM_CACHE_MB`` = 2048) nor ``max_frames`` frames if given. Past the bound the cache keeps its prefix and
+    later calls recompute the frames after it every time (slower, same result); a bound below one
+    block (e.g. ``max_mb=0``) disables caching. The count is rounded down to whole blocks.
+
+    Validity: every call checks that the cache belongs to it — same module and weights (any
+    ``load_state_dict`` / ``.to()`` / ``set_precision`` invalidates), compute dtype, steps, prompt
+    mel and speaker embedding, and prompt + token ids that start with the ids of the call that
+    filled it (its look-ahead tokens included); otherwise the cache is dropped and the call
+    recomputes from scratch (``rebuilds`` counts it). Only streaming, non-final calls use it; any
+    other call leaves it alone. The frames kept are whole blocks, so a later call never resumes
+    inside a block.
+
+    One object per request, never shared between requests or threads; :meth:`clear` frees it.
+    Counters for tests and benchmarks: ``calls``, ``reused_frames``, ``computed_frames``,
+    ``rebuilds``, ``last_start`` (frames taken from the cache by the last call).
+    """
+
+    def __init__(self, max_mb: float = DEFAULT_STREAM_CACHE_MB, max_frames: int | None = None):
+        if not max_mb >= 0 or (max_frames is not None and max_frames < 0):
+            raise InputError(f"stream cache bounds must be >= 0, got max_mb={max_mb!r}, max_frames={max_frames!r}")
+        self.max_mb = float(max_mb)
+        self.max_frames = max_frames
+        self.mark = 0  # also keep the conv context at this frame (for :meth:`prefix`); 0: don't
+        self.calls = self.reused_frames = self.computed_frames = self.rebuilds = self.last_start = 0
+        self.clear()
+
+    def clear(self) -> None:
+        """Free everything cached (the counters stay)."""
+        self.frames = 0  # cached frames, a whole number of attention blocks
+        # (step, block) -> K (after RoPE), V of the cached frames, each (2, frames, inner)
+        self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.conv: dict[int, torch.Tensor] = {}  # step -> input-projection frames before `frames` (2, <=60, dim)
+        self.conv_mark: dict[int, torch.Tensor] = {}  # step -> the same before `mark`, when asked for
+        self.mel: torch.Tensor | None = None  # (1, mel, frames) float32: x at t=1
+        self._key: tuple = ()  # what besides the ids the frames depend on
+        self._ids: torch.Tensor | None = None  # (1, P+T) prompt + token ids of the call that filled it
+
+    def mark_prefix(self, frames: int) -> None:
+        """Also keep the conv context at frame ``frames`` while filling, so that :meth:`prefix` can
+        give away the first ``frames`` frames later."""
+        self.mark = frames
+
+    def unmark_prefix(self) -> None:
+        """Stop keeping (and free) the conv context at the mark."""
+        self.mark, self.conv_mark = 0, {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        ts = [t for kv in self.kv.values() for t in kv] + list(self.conv.values()) + list(self.conv_mark.values())
+        ts += [self.mel] if self.mel is not None else []
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def limit_frames(self, bytes_per_frame: int, chunk: int) -> int:
+        """Most frames this cache may hold at ``bytes_per_frame`` (K/V bytes), a multiple of ``chunk``."""
+        frames = int(self.max_mb * 2**20 // bytes_per_frame)
+        if self.max_frames is not None:
+            frames = min(frames, self.max_frames)
+        return frames // chunk * chunk
+
+    def start(self, key: tuple, ids: torch.Tensor, n: int, chunk: int) -> int:
+        """Frames a call of ``n`` frames with this ``key`` and these ``ids`` may take from the
+        cache; drops the cache (counted in ``rebuilds``) when it does not belong to the call."""
+        if self.frames == 0:
+            self.clear()
+            return 0
+        old = self._ids
+        ok = (len(key) == len(self._key) and all(_same(a, b) for a, b in zip(key, self._key))
+              and old is not None and ids.shape[1] >= old.shape[1] and torch.equal(ids[:, :old.shape[1]], old)
+              and self.frames % chunk == 0 and self.frames <= n)
+        if not ok:
+            self.clear()
+            self.rebuilds += 1
+            return 0
+        return self.frames
+
+    def commit(self, key: tuple, ids: torch.Tensor, keep: int, mel: torch.Tensor) -> None:
+        """After a solve that stored frames ``0..keep-1``: remember them and what they belong to."""
+        self.frames = keep
+        self.mel = mel[:, :, :keep].clone()
+        self._key = tuple(k.clone() if isinstance(k, torch.Tensor) else k for k in key)
+        self._ids = ids.clone()
+
+    # Sharing frames between requests. Entries are only ever replaced, never written in place
+    # (``_StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
+    # tensors: a copy costs two small dicts, and a later call of either cache leaves the other intact.
+
+    def prefix(self, n_ids: int, frames: int | None = None) -> FlowStreamCache | None:
+        """A cache holding this one's first ``frames`` frames (default: all), valid for any call whose
+        ids start with this one's first ``n_ids`` — the caller vouches that those frames depend on
+        no later id. ``frames`` short of all needs the conv context a solve kept at ``mark ==
+        frames``. None when there is nothing to give. Shares the tensors where it can."""
+        frames = self.frames if frames is None else frames
+        if frames <= 0 or frames > self.frames or self._ids is None or n_ids > self._ids.shape[1]:
+            return None
+        out = FlowStreamCache(self.max_mb, self.max_frames)
+        if frames == self.frames:
+            out.kv, out.conv, out.mel = dict(self.kv), dict(self.conv), self.mel
+        else:
+            if self.mark != frames or set(self.conv_mark) != set(self.conv):
+                return None
+            out.kv = {slot: (k[:, :frames].clone(), v[:, :frames].clone()) for slot, (k, v) in self.kv.items()}
+            out.conv, out.mel = dict(self.conv_mark), self.mel[:, :, :frames].clone()
+        out.frames, out._key, out._ids = frames, self._key, self._ids[:, :n_ids]
+        return out
+
+    def load(self, other: FlowStreamCache) -> None:
+        """Take ``other``'s frames (shared, see :meth:`prefix`) in place of this cache's own; the
+        next call still checks that they belong to it."""
+        self.clear()
+        self.frames, self.kv, self.conv, self.mel = other.frames, dict(other.kv), dict(other.conv), other.mel
+        self._key, self._ids = other._key, other._ids
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+    return a is b or a == b
+
+
+class _StepCache:
+    """One Euler step of a solve that resumes from ``cache`` at frame ``start = cache.frames`` (a
+    whole number of attention blocks) and leaves the cache holding frames ``0..keep-1``. Both
+    solvers (reference DiT and :class:`FastDiT`) call it at the same two places:
+
+    * :meth:`conv_pos` — the causal conv position embedding of the new frames. A frame reads
+      ``CONV_CONTEXT`` (60) input-projection frames back (two k=31 convs), so the cache keeps the
+      last 60 before ``start``; with them the unpadded convs give exactly the new frames (with all
+      frames from 0, the module's own zero padding does).
+    * :meth:`kv` — per block, the new frames' K (after RoPE) and V with the cached frames' put
+      in front: ``(B, N, inner)``, what the new queries attend to.
+
+    Entries are replaced one by one as the solve goes (old and new caches never both exist whole),
+    so the caller must :meth:`FlowStreamCache.commit` afterwards, or clear the cache if it fails."""
+
+    def __init__(self, cache: FlowStreamCache, step: int, keep: int, streaming: bool):
+        if not streaming:
+            raise ValueError("the streaming cache needs the block-causal (streaming) mask")
+        self.cache, self.step, self.keep = cache, step, keep
+        self.start = cache.frames
+        self.store = keep > self.start
+
+    def conv_pos(self, cpe: CausalConvPositionEmbedding, h: torch.Tensor) -> torch.Tensor:
+        """``h (B, m, dim)``: input projection of frames ``start..N-1`` -> their position embedding."""
+        start, keep = self.start, self.keep
+        if start == 0:
+            hx, first, y = h, 0, cpe(h)  # hx holds frames first..N-1
+        else:
+            ctx = self.cache.conv[self.step]
+            hx, first = torch.cat([ctx, h], dim=1), start - ctx.shape[1]
+            if first == 0:
+                y = cpe(hx)[:, start:]
+            else:
+                y = cpe.conv2(cpe.conv1(hx.transpose(1, 2))).transpose(1, 2)
+        if self.store:
+            self.cache.conv[self.step] = hx[:, max(keep - CONV_CONTEXT, 0) - first:keep - first].clone()
+            mark = self.cache.mark
+            if 0 < mark <= keep and first <= max(mark - CONV_CONTEXT, 0):
+                self.cache.conv_mark[self.step] = hx[:, max(mark - CONV_CONTEXT, 0) - first:mark - first].clone()
+        return y
+
+    def kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated), V ``(B, m, inner)`` of the new frames -> those of all N frames."""
+        slot = (self.step, block)
+        if self.start:
+            k0, v0 = self.cache.kv[slot]
+            k, v = torch.cat([k0, k], dim=1), torch.cat([v0, v], dim=1)
+        if self.store:  # a copy unless k/v already are exactly the frames kept
+            self.cache.kv[slot] = (k[:, :self.keep].contiguous(), v[:, :self.keep].contiguous())
+        return k, v

@@ -1,0 +1,158 @@
+"""Conditional flow matching: the fixed start noise, the cosine time grid and the Euler/CFG solver
+around the DiT (float32 reference path, or :class:`~cosyllama.flow.fast_dit.FastDiT`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import FlowConfig
+from ..derived import DerivedWeights, weights_key
+from ..errors import InputError
+from .cache import FlowStreamCache, _StepCache
+from .dit import DiT
+from .fast_dit import FastDiT
+
+
+NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
+NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
+
+
+def flow_noise(n_mels: int = 80, frames: int = NOISE_FRAMES) -> torch.Tensor:
+    """The fixed ODE start noise ``(1, n_mels, frames)`` float32, bit-equal to upstream's
+    ``torch.manual_seed(0); torch.randn(1, 80, 15000)``. Drawn on a private CPU generator so the
+    global RNG is left alone."""
+    gen = torch.Generator(device="cpu").manual_seed(NOISE_SEED)
+    return torch.randn(1, n_mels, frames, generator=gen)
+
+
+def cosine_t_span(n_steps: int) -> torch.Tensor:
+    """Euler time grid ``1 - cos(linspace(0, 1, n+1) * pi/2)``, float32 ``(n+1,)``."""
+    lin = torch.linspace(0, 1, n_steps + 1, dtype=torch.float32)
+    return 1 - torch.cos(lin * 0.5 * torch.pi)
+
+
+# ----------------------------------------------------------------------------------------------
+# Conditional flow matching sampler
+
+
+class CFM(nn.Module):
+    """Euler ODE solver with classifier-free guidance around :class:`DiT` (see docs/reference.md#cfm-solver)."""
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        if cfg.t_scheduler != "cosine":
+            raise InputError(f"flow t_scheduler {cfg.t_scheduler!r} is not supported; only 'cosine' is")
+        self.n_timesteps = cfg.n_timesteps
+        self.cfg_rate = cfg.inference_cfg_rate
+        self.estimator = DiT(cfg)
+        self.register_buffer("rand_noise", flow_noise(cfg.mel_dim), persistent=False)
+        # float32: the reference solver below. bfloat16: the mixed-precision solver (FastDiT).
+        self.compute_dtype = torch.float32
+        self._fast: DerivedWeights[FastDiT] = DerivedWeights(FastDiT)  # the fast solver's weight copies
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """float32: the reference solver; else :class:`FastDiT` in ``dtype``, its weight copies made now
+        (not inside the first, timed, request)."""
+        self.compute_dtype = dtype
+        self._fast.drop()
+        if dtype != torch.float32:
+            self._fast.get(self.estimator, dtype)
+
+    def weights_key(self) -> tuple:
+        """Changes whenever a weight of the estimator changes (see :mod:`cosyllama.derived`)."""
+        return weights_key(self.estimator)
+
+    def time_grid(self) -> list[torch.Tensor]:
+        """The ``(t, dt)`` pairs of the Euler steps, each a float32 ``(1,)`` tensor, accumulated
+        exactly as the reference solver does."""
+        t_span = cosine_t_span(self.n_timesteps).to(self.rand_noise.device)
+        t, dt = t_span[0:1], t_span[1] - t_span[0]
+        out = []
+        for step in range(1, len(t_span)):
+            out.append((t, dt))
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return out
+
+    def _check_length(self, n: int) -> None:
+        if n > self.rand_noise.shape[2]:
+            raise InputError(f"flow input of {n} mel frames (prompt included) exceeds the "
+                             f"{self.rand_noise.shape[2]}-frame noise buffer (300 s)")
+
+    def _fast_solver(self) -> FastDiT:
+        return self._fast.get(self.estimator, self.compute_dtype)
+
+    def kv_bytes_per_frame(self) -> int:
+        """Bytes a streaming cache holds per mel frame: K and V of both CFG rows, every block and step."""
+        blk = self.estimator.transformer_blocks
+        inner = blk[0].attn.to_k.out_features if len(blk) else 0
+        item = torch.empty(0, dtype=self.compute_dtype).element_size()
+        return self.n_timesteps * len(blk) * 2 * 2 * inner * item
+
+    def forward_cached(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                       cache: FlowStreamCache, key: tuple, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with ``streaming=True``, resuming from ``cache`` where it belongs to this
+        call (``key``: what besides the ids the frames depend on; ``ids``: prompt + token ids) and
+        leaving it filled with this call's complete blocks, within its bound. Same output."""
+        n = mu.shape[2]
+        self._check_length(n)
+        chunk = self.estimator.static_chunk_size
+        key = (self, self.weights_key(), self.compute_dtype, self.n_timesteps, self.cfg_rate, chunk) + tuple(key)
+        start = keep = 0
+        if chunk > 0 and len(self.estimator.transformer_blocks):
+            start = cache.start(key, ids, n, chunk)
+            keep = max(start, min(n // chunk * chunk, cache.limit_frames(self.kv_bytes_per_frame(), chunk)))
+        if keep == 0:  # nothing to reuse or keep (bound below one block): plain recomputation
+            cache.clear()
+            return self.forward(mu, spks, cond, streaming=True)
+        cache.calls += 1
+        cache.last_start = start
+        cache.reused_frames += start
+        cache.computed_frames += n - start
+        if start == n:  # the same call again
+            return cache.mel[:, :, :n].clone()
+        try:
+            x = self.forward(mu, spks, cond, streaming=True, cache=cache, keep=keep)
+        except BaseException:
+            cache.clear()  # possibly half replaced
+            raise
+        if start:
+            x = torch.cat([cache.mel[:, :, :start], x], dim=2)
+        cache.commit(key, ids, keep, x)
+        return x
+
+    def forward(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False,
+                cache: FlowStreamCache | None = None, keep: int = 0) -> torch.Tensor:
+        """mu, cond ``(1, 80, N)``, spks ``(1, 80)`` -> ODE state at t=1 ``(1, 80, N)`` float32.
+
+        With ``cache`` (from :meth:`forward_cached`, which checks it belongs to these inputs): only
+        frames ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
+        ``0..keep-1`` (see :class:`_StepCache`)."""
+        n = mu.shape[2]
+        self._check_length(n)
+        if self.compute_dtype != torch.float32:
+            return self._fast_solver().solve_from(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),
+                                                  cond.float(), self.time_grid(), self.cfg_rate, streaming,
+                                                  cache, keep)
+        start = 0 if cache is None else cache.frames
+        x = self.rand_noise[:, :, start:n].to(mu.dtype)
+        t_span = cosine_t_span(self.n_timesteps).to(mu.device)
+        # Row 1 of the CFG batch is the unconditional branch: mu, spks and cond all zeroed.
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])[:, :, start:]
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])[:, :, start:]
+        # t is accumulated (t += dt) and dt re-derived from it, as upstream does, so the times the
+        # estimator sees carry the same float32 rounding.
+        t = t_span[0:1]
+        dt = t_span[1] - t_span[0]
+        for step in range(1, len(t_span)):
+            past = None if cache is None else _StepCache(cache, step - 1, keep, streaming)
+            v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2), spks_in, cond_in, streaming, past=past)
+            v_cond, v_uncond = v[0:1], v[1:2]
+            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            t = t + dt
+            if step < len(t_span) - 1:
+                dt = t_span[step + 1] - t
+        return x.float()

@@ -1,0 +1,171 @@
+"""The mixed-precision (bf16) Euler/CFG solver: the DiT's maths re-arranged over pre-packed
+low-precision weight copies."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cache import FlowStreamCache, _StepCache
+from .dit import LN_EPS, DiT, chunk_attention_mask
+
+
+def _onednn_linear_available(dtype: torch.dtype) -> bool:
+    """oneDNN's fused linear (pre-packed weights, bias and GELU in the kernel) is usable on this CPU."""
+    try:
+        ops = torch.ops.mkldnn
+        return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+                and hasattr(ops, "_reorder_linear_weight")
+                and (dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _LowpLinear:
+    """``x W^T + b`` (then GELU-tanh if ``gelu``) with weights held in ``dtype``. On CPU the weight is
+    pre-packed once for oneDNN and bias/GELU run inside the matrix-product kernel; elsewhere plain
+    ``F.linear``. Same result as ``F.linear`` on the ``dtype`` copies (up to GELU rounding)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype, gelu: bool = False):
+        self.gelu = gelu
+        self.bias = bias.detach().to(dtype).contiguous()
+        w = weight.detach().to(dtype).contiguous()
+        self.packed = None
+        if w.device.type == "cpu" and _onednn_linear_available(dtype):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            except RuntimeError:
+                self.packed = None
+        self.weight = None if self.packed is not None else w
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "gelu" if self.gelu else "none",
+                                                      [], "tanh" if self.gelu else "")
+        y = F.linear(x, self.weight, self.bias)
+        return F.gelu(y, approximate="tanh") if self.gelu else y
+
+
+class FastDiT:
+    """The whole Euler/CFG solve with the DiT's matrix products in a low-precision ``dtype``.
+
+    Same maths as :class:`CFM` + :class:`DiT`, re-arranged so that nothing is computed twice:
+
+    * the time embedding and every block's AdaLN modulation depend only on t, which is the same for
+      both CFG rows and fixed in advance, so all of them are computed once per call, for all steps,
+      in float32 (one matrix product per block instead of one per block per step);
+    * the input projection is linear, so its ``[cond, mu, spks]`` part (constant over the steps) is
+      computed once; only the ``x`` part (the same for both CFG rows) is recomputed per step;
+    * the rotary angles, their sin/cos and the attention mask are computed once;
+    * q, k and v come from one fused matrix product; RoPE rotates only the 64 channels of head 0,
+      in place; SDPA reads q/k/v as strided views (no head-split copies);
+    * LayerNorm and its modulation are one ``layer_norm`` call with the (shared) scale/shift as its
+      affine parameters.
+
+    Precision: the weights of q/k/v, out, and the feed-forward are held in ``dtype``; LayerNorm
+    statistics, the residual stream, the modulation, the input/output projections, the conv
+    position embedding, the CFG combination and the Euler update stay float32. Noise in and mel out
+    are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
+
+    Streaming cache: :meth:`solve_from` resumes from a :class:`FlowStreamCache` the way the
+    reference DiT does (see :class:`_StepCache`).
+    """
+
+    # The residual stream's dtype. float32; scripts/bench_flow_vocoder.py sets bfloat16 on an
+    # instance of its own to measure what keeping it in float32 costs.
+    residual_dtype = torch.float32
+
+    def __init__(self, dit: DiT, dtype: torch.dtype):
+        self.dtype = dtype
+        self.dit = dit  # time MLP, conv position embedding, final modulation/projection (float32)
+        blk0 = dit.transformer_blocks[0]
+        self.heads = blk0.attn.heads
+        self.dim = blk0.attn.to_q.in_features
+        self.dim_head = self.dim // self.heads
+        with torch.no_grad():
+            w = dit.input_embed.proj.weight  # (dim, 320): columns x | cond | mu | spks
+            mel = dit.input_embed.proj.in_features // 4
+            self.mel = mel
+            self.w_in_x = w[:, :mel].contiguous()
+            self.w_in_rest = w[:, mel:].contiguous()
+            self.b_in = dit.input_embed.proj.bias
+            self.blocks = []
+            for b in dit.transformer_blocks:
+                a, ff = b.attn, b.ff.ff
+                self.blocks.append(dict(
+                    w_mod=b.attn_norm.linear.weight, b_mod=b.attn_norm.linear.bias,
+                    qkv=_LowpLinear(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]),
+                                    torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias]), dtype),
+                    out=_LowpLinear(a.to_out[0].weight, a.to_out[0].bias, dtype),
+                    ff1=_LowpLinear(ff[0][0].weight, ff[0][0].bias, dtype, gelu=True),
+                    ff2=_LowpLinear(ff[2].weight, ff[2].bias, dtype)))
+
+    def _modulations(self, ts: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        """Per block, per step: the six modulation vectors ``(dim,)``; and the final (scale, shift)."""
+        c = F.silu(self.dit.time_embed(ts))  # (S, dim)
+        per_block = [F.linear(c, b["w_mod"], b["b_mod"]).chunk(6, dim=-1) for b in self.blocks]
+        final = F.linear(c, self.dit.norm_out.linear.weight, self.dit.norm_out.linear.bias).chunk(2, dim=-1)
+        return per_block, final
+
+    @staticmethod
+    def _rotate_head0_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """In place on ``qkv (B, N, 3*dim)``: RoPE on the first ``2*cos.shape[-1]`` channels of q and
+        of k (head 0; the reference rotates the first channels of the full projection)."""
+        b, n, _ = qkv.shape
+        r = 2 * cos.shape[-1]
+        qk0 = qkv.view(b, n, 3, heads, -1)[:, :, :2, 0, :r]  # (B, N, 2, r) view
+        pairs = qk0.float().unflatten(-1, (r // 2, 2))
+        even, odd = pairs[..., 0], pairs[..., 1]
+        rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+        qk0.copy_(rot)
+
+    def solve_from(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                   grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool,
+                   cache: "FlowStreamCache | None" = None, keep: int = 0) -> torch.Tensor:
+        """noise, mu, cond ``(1, mel, N)``; spks ``(1, mel)``; grid = ``[(t, dt), ...]``. Returns x at
+        t=1, ``(1, mel, N)`` float32. With ``cache`` (streaming only) only frames
+        ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
+        ``0..keep-1`` (see :class:`_StepCache`)."""
+        dit, dt_, res = self.dit, self.dtype, self.residual_dtype
+        n = mu.shape[2]
+        start = cache.frames if cache is not None else 0
+        m = n - start  # frames computed here
+        eps = LN_EPS
+        dim = self.dim
+        mods, (f_scale, f_shift) = self._modulations(torch.cat([t for t, _ in grid]))
+        # Constant part of the input projection; row 1 of the CFG batch (mu, spks, cond zeroed) is the bias.
+        rest = torch.cat([cond[:, :, start:].transpose(1, 2), mu[:, :, start:].transpose(1, 2),
+                          spks[:, None, :].expand(-1, m, -1)], dim=-1)
+        const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, m, -1)])
+        ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over the q/k axis
+        mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
+        ones = torch.ones(dim, device=mu.device)
+        x = noise[:, :, start:]
+        for s, (_, dt) in enumerate(grid):
+            past = None if cache is None else _StepCache(cache, s, keep, streaming)
+            h = const + F.linear(x.transpose(1, 2), self.w_in_x)  # (2, m, dim) float32
+            cpe = dit.input_embed.conv_pos_embed
+            h = (cpe(h) if past is None else past.conv_pos(cpe, h)) + h
+            h = h.to(res)  # a fresh tensor: updated in place below
+            for i, (blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f)) in enumerate(zip(self.blocks, mods)):
+                # LayerNorm on the residual rounded to the compute dtype, modulation as its affine
+                # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
+                n1 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_a[s]).to(dt_), sh_a[s].to(dt_), eps)
+                qkv = blk["qkv"](n1)
+                self._rotate_head0_(qkv, self.heads, cos, sin)
+                q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]  # (B, m, dim) views
+                if past is not None:
+                    k, v = past.kv(i, k, v)  # (B, N, dim): cached frames first
+                q, k, v = (t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, m, D), m-major
+                del q, k, v, qkv
+                o = blk["out"](o.transpose(1, 2).flatten(2))
+                # Same-dtype in-place update: a mixed-dtype addcmul takes a slow unvectorized path.
+                h.addcmul_(o.to(res), g_a[s].to(res))
+                n2 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_f[s]).to(dt_), sh_f[s].to(dt_), eps)
+                h.addcmul_(blk["ff2"](blk["ff1"](n2)).to(res), g_f[s].to(res))
+            h = F.layer_norm(h.float(), (dim,), ones + f_scale[s], f_shift[s], eps)
+            v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2, mel, m)
+            x = x + dt * ((1.0 + cfg_rate) * v[0:1] - cfg_rate * v[1:2])
+        return x.float()

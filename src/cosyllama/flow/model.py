@@ -1,0 +1,184 @@
+"""The whole flow stage, :class:`Flow`: speech tokens + prompt -> mel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import FlowConfig, ModelConfig
+from ..device import on_true_fp32, resolve_device
+from ..errors import InputError
+from ..precision import resolve_precision
+from .cache import FlowStreamCache
+from .cfm import CFM
+from .dit import PreLookaheadLayer
+
+
+@dataclass(frozen=True)
+class FlowInputs:
+    """Decoder inputs built from tokens (for inspection and tests). mu, cond ``(1, 80, N)``,
+    spks ``(1, 80)``; ``prompt_frames`` = mel frames of the prompt at the start of N."""
+
+    mu: torch.Tensor
+    cond: torch.Tensor
+    spks: torch.Tensor
+    prompt_frames: int
+
+
+class Flow(nn.Module):
+    """CosyVoice3 flow: ``inference(token, prompt_token, prompt_feat, embedding, ...)`` -> mel."""
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.pre_lookahead_layer = PreLookaheadLayer(cfg.input_size, cfg.pre_lookahead_channels,
+                                                     cfg.pre_lookahead_len)
+        self.decoder = CFM(cfg)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, device: str | torch.device = "cpu", precision: str = "fp32",
+                    n_timesteps: int | None = None) -> "Flow":
+        """Build from the model's parsed config and load its ``flow.pt`` strictly; float32
+        weights, eval mode.
+
+        ``precision``: ``"fp32"`` (reference), ``"bf16"`` or ``"auto"`` (see :meth:`set_precision`).
+        ``n_timesteps``: Euler steps (default: the config's 10); fewer trade quality for speed."""
+        from ..weights import load_flow_weights
+
+        dev = resolve_device(device)
+        flow = cls(config.flow)
+        flow.load_state_dict(load_flow_weights(Path(config.model_dir) / "flow.pt", config.flow), strict=True)
+        flow = flow.to(dev).eval()
+        flow.set_precision(precision)
+        if n_timesteps is not None:
+            flow.set_n_timesteps(n_timesteps)
+        return flow
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, device: str | torch.device = "cpu", precision: str = "fp32",
+                 n_timesteps: int | None = None) -> "Flow":
+        """:meth:`from_config` on ``load_config(model_dir)``."""
+        from ..config import load_config
+
+        return cls.from_config(load_config(model_dir), device, precision, n_timesteps)
+
+    @property
+    def block_frames(self) -> int:
+        """Mel frames per attention block of the streaming (block-causal) DiT; 0: no blocks."""
+        return self.cfg.static_chunk_size
+
+    def solver_key(self) -> tuple:
+        """What a solve's frames depend on besides its inputs: this solver, its weights, precision
+        and step count. Equal keys give equal frames for equal inputs."""
+        dec = self.decoder
+        return (id(dec), dec.weights_key(), str(self.precision), dec.n_timesteps)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_embedding.weight.device
+
+    @property
+    def precision(self) -> torch.dtype:
+        """Compute dtype of the DiT: ``torch.float32`` (reference) or ``torch.bfloat16``."""
+        return self.decoder.compute_dtype
+
+    def set_precision(self, precision: str | torch.dtype | None) -> torch.dtype:
+        """Choose the DiT compute precision: ``"fp32"`` — the reference float32 solver;
+        ``"bf16"`` — bfloat16 matrix products with float32 LayerNorm statistics, residual stream and
+        interfaces (:class:`FastDiT`); ``"auto"`` — bf16 where this device computes it natively
+        (CPU with AVX512-BF16/AMX, CUDA with bf16 support), else fp32. Returns the dtype chosen;
+        raises :class:`InputError` for an unknown name. The float32 weights stay (the fp32 path
+        needs them); bf16 adds pre-packed copies of the block matrices (their size: see
+        docs/benchmarks.md#memory-of-the-streaming-caches), made here. Call it before sharing the module between threads; ``inference`` is unchanged."""
+        dtype = resolve_precision(precision, self.device)
+        self.decoder.set_compute_dtype(dtype)
+        return dtype
+
+    def set_n_timesteps(self, n: int) -> None:
+        """Euler steps of the solver (reference: 10). Fewer steps are faster and change the mel
+        (measured in ``scripts/bench_flow_vocoder.py``); an explicit quality/speed trade only."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 100:
+            raise InputError(f"flow n_timesteps must be an integer from 1 to 100, got {n!r}")
+        self.decoder.n_timesteps = n
+
+    @on_true_fp32
+    def prepare(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                embedding: torch.Tensor, finalize: bool = True) -> FlowInputs:
+        """Everything before the ODE solver (see docs/reference.md#flow-inputs); see :meth:`inference`."""
+        self._check_inputs(token, prompt_token, prompt_feat, embedding, finalize)
+        dev = self.device
+        spks = self.spk_embed_affine_layer(F.normalize(embedding.to(dev, torch.float32), dim=1))
+        emb = self.input_embedding(self._ids(prompt_token, token))
+        look = self.cfg.pre_lookahead_len
+        if finalize:
+            h = self.pre_lookahead_layer(emb)
+        else:
+            h = self.pre_lookahead_layer(emb[:, :-look], emb[:, -look:])
+        mu = h.repeat_interleave(self.cfg.token_mel_ratio, dim=1).transpose(1, 2)
+        prompt_frames = prompt_feat.shape[1]
+        cond = torch.zeros_like(mu)
+        cond[:, :, :prompt_frames] = prompt_feat.to(dev, torch.float32).transpose(1, 2)
+        return FlowInputs(mu=mu, cond=cond, spks=spks, prompt_frames=prompt_frames)
+
+    @on_true_fp32
+    @torch.inference_mode()
+    def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                  embedding: torch.Tensor, streaming: bool = False, finalize: bool = True,
+                  cache: FlowStreamCache | None = None) -> torch.Tensor:
+        """Synthesize the mel of ``token``, conditioned on a prompt.
+
+        Args:
+            token: ``(1, T)`` int speech tokens (25 Hz) to synthesize.
+            prompt_token: ``(1, P)`` int prompt speech tokens (P may be 0).
+            prompt_feat: ``(1, 2P, 80)`` float prompt log-mel (24 kHz, 50 frames/s).
+            embedding: ``(1, 192)`` float raw speaker embedding (L2-normalised here).
+            streaming: block-causal DiT attention (``static_chunk_size``-frame blocks) instead of full.
+            finalize: True when ``token`` ends the utterance (3 zero frames of look-ahead); False when
+                its last 3 tokens are only look-ahead context, so they produce no frames.
+            cache: the request's :class:`FlowStreamCache`. Used by streaming, non-final calls only:
+                frames of attention blocks an earlier call of the request completed are taken from
+                it instead of recomputed (same mel up to float rounding: ~1e-6 at fp32, where the
+                reference DiT runs the same operations on the new rows only), and this call's
+                complete blocks are added to it. Ignored by other calls.
+
+        Returns:
+            ``(1, 80, 2T)`` float32 natural-log mel (``2(T-3)`` frames when ``finalize`` is False),
+            prompt frames removed, on this module's device.
+        """
+        inp = self.prepare(token, prompt_token, prompt_feat, embedding, finalize)
+        if cache is not None and streaming and not finalize:
+            dev = self.device
+            key = (inp.prompt_frames, prompt_feat.to(dev, torch.float32), embedding.to(dev, torch.float32))
+            feat = self.decoder.forward_cached(inp.mu, inp.spks, inp.cond, cache, key,
+                                               self._ids(prompt_token, token))
+        else:
+            feat = self.decoder(inp.mu, inp.spks, inp.cond, streaming)
+        return feat[:, :, inp.prompt_frames:]
+
+    def _ids(self, prompt_token: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Prompt + token ids ``(1, P+T)`` as the token embedding reads them (ids clamped at >= 0)."""
+        return torch.cat([prompt_token, token], dim=1).to(self.device, torch.long).clamp_min(0)
+
+    def _check_inputs(self, token, prompt_token, prompt_feat, embedding, finalize) -> None:
+        c = self.cfg
+        for name, t in (("token", token), ("prompt_token", prompt_token)):
+            if t.dim() != 2 or t.shape[0] != 1 or t.is_floating_point():
+                raise InputError(f"flow {name} must be an integer tensor of shape (1, n), got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+            if t.numel() and int(t.max()) >= c.vocab_size:
+                raise InputError(f"flow {name} holds id {int(t.max())}; speech token ids are 0..{c.vocab_size - 1}")
+        if prompt_feat.dim() != 3 or prompt_feat.shape[0] != 1 or prompt_feat.shape[2] != c.output_size \
+                or prompt_feat.shape[1] != c.token_mel_ratio * prompt_token.shape[1]:
+            raise InputError(f"flow prompt_feat must have shape (1, {c.token_mel_ratio}*P, {c.output_size}) "
+                             f"with P = {prompt_token.shape[1]} prompt tokens, got {tuple(prompt_feat.shape)}")
+        if tuple(embedding.shape) != (1, c.spk_embed_dim):
+            raise InputError(f"flow embedding must have shape (1, {c.spk_embed_dim}), got {tuple(embedding.shape)}")
+        need = 1 + (0 if finalize else c.pre_lookahead_len)
+        if token.shape[1] < need:
+            raise InputError(f"flow needs at least {need} tokens with finalize={finalize}, got {token.shape[1]}")

@@ -1,0 +1,76 @@
+"""The one place that turns "which LLM" into a backend and a token source; the Python API, the
+CLI and the server all come through here.
+
+A *token source* has ``generate(prefill, n_text_tokens, options) -> Iterator[int]``:
+:class:`~cosyllama.llm.decode.DirectTokens` decodes each request on its own (the API's default),
+:class:`~cosyllama.scheduler.BatchScheduler` advances concurrent requests in one backend step
+(the server's).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..defaults import LLM_CHOICES, LLM_WEIGHTS, N_SEQ_MAX
+from ..errors import InputError
+from .backend import LLMBackend
+
+
+def choose_llm(llm: str | None, gguf: str | Path | None) -> str:
+    """The backend name: ``llm`` when given (checked against ``gguf``), else llama.cpp when a GGUF
+    file is given and torch otherwise."""
+    if llm is None:
+        return "llamacpp" if gguf else "torch"
+    if llm not in LLM_CHOICES:
+        raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
+    if llm == "llamacpp" and gguf is None:
+        raise InputError("llm='llamacpp' needs a GGUF file (gguf=...); make one with "
+                         "`cosyllama convert --model-dir DIR --out FILE.gguf`")
+    if llm == "torch" and gguf is not None:
+        raise InputError("a GGUF file was given but llm='torch'; pass llm='llamacpp' to use it")
+    return llm
+
+
+def llm_weights_path(config: ModelConfig, llm_weights: str | Path = LLM_WEIGHTS) -> Path:
+    """The LLM checkpoint ``llm_weights`` names: a file of the model directory (``llm.pt``,
+    ``llm.rl.pt``) or a path. Refuses a file that does not exist, listing the directory's choices."""
+    path = config.model_dir / llm_weights
+    if not path.is_file():
+        found = sorted(p.name for p in config.model_dir.glob("llm*.pt"))
+        raise InputError(f"LLM weights {str(path)!r} do not exist; {config.model_dir} has: "
+                         f"{', '.join(found) or 'no llm*.pt file'}")
+    return path
+
+
+def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None = None,
+             llm_weights: str | Path = LLM_WEIGHTS, device="cpu", threads: int | None = None,
+             n_gpu_layers: int = 0, n_seq_max: int = N_SEQ_MAX) -> LLMBackend:
+    """The LLM backend for ``config``'s model: float32 PyTorch on ``device``, or llama.cpp from
+    ``gguf`` (``threads``, ``n_gpu_layers``, ``n_seq_max`` concurrent sequences). ``llm_weights``
+    chooses the checkpoint: the torch backend's weights, and for llama.cpp the file the GGUF must
+    have been converted from (and whose text rows the speech layout reads)."""
+    llm = choose_llm(llm, gguf)
+    weights_path = llm_weights_path(config, llm_weights)
+    if llm == "torch":
+        from ..weights import load_llm_weights
+        from .torch_backend import TorchLLM
+
+        return TorchLLM(config.llm, load_llm_weights(weights_path, config.llm), device)
+    from .llamacpp_backend import LlamaCppLLM
+
+    return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
+                       llm_weights=weights_path)
+
+
+def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None):
+    """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
+    :class:`~cosyllama.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
+    wait for a sequence (its default if None); the caller closes it."""
+    if not batched:
+        from .decode import DirectTokens
+
+        return DirectTokens(backend)
+    from ..scheduler import BatchScheduler
+
+    return BatchScheduler(backend) if max_waiting is None else BatchScheduler(backend, max_waiting=max_waiting)
