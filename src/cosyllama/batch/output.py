@@ -32,6 +32,19 @@ def audio_name(row_id: str, fmt: str) -> str:
     return f"{row_id}.{fmt}"
 
 
+def _pcm16_as_wav(samples: np.ndarray, sample_rate: int) -> np.ndarray:
+    """The int16 samples libsndfile stores when it writes these floats as a 16-bit WAV (as
+    ``cosyllama synth`` does); its FLAC writer would round differently."""
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, samples, sample_rate, subtype="PCM_16", format="WAV")
+    buf.seek(0)
+    return sf.read(buf, dtype="int16")[0]
+
+
 def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: int, fmt: str) -> int:
     """Write 16-bit mono audio atomically (the samples ``cosyllama synth`` writes); returns its size."""
     import soundfile as sf
@@ -40,7 +53,10 @@ def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: in
     tmp = out_dir / part_name(row_id, fmt)
     try:
         with open(tmp, "wb") as f:
-            sf.write(f, np.asarray(samples, dtype=np.float32), sample_rate, subtype="PCM_16", format=fmt.upper())
+            samples = np.asarray(samples, dtype=np.float32)
+            if fmt != "wav":  # the same 16-bit samples in every format
+                samples = _pcm16_as_wav(samples, sample_rate)
+            sf.write(f, samples, sample_rate, subtype="PCM_16", format=fmt.upper())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
