@@ -151,7 +151,6 @@ def run_batch(args, out=None, err=None) -> int:
                 finally:
                     progress.update(rec)
 
-            t0 = time.perf_counter()
             if todo:
                 if args.ray is not None:
                     from .ray_runner import run_on_ray
@@ -160,8 +159,7 @@ def run_batch(args, out=None, err=None) -> int:
                                cpus=args.ray_cpus, gpus=args.ray_gpus,
                                batch_size=args.ray_batch_size or 2 * opts.concurrency, err=err)
                 else:
-                    _run_local(todo, opts, out_dir, on_result, err)
-            wall = time.perf_counter() - t0
+                    _run_local(todo, opts, out_dir, on_result, err, progress.restart_clock)
         except KeyboardInterrupt:
             progress.close()
             print(f"interrupted: {progress.done} row(s) finished in this run are kept; run the same command "
@@ -172,11 +170,11 @@ def run_batch(args, out=None, err=None) -> int:
             compact_results(out_dir, [order[n] for n in sorted(order)])
         progress.close()
 
-    _summary(out, manifest, progress, wall, len(done), len(failed), out_dir)
+    _summary(out, manifest, progress, len(done), len(failed), out_dir)
     return EXIT_SOME_FAILED if (manifest.bad or failed or progress.failed) else 0
 
 
-def _run_local(todo, opts: EngineOptions, out_dir: Path, on_result, err) -> None:
+def _run_local(todo, opts: EngineOptions, out_dir: Path, on_result, err, on_loaded) -> None:
     """Load the model here and run the rows ``opts.concurrency`` at a time."""
     from .engine import BatchEngine
 
@@ -185,6 +183,7 @@ def _run_local(todo, opts: EngineOptions, out_dir: Path, on_result, err) -> None
     print(f"loaded {opts.model_dir} (llm: {'llamacpp' if opts.gguf else 'torch'}, device {engine.tts.device}, "
           f"flow {engine.tts.token2wav.flow.precision}) in {time.perf_counter() - t0:.1f} s; "
           f"{opts.concurrency} rows at a time", file=err)
+    on_loaded()
 
     def interrupted(n: int) -> None:
         print(f"\ninterrupted: stopping the {n} row(s) in flight (Ctrl-C again quits at once)", file=err, flush=True)
@@ -195,8 +194,10 @@ def _run_local(todo, opts: EngineOptions, out_dir: Path, on_result, err) -> None
         engine.scheduler.close()
 
 
-def _summary(out, manifest: Manifest, p: BatchProgress, wall: float, n_done: int, n_failed_before: int,
-             out_dir: Path) -> None:
+def _summary(out, manifest: Manifest, p: BatchProgress, n_done: int, n_failed_before: int, out_dir: Path) -> None:
+    """Rates are per wall second of synthesis (locally from the loaded model on; with Ray from the
+    start of the job, the actors' model loads included)."""
+    wall = p.elapsed
     n_err = len(manifest.bad) + n_failed_before + p.failed
     print(f"{manifest.n_lines} rows: {n_done + p.ok} ok ({p.ok} now, {n_done} before), {n_err} failed "
           f"({len(manifest.bad)} invalid, {p.failed} now, {n_failed_before} before)", file=out)

@@ -31,6 +31,10 @@ class BatchProgress:
         self.tokens = 0
         self.stage_seconds = dict.fromkeys(STAGES, 0.0)
 
+    def restart_clock(self) -> None:
+        """Count time from now (after the model is loaded)."""
+        self.start = self._last = time.perf_counter()
+
     @property
     def done(self) -> int:
         return self.ok + self.failed
