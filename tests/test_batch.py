@@ -4,6 +4,7 @@ resume after an interruption, retries, and the same job on a local Ray instance.
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,19 +191,55 @@ def test_interrupted_run_resumes_without_redoing_finished_rows(job, tmp_path, mo
     assert f"{len(GOOD)} ok (1 now, {len(GOOD) - 1} before)" in capsys.readouterr().out
 
 
+def test_ctrl_c_keeps_finished_rows_and_leaves_no_partial_file(job, tmp_path):
+    """A real SIGINT to a running `cosyllama batch`: exit 130, every file on disk complete and
+    recorded (resuming is tested above)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import cosyllama
+
+    rows = [dict(r, id=f"{r['id']}-{k}") for k in range(2) for r in GOOD]  # long enough to interrupt
+    m = write_manifest(job["dir"] / "long.jsonl", rows)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(Path(cosyllama.__file__).parents[1]))
+    cmd = [sys.executable, "-m", "cosyllama.cli", "batch", str(m), "--out", str(out), "--model-dir", str(MODEL_DIR),
+           "--precision", "fp32", "--voices", str(job["voices"]), "--concurrency", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (out / "results.jsonl").exists() and len((out / "results.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not list(out.glob(".*.part"))
+    ok = {r["id"]: r for r in results(out) if r["status"] == "ok"}
+    assert 1 <= len(ok) < len(rows)
+    for p in out.glob("*.wav"):  # every file is whole and accounted for
+        assert p.stem in ok and p.stat().st_size == ok[p.stem]["bytes"]
+        assert sf.info(p).frames > 0
+
+
 def test_failed_rows_are_kept_and_retried_on_request(job, tmp_path, capsys):
     (tmp_path / "noise.wav").write_bytes(b"RIFF not really a wav")
     rows = [GOOD[0], {"id": "broken", "mode": "cross-lingual", "text": "Hi.", "prompt_wav": "noise.wav"}]
     m = write_manifest(tmp_path / "m.jsonl", rows)
     out = tmp_path / "out"
-    assert batch(m, out, job["voices"]) == 3
+    assert batch(m, out, job["voices"], "--format", "flac") == 3
     res = {r["id"]: r for r in results(out)}
     assert res["z1"]["status"] == "ok" and res["broken"]["status"] == "error"
     assert res["broken"]["stage"] == "synthesis" and "noise.wav" in res["broken"]["error"]
+    flac, sr = sf.read(out / "z1.flac", dtype="int16")
+    np.testing.assert_array_equal(flac, sf.read(job["out"] / "z1.wav", dtype="int16")[0])
     capsys.readouterr()
-    assert batch(m, out, job["voices"]) == 3
+    assert batch(m, out, job["voices"], "--format", "flac") == 3
     assert "1 failed before (not retried" in capsys.readouterr().err
-    assert batch(m, out, job["voices"], "--retry-failed") == 3
+    assert batch(m, out, job["voices"], "--format", "flac", "--retry-failed") == 3
     assert "1 to synthesize" in capsys.readouterr().err
     assert [r["id"] for r in results(out)] == ["z1", "broken"]
 
@@ -216,8 +253,14 @@ def test_dry_run_checks_without_synthesizing(job, tmp_path, capsys):
     assert not out.exists()
     assert batch(job["manifest"], job["out"], job["voices"], "--dry-run") == 2
     assert "10 already done" in capsys.readouterr().out
-    good = write_manifest(tmp_path / "good.jsonl", GOOD[:2])
+    good = write_manifest(tmp_path / "good.jsonl", GOOD[:2] + [GOOD[6]])
     assert batch(good, out, job["voices"], "--dry-run") == 0
+    vdir = tmp_path / "voices"
+    vdir.mkdir()
+    assert batch(good, out, vdir, "--dry-run") == 2  # an empty voices directory
+    assert "holds no voice files" in capsys.readouterr().err
+    shutil.copy(job["voices"], vdir / "a.pt")
+    assert batch(good, out, vdir, "--dry-run") == 0  # a directory of voice files
 
 
 @pytest.mark.parametrize("extra, message", [
