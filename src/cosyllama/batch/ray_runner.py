@@ -16,9 +16,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import MissingDependencyError
-from .engine import EngineOptions
+from ..errors import CosyllamaError, MissingDependencyError
+from .engine import EngineOptions, error_record
 from .manifest import Row
+
+class RayJobError(CosyllamaError, RuntimeError):
+    """Ray could not be reached, or the job failed outside any one row (an actor could not load
+    the model, a node died); the rows recorded so far are kept."""
+
 
 INSTALL_HINT = "--ray needs Ray Data: pip install 'cosyllama[ray]' (or pip install 'ray[data]')"
 
@@ -46,7 +51,9 @@ class RowActor:
         rows = [Row.from_json(s) for s in batch["row"]]
         recs: dict[str, dict] = {}
         self.engine.run(rows, lambda rec: recs.__setitem__(rec["id"], rec))
-        return {"result": np.array([json.dumps(recs[r.id], ensure_ascii=False) for r in rows], dtype=object)}
+        # a row without a record was cancelled: not "failed", so the next run makes it
+        out = [recs.get(r.id) or error_record(r.id, r.line, "cancelled", "cancelled", r.digest) for r in rows]
+        return {"result": np.array([json.dumps(rec, ensure_ascii=False) for rec in out], dtype=object)}
 
 
 def run_on_ray(address: str | None, rows: list[Row], opts: EngineOptions, out_dir: Path,
@@ -56,7 +63,11 @@ def run_on_ray(address: str | None, rows: list[Row], opts: EngineOptions, out_di
     ray = import_ray()
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, include_dashboard=False, logging_level="warning", log_to_driver=True)
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="warning", log_to_driver=True)
+        except Exception as e:
+            where = f"the Ray cluster at {address!r}" if address else "Ray"
+            raise RayJobError(f"cannot start or reach {where}: {type(e).__name__}: {e}") from None
     try:
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # ours shows rows and audio seconds
@@ -69,9 +80,14 @@ def run_on_ray(address: str | None, rows: list[Row], opts: EngineOptions, out_di
         ds = ds.map_batches(RowActor, fn_constructor_kwargs={"opts": opts, "out_dir": str(out_dir)},
                             batch_size=batch_size, batch_format="numpy",
                             compute=ray.data.ActorPoolStrategy(size=actors), num_cpus=cpus, num_gpus=gpus)
-        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            for s in batch["result"]:
-                on_result(json.loads(s))
+        try:
+            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                for s in batch["result"]:
+                    on_result(json.loads(s))
+        except ray.exceptions.RayError as e:
+            first = str(e).strip().splitlines()
+            raise RayJobError(f"the Ray job failed: {type(e).__name__}: {first[-1] if first else ''} "
+                              "(rows finished so far are recorded; run again to continue)") from e
     finally:
         if started:
             ray.shutdown()
