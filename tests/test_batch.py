@@ -230,7 +230,7 @@ def test_failed_rows_are_kept_and_retried_on_request(job, tmp_path, capsys):
     rows = [GOOD[0], {"id": "broken", "mode": "cross-lingual", "text": "Hi.", "prompt_wav": "noise.wav"}]
     m = write_manifest(tmp_path / "m.jsonl", rows)
     out = tmp_path / "out"
-    assert batch(m, out, job["voices"], "--format", "flac") == 3
+    assert batch(m, out, job["voices"], "--format", "flac", "--flow-slots", "1") == 3
     res = {r["id"]: r for r in results(out)}
     assert res["z1"]["status"] == "ok" and res["broken"]["status"] == "error"
     assert res["broken"]["stage"] == "synthesis" and "noise.wav" in res["broken"]["error"]

@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     b.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     b.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY,
                    help=f"rows in flight per model (their LLM steps are batched; default {DEFAULT_CONCURRENCY})")
+    b.add_argument("--flow-slots", type=int, default=0,
+                   help="rows in the flow + vocoder at once, the others keep decoding (default 0: no limit)")
     b.add_argument("--retry-failed", action="store_true", help="synthesize again the rows that failed before")
     b.add_argument("--dry-run", action="store_true", help="check the manifest and show what would run; synthesize nothing")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -56,6 +58,8 @@ def add_parser(sub) -> None:
 def _check_args(args) -> EngineOptions:
     if args.concurrency < 1:
         raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.flow_slots < 0:
+        raise InputError(f"--flow-slots must be >= 0, got {args.flow_slots}")
     if args.threads is not None and args.threads < 1:
         raise InputError(f"--threads must be >= 1, got {args.threads}")
     model_dir = Path(args.model_dir)
@@ -77,7 +81,7 @@ def _check_args(args) -> EngineOptions:
     return EngineOptions(model_dir=str(model_dir.resolve()),
                          gguf=str(Path(args.gguf).resolve()) if args.gguf else None, device=args.device,
                          threads=threads, precision=args.precision, voices=voices,
-                         concurrency=args.concurrency, fmt=args.format)
+                         concurrency=args.concurrency, fmt=args.format, flow_slots=args.flow_slots)
 
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:

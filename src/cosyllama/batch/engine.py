@@ -38,6 +38,7 @@ class EngineOptions:
     voices: str | None = None  # a voice file (VoiceStore.save) or a directory of them
     concurrency: int = DEFAULT_CONCURRENCY
     fmt: str = "wav"
+    flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
 
 
 def voice_files(path: str | Path) -> list[Path]:
@@ -74,6 +75,21 @@ def load_tts(opts: EngineOptions):
         tts = TTS(opts.model_dir, llm="torch", **common)
     load_voices(tts.voices, opts.voices)
     return tts
+
+
+class _FlowGate:
+    """Lets at most ``slots`` rows run the flow and vocoder at once (the rest keep decoding): on a
+    few CPU cores, concurrent flows only split the same cores between more threads."""
+
+    def __init__(self, inner, slots: int):
+        self._inner, self._sem = inner, threading.Semaphore(slots)
+
+    def full(self, *args, **kw):
+        with self._sem:
+            return self._inner.full(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def error_record(row_id: str | None, line: int, message: str, stage: str, digest: str | None = None) -> dict:
@@ -164,9 +180,12 @@ class BatchEngine:
 
         self.opts = opts
         self.tts = tts if tts is not None else load_tts(opts)
+        self._restore = (self.tts.token_source, self.tts.token2wav)  # a given TTS is handed back as it came
         if not isinstance(self.tts.token_source, BatchScheduler):
             self.tts.token_source = BatchScheduler(self.tts.llm, max_active=opts.concurrency)
         self.scheduler = self.tts.token_source
+        if opts.flow_slots > 0 and not isinstance(self.tts.token2wav, _FlowGate):
+            self.tts.token2wav = _FlowGate(self.tts.token2wav, opts.flow_slots)
         self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -230,4 +249,6 @@ class BatchEngine:
             self._jobs.put(_STOP)
         for th in self._threads:
             th.join()
-        self.scheduler.close()
+        if self.scheduler is not self._restore[0]:
+            self.scheduler.close()
+        self.tts.token_source, self.tts.token2wav = self._restore
