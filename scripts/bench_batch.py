@@ -5,14 +5,15 @@ A manifest of ``--rows`` short zero-shot rows (3 s prompt clip, seeded sampling)
 - ``loop``: one TTS, one row after another (``tts.cross_lingual(...).audio()`` + the file write),
 - ``batch``: the same loaded TTS through :class:`cosyllama.batch.BatchEngine` (``--concurrency``
   rows at once, their LLM steps batched by the scheduler),
-- ``ray``: ``cosyllama batch --ray`` on a local Ray instance (one actor with all CPUs), end to end:
-  Ray start, the actor's model load, the rows.
+- ``loop-thread``: the loop in one worker thread (as the engine's rows run),
+- ``cli`` / ``ray``: the whole ``cosyllama batch`` command, locally / with ``--ray`` on a local Ray
+  instance (one actor with all CPUs), model load (and Ray's start) included.
 
 and reports rows/s, audio seconds per wall second and the seconds per stage summed over rows.
 Default model: the full-size random-weight model (made once in ~/.cache/cosyllama, ~4 GB) with its
 Q8_0 speech GGUF; random weights make noise of random length, the same rows in every mode.
 
-    python scripts/bench_batch.py --rows 16 --threads 2 --modes loop,batch,ray --json bench-batch.json
+    python scripts/bench_batch.py --rows 16 --threads 2 --modes loop,batch,cli,ray --json bench-batch.json
 """
 
 from __future__ import annotations
@@ -132,19 +133,22 @@ def main() -> int:
         results["modes"].append(res)
         log(json.dumps(res))
     del tts
-    if "ray" in modes:
-        out = work / "ray"
+    for mode in [m for m in modes if m in ("cli", "ray")]:  # whole commands, model load included
+        out = work / mode
         cmd = [sys.executable, "-m", "cosyllama.cli", "batch", str(manifest), "--out", str(out), "--model-dir",
                str(model_dir), "--threads", str(args.threads), "--precision", args.precision,
-               "--concurrency", str(args.concurrency), "--no-progress", "--ray", "--ray-actors", "1",
-               "--ray-cpus", str(args.threads), "--ray-batch-size", str(2 * args.concurrency)]
+               "--concurrency", str(args.concurrency), "--no-progress"]
+        if mode == "ray":
+            cmd += ["--ray", "--ray-actors", "1", "--ray-cpus", str(args.threads),
+                    "--ray-batch-size", str(2 * args.concurrency)]
         if gguf:
             cmd += ["--gguf", gguf]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
         wall = time.perf_counter() - t0
         recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-        res = summarize("ray (1 local actor), end to end incl. Ray start + model load", recs, wall)
+        name = ("cosyllama batch --ray (1 local actor)" if mode == "ray" else "cosyllama batch (local)")
+        res = summarize(name + ", whole command incl. start + model load", recs, wall)
         results["modes"].append(res)
         log(json.dumps(res))
 
