@@ -62,6 +62,12 @@ def cmd_demo(args) -> int:
     return run_demo(args, progress=_progress)
 
 
+def cmd_batch(args) -> int:
+    from .batch.command import run_batch
+
+    return run_batch(args)
+
+
 def cmd_serve(args) -> int:
     from .server import serve
 
@@ -118,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_llm_weights_option(s)
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.set_defaults(func=cmd_synth)
+
+    from .batch.command import add_parser as add_batch_parser
+
+    add_batch_parser(sub)
+    sub.choices["batch"].set_defaults(func=cmd_batch)
 
     c = sub.add_parser("convert", help="write the LLM as a GGUF file for llama.cpp")
     c.add_argument("--model-dir", required=True)

@@ -1,0 +1,254 @@
+"""Synthesis of manifest rows on one model: several rows at once, their LLM decode steps batched.
+
+:class:`BatchEngine` loads a :class:`~cosyllama.tts.TTS`, puts a
+:class:`~cosyllama.scheduler.BatchScheduler` in front of its LLM (as the server does) and runs
+``concurrency`` rows in worker threads: while some rows decode together, others run the flow and
+the vocoder. Each finished row is written (atomically) to the output directory and described by
+one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.batch.ray_runner`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CosyllamaError, InputError
+from .manifest import Row
+from .output import audio_name, write_audio
+
+DEFAULT_CONCURRENCY = 4
+VOICE_CACHE = 128  # prompt clips whose features are kept (one per distinct prompt_wav + prompt_text)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What every engine (this process or a Ray actor) loads; paths absolute, picklable."""
+
+    model_dir: str
+    gguf: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    precision: str = "auto"
+    voices: str | None = None  # a voice file (VoiceStore.save) or a directory of them
+    concurrency: int = DEFAULT_CONCURRENCY
+    fmt: str = "wav"
+    flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
+
+
+def voice_files(path: str | Path) -> list[Path]:
+    """The voice files ``--voices`` names: the file itself, or a directory's ``*.pt`` files."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.pt"))
+        if not files:
+            raise InputError(f"--voices directory {str(p)!r} holds no voice files (*.pt)")
+        return files
+    if not p.is_file():
+        raise InputError(f"--voices {str(p)!r} does not exist")
+    return [p]
+
+
+def load_voices(store, path: str | Path | None) -> None:
+    """Register the voices of ``path`` (see :func:`voice_files`) in ``store``."""
+    if path is not None:
+        for f in voice_files(path):
+            store.load(f)
+
+
+def load_tts(opts: EngineOptions):
+    """The TTS an engine runs; a GGUF LLM gets one llama.cpp sequence per concurrent row."""
+    from ..tts import TTS
+
+    common = dict(device=opts.device, threads=opts.threads, precision=opts.precision)
+    if opts.gguf:
+        from ..llm.llamacpp_backend import LlamaCppLLM
+
+        backend = LlamaCppLLM(opts.gguf, opts.model_dir, n_threads=opts.threads, n_seq_max=opts.concurrency)
+        tts = TTS(opts.model_dir, llm="llamacpp", llm_backend=backend, **common)
+    else:
+        tts = TTS(opts.model_dir, llm="torch", **common)
+    load_voices(tts.voices, opts.voices)
+    return tts
+
+
+class _FlowGate:
+    """Lets at most ``slots`` rows run the flow and vocoder at once (the rest keep decoding): on a
+    few CPU cores, concurrent flows only split the same cores between more threads."""
+
+    def __init__(self, inner, slots: int):
+        self._inner, self._sem = inner, threading.Semaphore(slots)
+
+    def full(self, *args, **kw):
+        with self._sem:
+            return self._inner.full(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def error_record(row_id: str | None, line: int, message: str, stage: str, digest: str | None = None) -> dict:
+    rec = {"id": row_id, "line": line, "status": "error", "error": message, "stage": stage}
+    if digest:
+        rec["digest"] = digest
+    return rec
+
+
+class RowSynthesizer:
+    """Turns one row into its audio file and result record (thread-safe)."""
+
+    def __init__(self, tts, out_dir: Path, fmt: str):
+        self.tts, self.out_dir, self.fmt = tts, Path(out_dir), fmt
+        self._voices: OrderedDict[tuple[str, str | None], Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _clip_voice(self, wav: str, text: str | None):
+        """Features of a prompt clip, computed once for every row that uses the same clip and transcript."""
+        key = (wav, text)
+        with self._lock:
+            fut = self._voices.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._voices[key] = Future()
+                while len(self._voices) > VOICE_CACHE:
+                    self._voices.popitem(last=False)
+            else:
+                self._voices.move_to_end(key)
+        if mine:
+            try:
+                fut.set_result(self.tts.make_voice(wav, text))
+            except BaseException as e:
+                fut.set_exception(e)
+        return fut.result()
+
+    def run(self, row: Row, cancel=None) -> dict | None:
+        """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
+        from ..scheduler import CancelToken, RequestCancelled
+        from ..tts import SynthesisOptions
+
+        cancel = cancel or CancelToken()
+        t0 = time.perf_counter()
+        try:
+            with cancel.bound():
+                voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
+                voice_s = time.perf_counter() - t0
+                opts = SynthesisOptions(speed=row.speed, greedy=row.greedy, seed=row.seed)
+                if row.mode == "zero-shot":
+                    syn = self.tts.zero_shot(row.text, voice=voice, options=opts)
+                elif row.mode == "cross-lingual":
+                    syn = self.tts.cross_lingual(row.text, voice=voice, options=opts)
+                else:
+                    syn = self.tts.instruct(row.text, row.instructions, voice=voice, options=opts)
+                audio = syn.audio()
+            t1 = time.perf_counter()
+            nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt)
+            t2 = time.perf_counter()
+        except RequestCancelled:
+            return None
+        except CosyllamaError as e:
+            return error_record(row.id, row.line, str(e), "synthesis", row.digest)
+        except Exception as e:  # one row's failure must not stop the batch
+            return error_record(row.id, row.line, f"internal error: {type(e).__name__}: {e}", "synthesis", row.digest)
+        t = syn.timings
+        return {"id": row.id, "line": row.line, "status": "ok", "error": None, "file": audio_name(row.id, self.fmt),
+                "bytes": nbytes, "audio_seconds": round(audio.size / self.tts.sample_rate, 4),
+                "tokens": sum(len(x) for x in t.tokens),
+                "seconds": {"frontend": round(voice_s + t.frontend, 4), "llm": round(t.llm, 4),
+                            "flow_vocoder": round(t.token2wav, 4), "write": round(t2 - t1, 4),
+                            "total": round(t2 - t0, 4)},
+                "digest": row.digest}
+
+
+_STOP = object()
+
+
+class BatchEngine:
+    """Runs rows ``concurrency`` at a time on one TTS; decode steps of concurrent rows are batched.
+
+    ``run`` returns when every row has a record, or raises ``KeyboardInterrupt`` after cancelling
+    the rows in flight (their LLM sequences stop at once; a row already past its LLM finishes and
+    is recorded). Worker threads are daemons, so a second interrupt quits without waiting.
+    """
+
+    def __init__(self, opts: EngineOptions, out_dir: Path, tts=None):
+        from ..scheduler import BatchScheduler
+
+        self.opts = opts
+        self.tts = tts if tts is not None else load_tts(opts)
+        self._restore = (self.tts.token_source, self.tts.token2wav)  # a given TTS is handed back as it came
+        if not isinstance(self.tts.token_source, BatchScheduler):
+            self.tts.token_source = BatchScheduler(self.tts.llm, max_active=opts.concurrency)
+        self.scheduler = self.tts.token_source
+        if opts.flow_slots > 0 and not isinstance(self.tts.token2wav, _FlowGate):
+            self.tts.token2wav = _FlowGate(self.tts.token2wav, opts.flow_slots)
+        self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"cosyllama-batch-{i}", daemon=True)
+                         for i in range(opts.concurrency)]
+        for th in self._threads:
+            th.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            row, token = job
+            try:
+                rec = self.synth.run(row, token)
+            except BaseException as e:  # pragma: no cover - run() already turns errors into records
+                rec = error_record(row.id, row.line, f"internal error: {type(e).__name__}: {e}", "synthesis")
+            self._done.put((row, rec))
+
+    def run(self, rows: Iterable[Row], on_result: Callable[[dict], None],
+            on_interrupt: Callable[[int], None] | None = None) -> None:
+        from ..scheduler import CancelToken
+
+        it = iter(rows)
+        in_flight: dict[str, CancelToken] = {}  # row id -> its cancel token
+        more = True
+        try:
+            while True:
+                while more and len(in_flight) < self.opts.concurrency:
+                    row = next(it, None)
+                    if row is None:
+                        more = False
+                        break
+                    token = CancelToken()
+                    in_flight[row.id] = token
+                    self._jobs.put((row, token))
+                if not in_flight:
+                    return
+                try:
+                    row, rec = self._done.get(timeout=0.25)  # short waits: Ctrl-C is seen at once
+                except queue.Empty:
+                    continue
+                del in_flight[row.id]
+                if rec is not None:
+                    on_result(rec)
+        except KeyboardInterrupt:
+            if on_interrupt is not None:
+                on_interrupt(len(in_flight))
+            for token in in_flight.values():
+                token.cancel()
+            while in_flight:  # a second Ctrl-C leaves this loop (and the daemon workers) at once
+                row, rec = self._done.get()
+                del in_flight[row.id]
+                if rec is not None:
+                    on_result(rec)
+            raise
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(_STOP)
+        for th in self._threads:
+            th.join()
+        if self.scheduler is not self._restore[0]:
+            self.scheduler.close()
+        self.tts.token_source, self.tts.token2wav = self._restore

@@ -1,0 +1,211 @@
+"""Batch manifests: one JSON object per line, checked row by row before any synthesis.
+
+A row names its output (``id``), what to say (``text``), how (``mode``), in which voice (``voice``,
+a registered id, or ``prompt_wav`` with an optional ``prompt_text``) and optional ``instructions``,
+``seed``, ``greedy`` and ``speed``. Every problem of a row is reported with its line number; a bad
+row never stops the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InputError
+
+MODES = ("zero-shot", "cross-lingual", "instruct")
+FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed")
+REQUIRED = ("id", "text", "mode")
+MAX_SEED = 2**31 - 1
+SPEED_RANGE = (0.5, 2.0)
+# A file name on every filesystem: no separators, no leading dot (temporary files start with one).
+_ID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One valid manifest row. ``prompt_wav`` is resolved against the manifest's directory."""
+
+    line: int
+    id: str
+    text: str
+    mode: str
+    voice: str | None = None
+    prompt_wav: str | None = None
+    prompt_text: str | None = None
+    instructions: str | None = None
+    seed: int | None = None
+    greedy: bool = False
+    speed: float = 1.0
+    digest: str = ""  # of the row's JSON as written: a changed row is not "already done"
+
+    def to_json(self) -> str:
+        return json.dumps({k: getattr(self, k) for k in ("line", *FIELDS, "digest")}, ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, s: str) -> Row:
+        return cls(**json.loads(s))
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """A manifest line that cannot be synthesized, with every reason found."""
+
+    line: int
+    id: str | None
+    error: str
+
+
+@dataclass
+class Manifest:
+    path: Path
+    rows: list[Row]
+    bad: list[BadRow]
+
+    @property
+    def n_lines(self) -> int:
+        return len(self.rows) + len(self.bad)
+
+
+def _digest(obj: dict) -> str:
+    canon = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = None,
+              voice_transcripts: dict[str, bool] | None = None) -> Row | BadRow:
+    """Check one parsed line. ``voices``: the registered voice ids (None: not checked);
+    ``voice_transcripts``: which of them have a transcript (zero-shot needs one)."""
+    if not isinstance(obj, dict):
+        return BadRow(line, None, f"a row must be a JSON object, got {type(obj).__name__}")
+    problems: list[str] = []
+    rid = obj.get("id")
+    if "id" not in obj:
+        rid = None
+        problems.append("missing field 'id'")
+    elif not isinstance(rid, str) or not _ID_RE.match(rid):
+        problems.append(f"id {rid!r} is not allowed: use 1-128 letters, digits, '_', '-' or '.', "
+                        "not starting with '.' (it names the output file)")
+        rid = None
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        problems.append(f"unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(FIELDS)}")
+    for f in REQUIRED[1:]:
+        if f not in obj:
+            problems.append(f"missing field {f!r}")
+
+    text = obj.get("text")
+    if "text" in obj and (not isinstance(text, str) or not text.strip()):
+        problems.append("text must be a non-empty string")
+    mode = obj.get("mode")
+    if "mode" in obj and mode not in MODES:
+        problems.append(f"mode {mode!r} is not one of {', '.join(MODES)}")
+
+    def opt_str(name: str) -> str | None:
+        v = obj.get(name)
+        if v is not None and (not isinstance(v, str) or not v.strip()):
+            problems.append(f"{name} must be a non-empty string")
+            return None
+        return v
+
+    voice, prompt_wav = opt_str("voice"), opt_str("prompt_wav")
+    prompt_text, instructions = opt_str("prompt_text"), opt_str("instructions")
+    if obj.get("voice") is not None and obj.get("prompt_wav") is not None:
+        problems.append("give either 'voice' or 'prompt_wav', not both")
+    elif obj.get("voice") is None and obj.get("prompt_wav") is None:
+        problems.append("missing the speaker: give 'voice' (a registered voice) or 'prompt_wav' (a clip)")
+    if voice is not None and voices is not None and voice not in voices:
+        problems.append(f"unknown voice {voice!r}; " + (f"registered voices: {', '.join(sorted(voices))}"
+                                                        if voices else "no voices were given (use --voices)"))
+    if voice is not None and prompt_text is not None:
+        problems.append("prompt_text goes with prompt_wav; a registered voice keeps its own transcript")
+    if prompt_wav is not None:
+        p = Path(prompt_wav).expanduser()
+        p = p if p.is_absolute() else base_dir / p
+        if not p.is_file():
+            problems.append(f"prompt_wav {prompt_wav!r} does not exist" +
+                            ("" if Path(prompt_wav).is_absolute() else f" (relative to {base_dir})"))
+        prompt_wav = str(p)
+    if mode == "zero-shot":
+        if obj.get("prompt_wav") is not None and obj.get("prompt_text") is None:
+            problems.append("zero-shot needs prompt_text (the transcript of prompt_wav); "
+                            "use mode cross-lingual without one")
+        if voice is not None and voice_transcripts is not None and voice in voice_transcripts \
+                and not voice_transcripts[voice]:
+            problems.append(f"voice {voice!r} has no transcript, which zero-shot needs; use mode cross-lingual")
+    if mode == "instruct" and obj.get("instructions") is None:
+        problems.append("instruct mode needs 'instructions'")
+    if mode in MODES and mode != "instruct" and obj.get("instructions") is not None:
+        problems.append(f"'instructions' are for mode instruct, not {mode}")
+
+    seed = obj.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        problems.append(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
+    greedy = obj.get("greedy", False)
+    if greedy is None:
+        greedy = False
+    if not isinstance(greedy, bool):
+        problems.append(f"greedy must be true or false, got {greedy!r}")
+    speed = obj.get("speed", 1.0)
+    if speed is None:
+        speed = 1.0
+    if (isinstance(speed, bool) or not isinstance(speed, (int, float)) or not math.isfinite(speed)
+            or not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]):
+        problems.append(f"speed must be a number from {SPEED_RANGE[0]} to {SPEED_RANGE[1]}, got {speed!r}")
+
+    if problems:
+        return BadRow(line, rid, "; ".join(problems))
+    return Row(line=line, id=rid, text=text, mode=mode, voice=voice, prompt_wav=prompt_wav,
+               prompt_text=prompt_text, instructions=instructions, seed=seed, greedy=greedy,
+               speed=float(speed), digest=_digest(obj))
+
+
+def read_manifest(path: str | Path, voices: Collection[str] | None = None,
+                  voice_transcripts: dict[str, bool] | None = None) -> Manifest:
+    """Parse and check every line (blank lines and lines starting with ``#`` are skipped).
+
+    Raises :class:`InputError` only when the file itself cannot be read; row problems are
+    returned in ``Manifest.bad``. A repeated id is an error from its second occurrence on.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"manifest {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise InputError(f"manifest {str(path)!r} is a directory; give a .jsonl file") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"manifest {str(path)!r} is not UTF-8 text ({e})") from None
+    except OSError as e:
+        raise InputError(f"cannot read manifest {str(path)!r}: {e}") from None
+    base = path.resolve().parent
+    rows: list[Row] = []
+    bad: list[BadRow] = []
+    first_line: dict[str, int] = {}
+    for n, raw in enumerate(text.splitlines(), start=1):
+        s = raw.strip()
+        if not s or s.startswith("#"):
+            continue
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            bad.append(BadRow(n, None, f"not valid JSON ({e.msg} at column {e.colno})"))
+            continue
+        r = check_row(obj, n, base, voices, voice_transcripts)
+        if r.id is not None:
+            if r.id in first_line:
+                msg = f"id {r.id!r} is used again (first on line {first_line[r.id]})"
+                bad.append(BadRow(n, None, msg if isinstance(r, Row) else f"{msg}; {r.error}"))
+                continue
+            first_line[r.id] = n
+        (rows if isinstance(r, Row) else bad).append(r)
+    return Manifest(path, rows, bad)

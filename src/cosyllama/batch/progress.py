@@ -1,0 +1,78 @@
+"""The batch progress line: rows done, audio seconds made per wall second, ETA; and the summary."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+STAGES = ("frontend", "llm", "flow_vocoder", "write")
+
+
+def _clock(s: float) -> str:
+    s = int(max(0.0, s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+class BatchProgress:
+    """Counts results as they arrive. On a terminal one line is redrawn in place; otherwise a line
+    is printed every ``interval`` seconds (logs stay readable)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True, interval: float = 10.0):
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled and total > 0
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = interval
+        self.start = time.perf_counter()
+        self._last = self.start
+        self.ok = self.failed = 0
+        self.audio_seconds = 0.0
+        self.tokens = 0
+        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
+
+    def restart_clock(self) -> None:
+        """Count time from now (after the model is loaded)."""
+        self.start = self._last = time.perf_counter()
+
+    @property
+    def done(self) -> int:
+        return self.ok + self.failed
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def update(self, rec: dict) -> None:
+        if rec.get("status") == "ok":
+            self.ok += 1
+            self.audio_seconds += rec.get("audio_seconds", 0.0)
+            self.tokens += rec.get("tokens", 0)
+            for k in STAGES:
+                self.stage_seconds[k] += rec.get("seconds", {}).get(k, 0.0)
+        else:
+            self.failed += 1
+        now = time.perf_counter()
+        if self.enabled and (self.tty or now - self._last >= self.interval or self.done == self.total):
+            self._last = now
+            self._show()
+
+    def line(self) -> str:
+        el = self.elapsed
+        rate = self.audio_seconds / el if el > 0 else 0.0
+        left = self.total - self.done
+        eta = _clock(el / self.done * left) if self.done else "?"
+        failed = f" ({self.failed} failed)" if self.failed else ""
+        return (f"batch: {self.done}/{self.total} rows{failed} | {self.audio_seconds:.1f} s audio, "
+                f"{rate:.2f} audio-s/s | {_clock(el)} elapsed, ETA {eta}")
+
+    def _show(self) -> None:
+        if self.tty:
+            end = "\n" if self.done == self.total else ""
+            print("\r\x1b[2K" + self.line(), end=end, file=self.stream, flush=True)
+        else:
+            print(self.line(), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty and self.done != self.total:
+            print(file=self.stream, flush=True)
