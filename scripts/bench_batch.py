@@ -33,7 +33,7 @@ from pathlib import Path
 try:  # the bench helpers may live under cosyllama.tools
     from cosyllama.tools.bench import ensure_full_model, ensure_gguf, machine_info, prompt_wav
 except ImportError:
-    from cosyllama.bench import ensure_full_model, ensure_gguf, machine_info, prompt_wav
+    from cosyllama.tools.bench import ensure_full_model, ensure_gguf, machine_info, prompt_wav
 
 from cosyllama.batch.engine import BatchEngine, EngineOptions, RowSynthesizer, load_tts
 from cosyllama.batch.manifest import read_manifest

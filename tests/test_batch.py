@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from conftest import FIXTURES, MODEL_DIR
+from helpers import FIXTURES, MODEL_DIR
 from cosyllama.batch.manifest import read_manifest
 from cosyllama.cli import main
 
@@ -266,6 +266,7 @@ def test_dry_run_checks_without_synthesizing(job, tmp_path, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--concurrency", "0"], "--concurrency must be >= 1"),
     (["--model-dir", "/nonexistent"], "model directory '/nonexistent' does not exist"),
+    (["--llm-weights", "llm.missing.pt"], "LLM weights"),
 ])
 def test_cli_user_errors_exit_2(job, tmp_path, capsys, extra, message):
     assert batch(job["manifest"], tmp_path / "o", job["voices"], *extra) == 2

@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .batch.command import add_parser as add_batch_parser
 
     add_batch_parser(sub)
+    add_llm_weights_option(sub.choices["batch"])
     sub.choices["batch"].set_defaults(func=cmd_batch)
 
     c = sub.add_parser("convert", help="write the LLM as a GGUF file for llama.cpp")

@@ -81,7 +81,8 @@ def _check_args(args) -> EngineOptions:
     return EngineOptions(model_dir=str(model_dir.resolve()),
                          gguf=str(Path(args.gguf).resolve()) if args.gguf else None, device=args.device,
                          threads=threads, precision=args.precision, voices=voices,
-                         concurrency=args.concurrency, fmt=args.format, flow_slots=args.flow_slots)
+                         concurrency=args.concurrency, llm_weights=args.llm_weights, fmt=args.format,
+                         flow_slots=args.flow_slots)
 
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:

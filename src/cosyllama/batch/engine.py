@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..defaults import LLM_WEIGHTS
 from ..errors import CosyllamaError, InputError
 from .manifest import Row
 from .output import audio_name, write_audio
@@ -37,6 +38,7 @@ class EngineOptions:
     precision: str = "auto"
     voices: str | None = None  # a voice file (VoiceStore.save) or a directory of them
     concurrency: int = DEFAULT_CONCURRENCY
+    llm_weights: str = LLM_WEIGHTS  # the LLM checkpoint in model_dir (e.g. llm.rl.pt)
     fmt: str = "wav"
     flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
 
@@ -65,14 +67,9 @@ def load_tts(opts: EngineOptions):
     """The TTS an engine runs; a GGUF LLM gets one llama.cpp sequence per concurrent row."""
     from ..tts import TTS
 
-    common = dict(device=opts.device, threads=opts.threads, precision=opts.precision)
-    if opts.gguf:
-        from ..llm.llamacpp_backend import LlamaCppLLM
-
-        backend = LlamaCppLLM(opts.gguf, opts.model_dir, n_threads=opts.threads, n_seq_max=opts.concurrency)
-        tts = TTS(opts.model_dir, llm="llamacpp", llm_backend=backend, **common)
-    else:
-        tts = TTS(opts.model_dir, llm="torch", **common)
+    tts = TTS(opts.model_dir, llm="llamacpp" if opts.gguf else "torch", gguf=opts.gguf, device=opts.device,
+              threads=opts.threads, precision=opts.precision, llm_weights=opts.llm_weights,
+              parallel=opts.concurrency)
     load_voices(tts.voices, opts.voices)
     return tts
 
