@@ -2,6 +2,8 @@
 upstream calls. Imported by the test modules (``from helpers import ...``); pytest fixtures live
 in ``conftest.py``."""
 
+from __future__ import annotations
+
 from pathlib import Path
 
 import numpy as np
@@ -57,3 +59,35 @@ def interleave_chunks(gens: dict) -> dict:
             except StopIteration:
                 del gens[k]
     return got
+
+
+def generate_many(backend: LLMBackend, requests: Sequence[tuple[Prefill, int, DecodeOptions]]) -> list[list[int]]:
+    """Decode several requests together: one backend ``step`` call advances every live sequence.
+    Returns each request's tokens (same rules as ``generate``). The smallest batched driver of
+    :class:`~cosyllama.llm.decode.TokenDecoder`; the product's is the server's scheduler."""
+    from cosyllama.llm.decode import TokenDecoder
+
+    decoders = [TokenDecoder(backend.config, n, opt) for _, n, opt in requests]
+    handles: list[object] = []
+    try:
+        pending: list[tuple[int, object]] = []  # (request, its log-prob row)
+        for i, (prefill, _, _) in enumerate(requests):
+            handle, logp = backend.start(prefill, decoders[i].max_len)
+            handles.append(handle)
+            pending.append((i, logp))
+        while pending:
+            batch = []
+            for i, logp in pending:
+                tok = decoders[i].choose(logp)
+                if tok is None or decoders[i].done:
+                    backend.release(handles[i])
+                else:
+                    batch.append((i, tok))
+            if not batch:
+                break
+            outs = backend.step([(handles[i], tok) for i, tok in batch])
+            pending = [(i, out) for (i, _), out in zip(batch, outs)]
+    finally:
+        for h in handles:
+            backend.release(h)
+    return [d.tokens for d in decoders]

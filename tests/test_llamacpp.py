@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import load_fixture
+from helpers import generate_many, load_fixture
 from cosyllama.errors import CheckpointError, DeviceError, InputError, MissingDependencyError
 from cosyllama.llm import gguf as G
 from cosyllama.llm.backend import LLMBackend, Prefill
-from cosyllama.llm.decode import DecodeOptions, generate, generate_many
+from cosyllama.llm.decode import DecodeOptions, generate
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from cosyllama.llm import llamacpp_backend as LB  # noqa: E402

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, generate_many, load_fixture
 from cosyllama.llm.backend import Prefill
-from cosyllama.llm.decode import DecodeOptions, SilentTokenFilter, TokenDecoder, generate, generate_many
+from cosyllama.llm.decode import DecodeOptions, SilentTokenFilter, TokenDecoder, generate
 from cosyllama.llm.torch_backend import TorchLLM
 
 

@@ -10,8 +10,7 @@ Rules (see docs/reference.md#length-limits and docs/design.md#sampling-rules):
 * Any special id ends decoding and is not emitted; at most ``max_len`` tokens are emitted.
 
 The per-request policy lives in :class:`TokenDecoder` so that a scheduler can advance many
-requests in one backend batch (:func:`generate_many`, the server) with the same rules as
-:func:`generate`.
+requests in one backend batch (the server's scheduler) with the same rules as :func:`generate`.
 """
 
 from __future__ import annotations
@@ -99,35 +98,6 @@ def generate(backend: LLMBackend, prefill: Prefill, n_text_tokens: int,
             (logp,) = backend.step([(handle, tok)])
     finally:
         backend.release(handle)
-
-
-def generate_many(backend: LLMBackend, requests: Sequence[tuple[Prefill, int, DecodeOptions]]) -> list[list[int]]:
-    """Decode several requests together: one backend ``step`` call advances every live sequence.
-    Returns each request's tokens (same rules as :func:`generate`)."""
-    decoders = [TokenDecoder(backend.config, n, opt) for _, n, opt in requests]
-    handles: list[object] = []
-    try:
-        pending: list[tuple[int, torch.Tensor]] = []
-        for i, (prefill, _, _) in enumerate(requests):
-            handle, logp = backend.start(prefill, decoders[i].max_len)
-            handles.append(handle)
-            pending.append((i, logp))
-        while pending:
-            batch = []
-            for i, logp in pending:
-                tok = decoders[i].choose(logp)
-                if tok is None or decoders[i].done:
-                    backend.release(handles[i])
-                else:
-                    batch.append((i, tok))
-            if not batch:
-                break
-            outs = backend.step([(handles[i], tok) for i, tok in batch])
-            pending = [(i, out) for (i, _), out in zip(batch, outs)]
-    finally:
-        for h in handles:
-            backend.release(h)
-    return [d.tokens for d in decoders]
 
 
 # Silence/breath speech codes (see docs/reference.md#silent-token-filter); fixed by the reference, not in the
