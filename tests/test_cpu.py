@@ -108,3 +108,13 @@ def test_forced_kernels_are_in_effect_in_this_run():
 
     assert torch.backends.cpu.get_cpu_capability().lower() == forced.lower()
 
+
+
+def test_demo_says_what_its_rtf_means_here():
+    from cosyllama.tools.demo import rtf_meaning
+
+    text = rtf_meaning(cpu.CpuPath(threads=2, flow="fp32", vocoder="fp32", llm="torch"), segments=2)
+    assert f"{cpu.cpu_class()} class" in text and "fp32" in text and "2 threads" in text
+    assert "split into 2 segments" in text and 'section "Per CPU class"' in text
+    one = rtf_meaning(cpu.CpuPath(threads=2, flow="bf16", vocoder="fp32", llm="torch"), segments=1)
+    assert "segments" not in one and "not a broken install" not in one  # bf16 ran: nothing to excuse

@@ -69,6 +69,6 @@ def rtf_meaning(path, segments: int) -> str:
     if segments > 1:
         lines.append(f"The text was split into {segments} segments; each one runs the flow over the 3 s prompt "
                      f"again, which adds to the RTF of a short text.")
-    lines.append(f"Compare with the '{d['cpu_class']}' rows of docs/benchmarks.md (section \"Per CPU class\"), "
+    lines.append(f"Compare with the '{d['cpu_class']}' column of docs/benchmarks.md (section \"Per CPU class\"), "
                  f"measured with `cosyllama demo` and `cosyllama bench` on such a CPU.")
     return "\n".join(lines)
