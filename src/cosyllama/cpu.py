@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # /proc/cpuinfo flag -> the name people know it by, in the order they are printed.
@@ -155,7 +155,6 @@ class CpuPath:
     requested: str = "auto"
     device: str = "cpu"
     llm: str | None = None  # "torch" / "llamacpp"
-    extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "torch_kernels": torch_kernels(),
@@ -168,7 +167,7 @@ class CpuPath:
             d["vocoder_precision_why"] = precision_reason(self.requested, self.vocoder, self.device, "vocoder")
         if self.llm != "torch":
             d["llama_cpp"] = llama_cpp_features()
-        return {**d, **self.extra}
+        return d
 
     def lines(self) -> list[str]:
         d = self.as_dict()
