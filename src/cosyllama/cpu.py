@@ -26,30 +26,28 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 ISA_OVERRIDES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+@functools.lru_cache(maxsize=None)
+def _cpuinfo_field(name: str) -> str | None:
+    """The value of ``name`` for the first CPU in ``/proc/cpuinfo`` (None where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.startswith(name):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
-@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or platform.machine()
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def isa_names(flags: frozenset[str] | None = None) -> list[str]:
@@ -157,8 +155,8 @@ class CpuPath:
     llm: str | None = None  # "torch" / "llamacpp"
 
     def as_dict(self) -> dict:
-        d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "torch_kernels": torch_kernels(),
-             "threads": self.threads, "device": self.device}
+        d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "native_bf16": has_native_bf16(),
+             "torch_kernels": torch_kernels(), "threads": self.threads, "device": self.device}
         if self.flow:
             d["flow_precision"] = self.flow
             d["flow_precision_why"] = precision_reason(self.requested, self.flow, self.device)

@@ -341,8 +341,8 @@ def format_table(res: dict) -> str:
     if res["flow"] or res["vocoder"]:
         lines.append("")
     for r in res["flow"]:
-        native = "" if r["variant"] == "fp32" or m.get("device", "cpu") != "cpu" or m.get("cpu_class") in (
-            "AVX512-BF16", "AMX", None) else " [bf16 emulated on this CPU: auto uses fp32]"
+        native = "" if r["variant"] == "fp32" or m.get("device", "cpu") != "cpu" or m.get("native_bf16", True) \
+            else " [bf16 emulated on this CPU: auto uses fp32]"
         lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
                      f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})"
                      + native)

@@ -63,7 +63,7 @@ def rtf_meaning(path, segments: int) -> str:
     lines = [f"RTF = wall seconds / audio seconds (below 1 is faster than real time). This CPU is of the "
              f"{d['cpu_class']} class; the flow ran at {d.get('flow_precision', '?')} ({why}) on {path.threads} "
              f"threads."]
-    if d.get("flow_precision") == "fp32" and d["cpu_class"] in ("AVX2", "AVX-512", "baseline"):
+    if d.get("flow_precision") == "fp32" and not d["native_bf16"]:
         lines.append("Without native bf16 the flow runs float32, about 2-3x slower than on an AVX512-BF16/AMX "
                      "CPU: a higher RTF here is expected, not a broken install.")
     if segments > 1:
