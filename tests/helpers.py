@@ -91,3 +91,13 @@ def generate_many(backend: LLMBackend, requests: Sequence[tuple[Prefill, int, De
         for h in handles:
             backend.release(h)
     return [d.tokens for d in decoders]
+
+
+def maxdiff(actual, expected) -> float:
+    """Max abs difference of two arrays or tensors (any device), after checking their shapes."""
+    import torch
+
+    a = torch.as_tensor(actual).detach().cpu().double().numpy()
+    e = np.asarray(torch.as_tensor(expected).detach().cpu(), dtype=np.float64)
+    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+    return float(np.abs(a - e).max()) if a.size else 0.0

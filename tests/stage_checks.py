@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from helpers import load_fixture
+from helpers import load_fixture, maxdiff
 
 ATOL = 1e-3  # flow mel and vocoder waveform, as in test_flow.py / test_vocoder.py
 
@@ -73,13 +73,6 @@ class StageRecorder:
             del self.t2w.hift.__dict__[m]
 
 
-def _maxdiff(a, b) -> float:
-    a = torch.as_tensor(a).detach().double().cpu()
-    b = torch.as_tensor(b).detach().double().cpu()
-    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-    return float((a - b).abs().max()) if a.numel() else 0.0
-
-
 def check_stages(rec: StageRecorder, ref_hift, case: str, tokens: list[int], chunk_lengths: list[int] | None,
                  report: dict | None = None) -> None:
     """Assert that a recorded run of fixture ``e2e_<case>`` matches the reference stage by stage
@@ -92,7 +85,7 @@ def check_stages(rec: StageRecorder, ref_hift, case: str, tokens: list[int], chu
         assert chunk_lengths == m["chunk_lengths"], "chunk sizes differ from the recording"
     assert len(rec.flow_mels) == len(m["flow_calls"]), "number of flow calls differs from the recording"
     for k, mel in enumerate(rec.flow_mels):
-        d = _maxdiff(mel, a[f"flow_call{k}_mel"])
+        d = maxdiff(mel, a[f"flow_call{k}_mel"])
         if report is not None:
             report["e2e_flow_mel"] = max(d, report.get("e2e_flow_mel", 0.0))
         assert d <= ATOL, f"flow call {k}: mel differs from the recording by {d:.2e} > {ATOL}"
@@ -112,7 +105,7 @@ def check_stages(rec: StageRecorder, ref_hift, case: str, tokens: list[int], chu
                 emitted[sid] = start + out.shape[1]
             else:
                 want = ref_hift.inference(mel, finalize)
-            d = _maxdiff(out, want)
+            d = maxdiff(out, want)
             if report is not None:
                 report["e2e_vocoder_vs_reference"] = max(d, report.get("e2e_vocoder_vs_reference", 0.0))
             assert d <= ATOL, f"{kind}: waveform differs from the reference vocoder by {d:.2e} > {ATOL}"

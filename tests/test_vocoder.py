@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, load_fixture, maxdiff
 from stage_checks import check_whole_waveform
 from cosyllama.config import load_config
 from cosyllama.errors import CheckpointError, DeviceError, InputError
@@ -22,13 +22,6 @@ SOURCE_ATOL = 1e-4
 WAV_ATOL = 1e-3  # fixture README §7: HiFT convolutions are not bit-stable across thread counts
 CASES = {"": ("mel", "f0", "source", "speech"), "full": ("mel_full", "f0_full", "source_full", "speech_full"),
          "b": ("mel_b", "f0_b", "source_b", "speech_b")}
-
-
-def maxdiff(actual, expected) -> float:
-    a = torch.as_tensor(actual).detach().cpu().double().numpy()
-    e = np.asarray(expected, dtype=np.float64)
-    assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
-    return float(np.abs(a - e).max()) if a.size else 0.0
 
 
 @pytest.fixture(scope="module")
