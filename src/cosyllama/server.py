@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -31,11 +30,10 @@ from .errors import BackendBusyError, CosyllamaError, InputError, MissingDepende
 from .llm.factory import choose_llm, make_token_source
 from .scheduler import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, CancelToken, RequestCancelled,
                         SchedulerBusyError)
-from .voices import check_voice_id
 
 try:
     import anyio
-    from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
+    from fastapi import APIRouter, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +42,10 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
+from .server_common import RETRY_AFTER_S, ApiError  # noqa: E402
+from .server_common import busy as _busy  # noqa: E402
+from .server_common import gate as _gate  # noqa: E402
+from .server_voices import router as voices_router  # noqa: E402
 from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
@@ -51,21 +53,7 @@ log = logging.getLogger("cosyllama.server")
 DEFAULT_MAX_INPUT_CHARS = MAX_INPUT_CHARS  # characters of text per request
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
-RETRY_AFTER_S = 1  # seconds, sent with 503
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {"message", "type"}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.headers = status, message, type, headers
-
-
-def _busy(message: str) -> ApiError:
-    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,35 +74,6 @@ class SpeechRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     greedy: bool = False
     instructions: str | None = Field(None, description="style instruction: selects instruct mode")
-
-
-# ----------------------------------------------------------------------------------------------
-# Admission
-
-
-class _Gate:
-    """At most ``limit`` requests run; up to ``queue`` more wait (FIFO); the rest get 503."""
-
-    def __init__(self, limit: int, queue: int):
-        self.limit, self.queue = limit, queue
-        self.running = 0
-        self.waiting = 0
-        self._sem = asyncio.Semaphore(limit)
-
-    async def acquire(self) -> None:
-        if self._sem.locked() and self.waiting >= self.queue:
-            raise _busy(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
-                        f"retry in {RETRY_AFTER_S} s")
-        self.waiting += 1
-        try:
-            await self._sem.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._sem.release()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,12 +149,6 @@ class ServerLimits:
     max_queue: int
     max_input_chars: int
     max_prompt_bytes: int
-
-
-def _gate(app: FastAPI) -> _Gate:
-    if app.state.gate is None:  # created inside the running loop
-        app.state.gate = _Gate(app.state.limits.max_concurrent, app.state.limits.max_queue)
-    return app.state.gate
 
 
 router = APIRouter()
@@ -303,75 +256,6 @@ async def _stream_body(job: _Job, first, sample_rate: int, fmt: str):
             return
 
 
-# -- voices -----------------------------------------------------------------------------------
-
-
-@router.post("/v1/voices")
-async def add_voice(request: Request, background: BackgroundTasks, audio: UploadFile = File(...),
-                    text: str | None = Form(None), id: str | None = Form(None)):
-    tts, limits = request.app.state.tts, request.app.state.limits
-    voice_id = id if id else f"voice-{secrets.token_hex(4)}"
-    try:
-        check_voice_id(voice_id)
-    except InputError as e:
-        raise ApiError(422, str(e)) from e
-    data = await audio.read(limits.max_prompt_bytes + 1)
-    if len(data) > limits.max_prompt_bytes:
-        raise ApiError(413, f"the audio file is larger than {limits.max_prompt_bytes} bytes; give a 3-15 s "
-                       "clip (at most 30 s)", "request_too_large")
-    if not data:
-        raise ApiError(400, "the audio file is empty")
-    g = _gate(request.app)
-    await g.acquire()
-    try:
-        voice = await run_in_threadpool(tts.make_voice, data, text or None)
-    except CosyllamaError as e:
-        raise ApiError(400, str(e)) from e
-    finally:
-        g.release()
-    tts.voices.add(voice_id, voice)
-    background.add_task(_warm_voice, request.app, voice_id, voice)
-    return {"id": voice_id}
-
-
-async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
-    """After answering: solve the voice's shared flow blocks, so its first streaming request
-    starts after them too. Takes a slot like a request; skipped when the server is busy."""
-    g = _gate(app)
-    try:
-        await g.acquire()
-    except ApiError:
-        return
-    try:
-        await run_in_threadpool(app.state.tts.warm_voice, voice)
-    except Exception as e:  # a failed warm-up only costs the first request its head start
-        log.warning("warming voice %s failed: %s", voice_id, e)
-    finally:
-        g.release()
-
-
-@router.get("/v1/voices")
-async def list_voices(request: Request):
-    tts = request.app.state.tts
-    out = []
-    for vid in tts.voices.ids():
-        try:
-            v = tts.voices.get(vid)
-        except InputError:  # removed meanwhile
-            continue
-        out.append({"id": vid, "has_transcript": bool(v.prompt_text), "seconds": round(v.duration, 3)})
-    return {"voices": out}
-
-
-@router.delete("/v1/voices/{voice_id}")
-async def delete_voice(voice_id: str, request: Request):
-    try:
-        request.app.state.tts.voices.remove(voice_id)
-    except InputError as e:
-        raise ApiError(404, str(e), "not_found_error") from e
-    return {"id": voice_id, "deleted": True}
-
-
 # -- health -----------------------------------------------------------------------------------
 
 
@@ -442,6 +326,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(router)
+    app.include_router(voices_router)
     return app
 
 
