@@ -109,7 +109,8 @@ def test_non_finite_samples_refused(bad):
     """A float WAV can hold NaN or infinity; such a prompt used to register and speak silence."""
     samples = _SPEECHY.copy()
     samples[100:103] = bad
-    with pytest.raises(InputError, match=r"^prompt audio holds samples that are not finite numbers \(NaN or infinity: 3 of 16000\)"):
+    with pytest.raises(InputError, match=r"^prompt audio holds samples that are not finite numbers "
+                                         r"\(NaN or infinity: 3 of 16000\)"):
         A.load_prompt_audio(_float_wav(samples))
     A.load_prompt_audio(_float_wav(_SPEECHY))  # the same clip without them is fine
 

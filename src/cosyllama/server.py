@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, MAX_TRANSCRIPT_CHARS, PRECISION, SERVE_PARALLEL
 from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
 from .llm.factory import choose_llm, make_token_source
 from .scheduler import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, CancelToken, RequestCancelled,
@@ -42,9 +43,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
-from .server_common import RETRY_AFTER_S, ApiError  # noqa: E402
+from .server_common import ApiError  # noqa: E402
 from .server_common import busy as _busy  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
+from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
+from .server_voices import VoiceLimits, open_voice_store  # noqa: E402
 from .server_voices import router as voices_router  # noqa: E402
 from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
@@ -283,7 +286,9 @@ async def health(request: Request):
 
 def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_input_chars: int = DEFAULT_MAX_INPUT_CHARS, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-               scheduler: BatchScheduler | None = None) -> FastAPI:
+               scheduler: BatchScheduler | None = None,
+               max_transcript_chars: int = MAX_TRANSCRIPT_CHARS, api_key: str | None = None,
+               allow_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -293,7 +298,9 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     requests that may wait for one of those; more get 503. ``max_input_chars``: longer text gets
     413. ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is
     checked by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent``
-    requests wait for a sequence (the gate is the real limit).
+    requests wait for a sequence (the gate is the real limit). ``max_transcript_chars``: a longer
+    voice transcript gets 413. ``api_key`` and ``allow_origins``: see :mod:`cosyllama.server_security`.
+    Voices are registered in ``tts.voices`` (see :func:`cosyllama.server_voices.open_voice_store`).
     """
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
@@ -301,8 +308,9 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     if max_concurrent is None:
         max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
                               else scheduler.max_active)
-    if min(max_concurrent, max_input_chars, max_prompt_bytes) < 1 or max_queue < 0:
-        raise ValueError("max_concurrent, max_input_chars and max_prompt_bytes must be >= 1 and max_queue >= 0")
+    if min(max_concurrent, max_input_chars, max_prompt_bytes, max_transcript_chars) < 1 or max_queue < 0:
+        raise ValueError("max_concurrent, max_input_chars, max_prompt_bytes and max_transcript_chars must be >= 1 "
+                         "and max_queue >= 0")
     if owns_scheduler:
         scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent))
     elif scheduler.max_waiting < max_concurrent:
@@ -318,10 +326,12 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
     app.add_middleware(BodyLimit, limit=max(max_prompt_bytes, 6 * max_input_chars) + BODY_SLACK_BYTES)
+    add_guard(app, api_key, allow_origins)  # in front: refusals come before any body is read
     app.state.tts = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
     app.state.scheduler = scheduler
     app.state.limits = ServerLimits(max_concurrent, max_queue, max_input_chars, max_prompt_bytes)
     app.state.gate = None
+    app.state.voice_limits = VoiceLimits(max_transcript_chars)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -355,29 +365,24 @@ def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
 
+    api_key, origins = guard_options(args)  # checked before the minutes of loading a model
+    if getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS) < 1:
+        raise InputError(f"--max-transcript-chars must be >= 1, got {args.max_transcript_chars}")
     tts = load_tts(args)
-    voices = getattr(args, "voices", None)
-    if voices:
-        tts.voices.load(voices)
-
-        def warm_all() -> None:  # beside the first requests: each voice's first stream gets a head start
-            for vid in tts.voices.ids():
-                try:
-                    tts.warm_voice(vid)
-                except Exception as e:
-                    log.warning("warming voice %s failed: %s", vid, e)
-
-        threading.Thread(target=warm_all, name="cosyllama-warm-voices", daemon=True).start()
+    open_voice_store(tts, getattr(args, "voices", None))
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
-                     max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS))
+                     max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS),
+                     max_transcript_chars=getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS),
+                     api_key=api_key, allow_origins=origins)
     if getattr(tts.llm, "name", None) == "llamacpp":
         from .llm.llamacpp_backend import openmp_serving_hint
 
         hint = openmp_serving_hint()
         if hint:
             log.warning("%s", hint)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: the server has no authentication; put it behind a proxy that has", args.host)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
+                    args.host, API_KEY_ENV)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 
