@@ -219,7 +219,7 @@ def test_openai_sdk_with_api_key(server, client):
         wrong.audio.speech.create(model="cosyvoice3", voice="sdk", input="Hello there.")
 
 
-def test_cross_origin_changes_refused(client):
+def test_cross_origin_changes_refused(server, client):
     evil = {"Origin": "http://evil.example"}
     err = _error(client.post("/v1/voices", files=_files(), data={"id": "en"}, headers=evil), 403, "evil.example")
     assert err["type"] == "permission_error" and GOOD_ORIGIN in err["message"]
@@ -231,11 +231,13 @@ def test_cross_origin_changes_refused(client):
     assert r.headers["access-control-allow-origin"] == GOOD_ORIGIN
     _error(client.delete("/v1/voices/en", headers=evil), 403)
     assert client.get("/v1/voices", headers=evil).status_code == 200  # reading is not a change
-    # a web app at the allowed origin gets its CORS preflight answered; another does not
+    # a web app at the allowed origin gets its CORS preflight (which carries no key) answered; another does not
     pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
-    ok = client.options("/v1/audio/speech", headers={"Origin": GOOD_ORIGIN, **pre})
-    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == GOOD_ORIGIN
-    assert client.options("/v1/audio/speech", headers={**evil, **pre}).status_code == 400
+    with httpx.Client(base_url=server.url, timeout=60) as browser:
+        ok = browser.options("/v1/audio/speech", headers={"Origin": GOOD_ORIGIN, **pre})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == GOOD_ORIGIN
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        assert browser.options("/v1/audio/speech", headers={**evil, **pre}).status_code == 400
     assert client.delete("/v1/voices/en").status_code == 200  # no Origin: curl, SDKs
 
 
@@ -303,8 +305,7 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
     bundle.add("en", tts.make_voice(PROMPT_WAV, "Hello, this is my voice."))
     bundle.save(tmp_path / "voices.pt")
     view = copy.copy(tts)
-    view.voices = VoiceStore()
-    assert "read-only file" in open_voice_store(view, str(tmp_path / "voices.pt"))
+    view.voices = open_voice_store(str(tmp_path / "voices.pt"))
     with TestClient(create_app(view)) as c:
         assert _ids(c) == ["en"]
         assert _speak(c, "en").status_code == 200
@@ -315,13 +316,19 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
     from cosyllama.errors import InputError
 
     with pytest.raises(InputError, match="voice file .*nothere.pt' does not exist"):
-        open_voice_store(copy.copy(tts), str(tmp_path / "nothere.pt"))
+        open_voice_store(str(tmp_path / "nothere.pt"))
 
 
-def test_serve_refuses_bad_security_options(capsys, monkeypatch):
+def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
+    from cosyllama import server
     from cosyllama.cli import main
 
+    monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))
     base = ["serve", "--model-dir", str(MODEL_DIR)]
+    assert main([*base, "--voices", str(tmp_path / "missing.pt")]) == 2
+    assert "missing.pt' does not exist" in capsys.readouterr().err
+    assert main([*base, "--voices", str(tmp_path / "no" / "dir")]) == 2
+    assert "cannot make voice directory" in capsys.readouterr().err
     assert main([*base, "--allow-origin", "*"]) == 2
     assert "--allow-origin: '*' is not an origin" in capsys.readouterr().err
     assert main([*base, "--allow-origin", "https://x.example/path"]) == 2

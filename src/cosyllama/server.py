@@ -47,7 +47,7 @@ from .server_common import ApiError  # noqa: E402
 from .server_common import busy as _busy  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
-from .server_voices import VoiceLimits, open_voice_store  # noqa: E402
+from .server_voices import VoiceLimits, open_voice_store, warm_voices  # noqa: E402
 from .server_voices import router as voices_router  # noqa: E402
 from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
@@ -300,7 +300,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     checked by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent``
     requests wait for a sequence (the gate is the real limit). ``max_transcript_chars``: a longer
     voice transcript gets 413. ``api_key`` and ``allow_origins``: see :mod:`cosyllama.server_security`.
-    Voices are registered in ``tts.voices`` (see :func:`cosyllama.server_voices.open_voice_store`).
+    Voices are registered in ``tts.voices`` (``serve`` sets it with
+    :func:`cosyllama.server_voices.open_voice_store`).
     """
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
@@ -368,8 +369,10 @@ def serve(args) -> None:
     api_key, origins = guard_options(args)  # checked before the minutes of loading a model
     if getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS) < 1:
         raise InputError(f"--max-transcript-chars must be >= 1, got {args.max_transcript_chars}")
+    voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
-    open_voice_store(tts, getattr(args, "voices", None))
+    tts.voices = voices
+    warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
                      max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS),
                      max_transcript_chars=getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS),

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from .defaults import MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS
 from .errors import CosyllamaError, InputError
 from .server_common import ApiError, gate
-from .voices import VoiceDirectory, VoiceExistsError, check_voice_id
+from .voices import VoiceDirectory, VoiceExistsError, VoiceStore, check_voice_id
 
 log = logging.getLogger("cosyllama.server")
 
@@ -128,34 +128,38 @@ async def delete_voice(voice_id: str, request: Request):
     return {"id": voice_id, "deleted": True}
 
 
-def open_voice_store(tts, path: str | None) -> str:
-    """Give ``tts`` the voice store ``cosyllama serve --voices PATH`` asks for; returns what it is.
+def open_voice_store(path: str | None) -> VoiceStore:
+    """The voice store ``cosyllama serve --voices PATH`` asks for, read and checked (before the
+    model loads, so a bad one is reported at once):
 
-    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`, read now;
-      voices registered or deleted over HTTP are kept there and seen by every server sharing it;
+    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
+      registered or deleted over HTTP are kept there and seen by every server sharing it;
     * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
     * None: an empty store in memory; registered voices last until the server stops.
-
-    The voices found are warmed beside the first requests (each one's first stream gets a head start).
     """
     if path is None:
-        what = "voices: kept in memory only (registered voices are lost when the server stops; --voices DIR keeps them)"
-        log.warning("%s", what)
-        return what
+        log.warning("voices: kept in memory only (registered voices are lost when the server stops; "
+                    "--voices DIR keeps them)")
+        return VoiceStore()
     if Path(path).is_file():
-        tts.voices.load(path)
-        tts.voices.read_only = True
-        what = f"voices: {len(tts.voices)} from the read-only file {path}"
-    elif Path(path).suffix == ".pt":
+        store = VoiceStore()
+        store.load(path)
+        store.read_only = True
+        log.warning("voices: %d from the read-only file %s", len(store), path)
+        return store
+    if Path(path).suffix == ".pt":
         raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
                          "without the .pt suffix)")
-    else:
-        tts.voices = VoiceDirectory(path)
-        what = f"voices: {len(tts.voices)} in the directory {path}, where registrations are kept"
-    log.info("%s", what)
+    store = VoiceDirectory(path)
+    log.warning("voices: %d in the directory %s, where registrations are kept", len(store), path)
+    return store
+
+
+def warm_voices(tts) -> None:
+    """Warm every voice of ``tts`` in a background thread, beside the first requests (each
+    voice's first stream gets a head start)."""
     if len(tts.voices):
         threading.Thread(target=_warm_all, args=(tts,), name="cosyllama-warm-voices", daemon=True).start()
-    return what
 
 
 def _warm_all(tts) -> None:
