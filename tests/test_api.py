@@ -150,7 +150,9 @@ def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):
     (["--text", "", "--prompt-wav", "x.wav"], "--text is empty"),
     (["--text", "Hi.", "--mode", "zero-shot"], "needs --prompt-wav"),
     (["--text", "Hi.", "--prompt-wav", "@WAV", "--mode", "zero-shot"], "needs --prompt-text"),
-    (["--text", "Hi.", "--prompt-wav", "@BAD"], "not audio|unreadable|cannot read"),
+    (["--text", "Hi.", "--prompt-wav", "@BAD"], r"prompt audio '.*bad\.wav' is not a readable audio file"),
+    (["--text", "Hi.", "--prompt-wav", "@NAN"],
+     r"prompt audio '.*nan\.wav' holds samples that are not finite numbers \(NaN or infinity: 1 of 16001\)"),
     (["--text", "Hi.", "--prompt-wav", "@LONG"], "30 s"),
     (["--text", "Hi.", "--prompt-wav", "@WAV", "--device", "cuda"], "CUDA"),
     (["--text", "Hi.", "--prompt-wav", "@WAV", "--llm", "llamacpp"], "needs --gguf"),
@@ -168,7 +170,10 @@ def test_cli_user_errors_exit_2(tmp_path, capsys, extra, message):
     bad.write_bytes(b"RIFF not really a wav")
     long = tmp_path / "long.wav"
     sf.write(long, 0.1 * np.sin(np.arange(16000 * 31) * 0.05).astype(np.float32), 16000)
-    subst = {"@WAV": str(FIXTURES / "wavs/prompt_en_16k.wav"), "@BAD": str(bad), "@LONG": str(long)}
+    nan = tmp_path / "nan.wav"
+    sf.write(nan, np.r_[np.nan, 0.1 * np.sin(np.arange(16000) * 0.05)].astype(np.float32), 16000, subtype="FLOAT")
+    subst = {"@WAV": str(FIXTURES / "wavs/prompt_en_16k.wav"), "@BAD": str(bad), "@LONG": str(long),
+             "@NAN": str(nan)}
     rc = main(_synth(tmp_path, *[subst.get(x, x) for x in extra]))
     err = capsys.readouterr().err.strip()
     assert rc == 2

@@ -1,5 +1,7 @@
 """Audio reading, resampling and the three feature extractors against the reference (frontend.npz)."""
 
+import io
+
 import numpy as np
 import pytest
 import soundfile as sf
@@ -84,12 +86,60 @@ def _write(path, samples, sr):
     (lambda p: _write(p / "short.wav", 0.1 * np.ones(800), 16_000), r"too short"),
     (lambda p: _write(p / "8k.wav", 0.1 * np.random.default_rng(0).standard_normal(8_000), 8_000),
      r"sample rate of 8000 Hz; at least 16000 Hz"),
-    (lambda p: (p / "text.wav").write_text("not audio at all") and p / "text.wav", r"cannot read .* as audio"),
+    (lambda p: (p / "text.wav").write_text("not audio at all") and p / "text.wav",
+     r"text.wav. is not a readable audio file \(Format not recognised\); give a wav"),
     (lambda p: p / "missing.wav", r"does not exist"),
 ])
 def test_bad_prompt_audio_refused(tmp_path, make, match):
     with pytest.raises(InputError, match=match):
         A.load_prompt_audio(make(tmp_path))
+
+
+def _float_wav(samples, sr=16_000, channels=1) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, np.repeat(np.asarray(samples, np.float32)[:, None], channels, 1), sr, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+_SPEECHY = 0.1 * np.sin(np.arange(16_000) / 5.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_samples_refused(bad):
+    """A float WAV can hold NaN or infinity; such a prompt used to register and speak silence."""
+    samples = _SPEECHY.copy()
+    samples[100:103] = bad
+    with pytest.raises(InputError, match=r"^prompt audio holds samples that are not finite numbers "
+                                         r"\(NaN or infinity: 3 of 16000\)"):
+        A.load_prompt_audio(_float_wav(samples))
+    A.load_prompt_audio(_float_wav(_SPEECHY))  # the same clip without them is fine
+
+
+def test_unreadable_bytes_named_without_object_reprs():
+    with pytest.raises(InputError) as e:
+        A.load_prompt_audio(b"this is a text file renamed to .wav")
+    msg = str(e.value)
+    assert msg == ("prompt audio is not a readable audio file (Format not recognised); "
+                   "give a wav, flac, ogg or mp3 file")
+    with pytest.raises(InputError, match="^prompt audio is not a readable"):
+        A.load_prompt_audio(io.BytesIO(b"RIFF\0\0\0\0WAVEjunk"))
+
+
+def test_decoding_stops_at_the_length_limit():
+    """A long (well-compressible) upload is refused from its header, before it is decoded, and
+    read_audio never decodes more than max_seconds of it."""
+    buf = io.BytesIO()
+    sf.write(buf, np.full(16_000 * 40, 0.1, np.float32), 16_000, format="FLAC")
+    with pytest.raises(InputError, match=r"40\.0 s long; at most 30 s"):
+        A.load_prompt_audio(buf.getvalue())
+    wav, _ = A.read_audio(buf.getvalue())  # without a limit it is all read
+    assert wav.shape[1] == 16_000 * 40
+
+
+def test_too_many_channels_refused():
+    with pytest.raises(InputError, match="has 9 channels; at most 8"):
+        A.load_prompt_audio(_float_wav(_SPEECHY, channels=9))
+    assert A.read_audio(_float_wav(_SPEECHY, channels=8))[0].shape == (1, 16_000)
 
 
 def test_load_wav_refuses_low_rate(tmp_path):

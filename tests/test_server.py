@@ -245,7 +245,8 @@ def test_bad_requests_get_json_errors(client):
                   422)
     _assert_error(client.post("/v1/audio/speech", json={"voice": "en"}), 422, contains="input")
     files = {"audio": ("p.wav", b"this is not audio", "audio/wav")}
-    _assert_error(client.post("/v1/voices", files=files, data={"id": "junk"}), 400, contains="cannot read")
+    _assert_error(client.post("/v1/voices", files=files, data={"id": "junk"}), 400,
+                  contains="prompt audio is not a readable audio file (Format not recognised)")
     _assert_error(client.post("/v1/voices", data={"id": "x", "text": "hi"}), 422, contains="audio")
     wav = PROMPT_WAV.read_bytes()
     _assert_error(client.post("/v1/voices", files={"audio": ("p.wav", wav, "audio/wav")}, data={"id": "a b"}),

@@ -35,6 +35,8 @@ MIN_FILE_SAMPLE_RATE = 16_000  # Hz: the reference refuses files below this (no 
 MAX_PROMPT_SECONDS = 30.0  # the speech tokenizer's limit
 MIN_PROMPT_SECONDS = 0.1  # shorter clips give no speech token / mel frame
 SILENCE_PEAK = 1e-3  # peak |amplitude| at or below -60 dBFS counts as silence
+MAX_CHANNELS = 8  # more is no speech recording; with the rate bound, bounds what one second decodes to
+MAX_FILE_SAMPLE_RATE = 192_000  # Hz: the highest common recording rate
 
 WHISPER_N_FFT, WHISPER_HOP, WHISPER_N_MELS = 400, 160, 128  # 25 ms window, 10 ms hop at 16 kHz
 KALDI_FRAME, KALDI_SHIFT, KALDI_N_FFT, KALDI_N_MELS = 400, 160, 512, 80
@@ -49,33 +51,72 @@ FLOAT32_EPS = float(np.finfo(np.float32).eps)  # Kaldi's log floor (1.1920929e-0
 
 
 def source_name(source: AudioSource) -> str:
-    """How an audio source is named in messages: its path, or its type."""
-    return repr(str(source)) if isinstance(source, (str, os.PathLike)) else f"<{type(source).__name__}>"
+    """How an audio source is named in messages: its path, or '' for bytes and file objects."""
+    return repr(str(source)) if isinstance(source, (str, os.PathLike)) else ""
 
 
-def read_audio(source: AudioSource) -> tuple[torch.Tensor, int]:
+def describe(what: str, source: AudioSource) -> str:
+    """``what`` followed by the source's path when it has one: "prompt audio 'a.wav'"."""
+    name = source_name(source)
+    return f"{what} {name}" if name else what
+
+
+def read_audio(source: AudioSource, what: str = "audio",
+               max_seconds: float | None = None) -> tuple[torch.Tensor, int]:
     """Decode an audio file (path, bytes or binary file object) to mono.
 
     Returns ``(wav, sample_rate)`` with ``wav`` float32 ``(1, N)`` = mean of the channels.
-    Raises :class:`InputError` for a missing or undecodable file.
+    Raises :class:`InputError` (its message starts with ``what``) for a missing or undecodable
+    file, more than :data:`MAX_CHANNELS` channels, a rate above :data:`MAX_FILE_SAMPLE_RATE`,
+    samples that are not finite numbers (NaN or infinity, which a float WAV can hold), or, with
+    ``max_seconds``, more audio than that: the file is decoded only up to that length, so a small
+    compressed upload cannot unpack into gigabytes.
     """
     import soundfile as sf
 
+    named = describe(what, source)
     if isinstance(source, (str, os.PathLike)):
         if not Path(source).is_file():
-            raise InputError(f"audio file {source_name(source)} does not exist")
+            raise InputError(f"{what} file {source_name(source)} does not exist")
         handle = source
     elif isinstance(source, (bytes, bytearray)):
         handle = io.BytesIO(bytes(source))
     else:
         handle = source
     try:
-        data, sr = sf.read(handle, dtype="float32", always_2d=True)
+        with sf.SoundFile(handle) as f:
+            sr, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
+            if channels > MAX_CHANNELS:
+                raise InputError(f"{named} has {channels} channels; at most {MAX_CHANNELS} are supported "
+                                 "(it is mixed to mono)")
+            if sr > MAX_FILE_SAMPLE_RATE:
+                raise InputError(f"{named} has a sample rate of {sr} Hz; at most {MAX_FILE_SAMPLE_RATE} Hz "
+                                 "is supported")
+            limit = None if max_seconds is None else int(max_seconds * sr)
+            if limit is not None and frames > limit:
+                raise InputError(_too_long(named, frames / sr, max_seconds))
+            data = f.read(-1 if limit is None else limit + 1, dtype="float32", always_2d=True)
+    except InputError:
+        raise
     except Exception as e:  # libsndfile reports every decoding problem through its own error types
-        raise InputError(f"cannot read {source_name(source)} as audio "
-                         f"(wav, flac, ogg and mp3 are supported): {e}") from e
+        reason = getattr(e, "error_string", None) or str(e)  # its str() holds the repr of a file object
+        raise InputError(f"{named} is not a readable audio file ({reason.rstrip('.')}); "
+                         "give a wav, flac, ogg or mp3 file") from e
+    if limit is not None and data.shape[0] > limit:  # the header understated the length
+        raise InputError(_too_long(named, None, max_seconds))
+    finite = np.isfinite(data)
+    if not finite.all():
+        bad = int(data.size - np.count_nonzero(finite))
+        raise InputError(f"{named} holds samples that are not finite numbers (NaN or infinity: {bad} of "
+                         f"{data.size}); re-export it as 16-bit PCM or as float with finite samples")
     wav = torch.from_numpy(np.ascontiguousarray(data.T))  # (C, N)
-    return wav.mean(dim=0, keepdim=True), int(sr)
+    return wav.mean(dim=0, keepdim=True), sr
+
+
+def _too_long(named: str, seconds: float | None, max_seconds: float) -> str:
+    length = "" if seconds is None else f"{seconds:.1f} s long; "
+    return (f"{named} is {length}at most {max_seconds:.0f} s is allowed (the speech tokenizer's limit): "
+            "cut it to a 3-15 s clip")
 
 
 def check_prompt_audio(wav: torch.Tensor, sample_rate: int, what: str = "prompt audio") -> None:
@@ -88,9 +129,10 @@ def check_prompt_audio(wav: torch.Tensor, sample_rate: int, what: str = "prompt 
     if seconds < MIN_PROMPT_SECONDS:
         raise InputError(f"{what} is too short ({seconds:.3f} s); at least {MIN_PROMPT_SECONDS} s is needed")
     if seconds > MAX_PROMPT_SECONDS:
-        raise InputError(f"{what} is {seconds:.1f} s long; at most {MAX_PROMPT_SECONDS:.0f} s is allowed "
-                         "(the speech tokenizer's limit): cut it to a 3-15 s clip")
+        raise InputError(_too_long(what, seconds, MAX_PROMPT_SECONDS))
     peak = float(wav.abs().max())
+    if not math.isfinite(peak):  # audio read elsewhere than read_audio
+        raise InputError(f"{what} holds samples that are not finite numbers (NaN or infinity)")
     if peak <= SILENCE_PEAK:
         raise InputError(f"{what} is silent (peak amplitude {peak:.2e}, at most {SILENCE_PEAK:g} = -60 dBFS); "
                          "give a recording of speech")
@@ -113,15 +155,15 @@ class PromptAudio:
 
 def load_prompt_audio(source: AudioSource, sample_rate: int = 24_000, what: str = "prompt audio") -> PromptAudio:
     """Read, check (:func:`check_prompt_audio`) and resample a prompt clip to 16 kHz and ``sample_rate``."""
-    wav, sr = read_audio(source)
-    check_prompt_audio(wav, sr, f"{what} {source_name(source)}")
+    wav, sr = read_audio(source, what, max_seconds=MAX_PROMPT_SECONDS)
+    check_prompt_audio(wav, sr, describe(what, source))
     return PromptAudio(resample(wav, sr, TOKENIZER_SAMPLE_RATE), resample(wav, sr, sample_rate), sample_rate)
 
 
 def load_wav(source: AudioSource, target_sr: int) -> torch.Tensor:
     """The reference's ``load_wav``: mono float32 ``(1, N)`` at ``target_sr``; files below 16 kHz refused."""
     wav, sr = read_audio(source)
-    _check_rate(sr, f"audio {source_name(source)}")
+    _check_rate(sr, describe("audio", source))
     return resample(wav, sr, target_sr)
 
 

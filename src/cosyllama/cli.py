@@ -10,7 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .defaults import LLM_CHOICES, LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, MAX_TRANSCRIPT_CHARS,
+                       MAX_TRANSCRIPT_TOKENS, PRECISION, SERVE_PARALLEL)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -182,7 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"requests that may wait; more get 503 (default {MAX_QUEUE})")
     v.add_argument("--max-input-chars", type=int, default=MAX_INPUT_CHARS,
                    help=f"longest input text (default {MAX_INPUT_CHARS})")
-    v.add_argument("--voices", help="voice file (written by VoiceStore.save) to register at start")
+    v.add_argument("--voices", metavar="DIR|FILE",
+                   help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
+                        "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
+                        "(VoiceStore.save) served read-only; default: voices in memory only")
+    v.add_argument("--max-transcript-chars", type=int, default=MAX_TRANSCRIPT_CHARS,
+                   help=f"longest transcript of a registered voice (default {MAX_TRANSCRIPT_CHARS} characters; "
+                        f"also at most {MAX_TRANSCRIPT_TOKENS} text tokens)")
+    v.add_argument("--api-key", metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every request but GET /health (default: "
+                        f"${API_KEY_ENV}, else no key; the variable keeps the key out of the process list)")
+    v.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                   help="a browser origin (scheme://host[:port]) allowed to POST and DELETE, with CORS; "
+                        "repeatable (default none: requests carrying an Origin header may only GET)")
     v.add_argument("--stream-cache-mb", type=float, default=None,
                    help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
                         "off at fp32; 0 = off)")

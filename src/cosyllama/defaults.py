@@ -10,3 +10,6 @@ N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot
 MAX_INPUT_CHARS = 4096  # characters of text per server request
+MAX_TRANSCRIPT_CHARS = 1000  # characters of a registered voice's transcript (POST /v1/voices); 30 s of speech is ~500
+MAX_TRANSCRIPT_TOKENS = 500  # and its text tokens (a transcript of odd characters can take several per character)
+API_KEY_ENV = "COSYLLAMA_API_KEY"  # the server's API key when --api-key is not given

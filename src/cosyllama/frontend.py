@@ -20,8 +20,8 @@ from typing import Sequence, Union
 
 import torch
 
-from .audio import (TOKENIZER_SAMPLE_RATE, AudioSource, check_prompt_audio, load_prompt_audio, mel_spectrogram,
-                    read_audio, resample, source_name)
+from .audio import (MAX_PROMPT_SECONDS, TOKENIZER_SAMPLE_RATE, AudioSource, check_prompt_audio, describe,
+                    load_prompt_audio, mel_spectrogram, read_audio, resample)
 from .config import ModelConfig, load_config
 from .errors import InputError
 from .prompt import PromptEncoder
@@ -230,8 +230,8 @@ class Frontend:
         """Voice conversion: the speech tokens of ``source_wav`` rendered in the voice of
         ``prompt_wav`` by the flow alone. Prompt tokens/mel are not aligned (see
         docs/reference.md#q10-unaligned-vc-prompt)."""
-        wav, sr = read_audio(source_wav)
-        check_prompt_audio(wav, sr, f"source audio {source_name(source_wav)}")
+        wav, sr = read_audio(source_wav, "source audio", max_seconds=MAX_PROMPT_SECONDS)
+        check_prompt_audio(wav, sr, describe("source audio", source_wav))
         source_tokens = self.encoder.speech_tokens(resample(wav, sr, TOKENIZER_SAMPLE_RATE))
         tokens, feat, embedding = self._extract(prompt_wav, "prompt audio")
         return ModelInput(mode="vc", text="", text_ids=(), prompt_text_ids=(), llm_prompt_speech_tokens=_EMPTY_TOKENS,

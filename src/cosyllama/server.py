@@ -18,24 +18,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, MAX_TRANSCRIPT_CHARS, PRECISION, SERVE_PARALLEL
 from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
 from .llm.factory import choose_llm, make_token_source
 from .scheduler import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, CancelToken, RequestCancelled,
                         SchedulerBusyError)
-from .voices import check_voice_id
 
 try:
     import anyio
-    from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
+    from fastapi import APIRouter, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
     from pydantic import BaseModel, ConfigDict, Field
@@ -44,6 +43,12 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
+from .server_common import ApiError  # noqa: E402
+from .server_common import busy as _busy  # noqa: E402
+from .server_common import gate as _gate  # noqa: E402
+from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
+from .server_voices import VoiceLimits, open_voice_store, warm_voices  # noqa: E402
+from .server_voices import router as voices_router  # noqa: E402
 from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
@@ -51,21 +56,7 @@ log = logging.getLogger("cosyllama.server")
 DEFAULT_MAX_INPUT_CHARS = MAX_INPUT_CHARS  # characters of text per request
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
-RETRY_AFTER_S = 1  # seconds, sent with 503
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
-
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {"message", "type"}}`` with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.headers = status, message, type, headers
-
-
-def _busy(message: str) -> ApiError:
-    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,35 +77,6 @@ class SpeechRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     greedy: bool = False
     instructions: str | None = Field(None, description="style instruction: selects instruct mode")
-
-
-# ----------------------------------------------------------------------------------------------
-# Admission
-
-
-class _Gate:
-    """At most ``limit`` requests run; up to ``queue`` more wait (FIFO); the rest get 503."""
-
-    def __init__(self, limit: int, queue: int):
-        self.limit, self.queue = limit, queue
-        self.running = 0
-        self.waiting = 0
-        self._sem = asyncio.Semaphore(limit)
-
-    async def acquire(self) -> None:
-        if self._sem.locked() and self.waiting >= self.queue:
-            raise _busy(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
-                        f"retry in {RETRY_AFTER_S} s")
-        self.waiting += 1
-        try:
-            await self._sem.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._sem.release()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,12 +152,6 @@ class ServerLimits:
     max_queue: int
     max_input_chars: int
     max_prompt_bytes: int
-
-
-def _gate(app: FastAPI) -> _Gate:
-    if app.state.gate is None:  # created inside the running loop
-        app.state.gate = _Gate(app.state.limits.max_concurrent, app.state.limits.max_queue)
-    return app.state.gate
 
 
 router = APIRouter()
@@ -303,75 +259,6 @@ async def _stream_body(job: _Job, first, sample_rate: int, fmt: str):
             return
 
 
-# -- voices -----------------------------------------------------------------------------------
-
-
-@router.post("/v1/voices")
-async def add_voice(request: Request, background: BackgroundTasks, audio: UploadFile = File(...),
-                    text: str | None = Form(None), id: str | None = Form(None)):
-    tts, limits = request.app.state.tts, request.app.state.limits
-    voice_id = id if id else f"voice-{secrets.token_hex(4)}"
-    try:
-        check_voice_id(voice_id)
-    except InputError as e:
-        raise ApiError(422, str(e)) from e
-    data = await audio.read(limits.max_prompt_bytes + 1)
-    if len(data) > limits.max_prompt_bytes:
-        raise ApiError(413, f"the audio file is larger than {limits.max_prompt_bytes} bytes; give a 3-15 s "
-                       "clip (at most 30 s)", "request_too_large")
-    if not data:
-        raise ApiError(400, "the audio file is empty")
-    g = _gate(request.app)
-    await g.acquire()
-    try:
-        voice = await run_in_threadpool(tts.make_voice, data, text or None)
-    except CosyllamaError as e:
-        raise ApiError(400, str(e)) from e
-    finally:
-        g.release()
-    tts.voices.add(voice_id, voice)
-    background.add_task(_warm_voice, request.app, voice_id, voice)
-    return {"id": voice_id}
-
-
-async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
-    """After answering: solve the voice's shared flow blocks, so its first streaming request
-    starts after them too. Takes a slot like a request; skipped when the server is busy."""
-    g = _gate(app)
-    try:
-        await g.acquire()
-    except ApiError:
-        return
-    try:
-        await run_in_threadpool(app.state.tts.warm_voice, voice)
-    except Exception as e:  # a failed warm-up only costs the first request its head start
-        log.warning("warming voice %s failed: %s", voice_id, e)
-    finally:
-        g.release()
-
-
-@router.get("/v1/voices")
-async def list_voices(request: Request):
-    tts = request.app.state.tts
-    out = []
-    for vid in tts.voices.ids():
-        try:
-            v = tts.voices.get(vid)
-        except InputError:  # removed meanwhile
-            continue
-        out.append({"id": vid, "has_transcript": bool(v.prompt_text), "seconds": round(v.duration, 3)})
-    return {"voices": out}
-
-
-@router.delete("/v1/voices/{voice_id}")
-async def delete_voice(voice_id: str, request: Request):
-    try:
-        request.app.state.tts.voices.remove(voice_id)
-    except InputError as e:
-        raise ApiError(404, str(e), "not_found_error") from e
-    return {"id": voice_id, "deleted": True}
-
-
 # -- health -----------------------------------------------------------------------------------
 
 
@@ -399,7 +286,9 @@ async def health(request: Request):
 
 def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_input_chars: int = DEFAULT_MAX_INPUT_CHARS, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-               scheduler: BatchScheduler | None = None) -> FastAPI:
+               scheduler: BatchScheduler | None = None,
+               max_transcript_chars: int = MAX_TRANSCRIPT_CHARS, api_key: str | None = None,
+               allow_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -409,7 +298,10 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     requests that may wait for one of those; more get 503. ``max_input_chars``: longer text gets
     413. ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is
     checked by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent``
-    requests wait for a sequence (the gate is the real limit).
+    requests wait for a sequence (the gate is the real limit). ``max_transcript_chars``: a longer
+    voice transcript gets 413. ``api_key`` and ``allow_origins``: see :mod:`cosyllama.server_security`.
+    Voices are registered in ``tts.voices`` (``serve`` sets it with
+    :func:`cosyllama.server_voices.open_voice_store`).
     """
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
@@ -417,8 +309,9 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     if max_concurrent is None:
         max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
                               else scheduler.max_active)
-    if min(max_concurrent, max_input_chars, max_prompt_bytes) < 1 or max_queue < 0:
-        raise ValueError("max_concurrent, max_input_chars and max_prompt_bytes must be >= 1 and max_queue >= 0")
+    if min(max_concurrent, max_input_chars, max_prompt_bytes, max_transcript_chars) < 1 or max_queue < 0:
+        raise ValueError("max_concurrent, max_input_chars, max_prompt_bytes and max_transcript_chars must be >= 1 "
+                         "and max_queue >= 0")
     if owns_scheduler:
         scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent))
     elif scheduler.max_waiting < max_concurrent:
@@ -434,14 +327,17 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
     app.add_middleware(BodyLimit, limit=max(max_prompt_bytes, 6 * max_input_chars) + BODY_SLACK_BYTES)
+    add_guard(app, api_key, allow_origins)  # in front: refusals come before any body is read
     app.state.tts = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
     app.state.scheduler = scheduler
     app.state.limits = ServerLimits(max_concurrent, max_queue, max_input_chars, max_prompt_bytes)
     app.state.gate = None
+    app.state.voice_limits = VoiceLimits(max_transcript_chars)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(router)
+    app.include_router(voices_router)
     return app
 
 
@@ -470,29 +366,26 @@ def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
 
+    api_key, origins = guard_options(args)  # checked before the minutes of loading a model
+    if getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS) < 1:
+        raise InputError(f"--max-transcript-chars must be >= 1, got {args.max_transcript_chars}")
+    voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
-    voices = getattr(args, "voices", None)
-    if voices:
-        tts.voices.load(voices)
-
-        def warm_all() -> None:  # beside the first requests: each voice's first stream gets a head start
-            for vid in tts.voices.ids():
-                try:
-                    tts.warm_voice(vid)
-                except Exception as e:
-                    log.warning("warming voice %s failed: %s", vid, e)
-
-        threading.Thread(target=warm_all, name="cosyllama-warm-voices", daemon=True).start()
+    tts.voices = voices
+    warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
-                     max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS))
+                     max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS),
+                     max_transcript_chars=getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS),
+                     api_key=api_key, allow_origins=origins)
     if getattr(tts.llm, "name", None) == "llamacpp":
         from .llm.llamacpp_backend import openmp_serving_hint
 
         hint = openmp_serving_hint()
         if hint:
             log.warning("%s", hint)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: the server has no authentication; put it behind a proxy that has", args.host)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
+                    args.host, API_KEY_ENV)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 
 

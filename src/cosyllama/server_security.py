@@ -1,0 +1,117 @@
+"""Who may call the server: an ASGI middleware that refuses cross-origin state changes and, when
+an API key is set, requests without it. Both answers come before the request body is read.
+
+* **Origin**: a browser sends ``Origin`` with every cross-origin POST, also the "simple" ones (a
+  multipart form) that need no CORS preflight, so any web page the operator opens could register
+  or replace a voice on a server it can reach. A ``POST``, ``PUT``, ``PATCH`` or ``DELETE``
+  carrying an ``Origin`` that is not one of ``allow_origins`` gets 403; requests without one
+  (curl, SDKs, other servers) pass. With origins allowed, ``create_app`` also answers their CORS
+  preflights (Starlette's ``CORSMiddleware``), so a web app at one of them can call the API.
+* **API key**: with ``api_key`` set, every request but ``GET /health`` (load balancers probe it
+  without credentials) needs ``Authorization: Bearer <key>``, the header the OpenAI SDK sends
+  for its ``api_key``; else 401. The key is compared in constant time.
+
+Needs the ``server`` extra.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+from collections.abc import Iterable
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+
+from .defaults import API_KEY_ENV
+from .errors import InputError
+
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_ORIGIN_RE = re.compile(r"^(https?)://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:\d{1,5})?$")
+
+
+def normalize_origin(origin: str) -> str:
+    """``scheme://host[:port]`` in lower case, the form browsers send; refuses anything else
+    (a path, a wildcard, a missing scheme) with :class:`ValueError`."""
+    o = origin.strip().rstrip("/").lower()
+    if not _ORIGIN_RE.match(o):
+        raise ValueError(f"{origin!r} is not an origin; give scheme://host[:port], "
+                         "e.g. https://app.example.com or http://localhost:3000 (no path, no wildcard)")
+    return o
+
+
+def _error(status: int, message: str, type: str, code: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class RequestGuard:
+    """ASGI middleware: the origin and API-key checks described in the module docstring."""
+
+    def __init__(self, app, api_key: str | None = None, allow_origins: Iterable[str] = ()):
+        if api_key is not None and not api_key.strip():
+            raise ValueError("the API key is empty")
+        self.app = app
+        self._key = None if api_key is None else api_key.strip().encode()
+        self.allow_origins = frozenset(normalize_origin(o) for o in allow_origins)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        refusal = self._check(scope["method"], scope["path"], headers)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _check(self, method: str, path: str, headers: Headers) -> JSONResponse | None:
+        origin = headers.get("origin")
+        if method in STATE_CHANGING and origin is not None and origin.lower() not in self.allow_origins:
+            allowed = ", ".join(sorted(self.allow_origins)) or "none"
+            return _error(403, f"cross-origin {method} from {origin!r} refused: this server takes "
+                               f"state-changing requests only from the origins given to --allow-origin "
+                               f"({allowed}) or from clients that send no Origin header",
+                          "permission_error", "origin_not_allowed")
+        if self._key is None or (path in OPEN_PATHS and method in ("GET", "HEAD")):
+            return None
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return _error(401, "no API key: send it as the header 'Authorization: Bearer <key>' "
+                               "(the OpenAI SDK does this for its api_key)",
+                          "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), self._key):
+            return _error(401, "incorrect API key", "invalid_request_error", "invalid_api_key",
+                          {"WWW-Authenticate": "Bearer"})
+        return None
+
+
+def add_guard(app, api_key: str | None, allow_origins: Iterable[str]) -> None:
+    """Install the guard on a FastAPI ``app`` (call it after the other middleware: it must run
+    first), and, with origins allowed, CORS answers for them in front of it."""
+    origins = sorted({normalize_origin(o) for o in allow_origins})
+    if api_key is not None and not api_key.strip():  # the middleware is built at the first request
+        raise ValueError("the API key is empty")
+    app.add_middleware(RequestGuard, api_key=api_key, allow_origins=origins)
+    if origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+
+
+def guard_options(args) -> tuple[str | None, list[str]]:
+    """``cosyllama serve``'s API key (``--api-key``, else ``$COSYLLAMA_API_KEY``, else None) and
+    allowed origins (``--allow-origin``, repeatable), checked."""
+    key = getattr(args, "api_key", None)
+    where = "--api-key"
+    if key is None:
+        key, where = os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
+    if key is not None and not key.strip():
+        raise InputError(f"{where} is empty; give a key (e.g. `openssl rand -hex 32`) or leave it unset")
+    try:
+        origins = [normalize_origin(o) for o in getattr(args, "allow_origin", None) or ()]
+    except ValueError as e:
+        raise InputError(f"--allow-origin: {e}") from None
+    return key, origins

@@ -1,0 +1,170 @@
+"""The server's voice routes: ``POST /v1/voices`` (register a clip), ``GET /v1/voices``,
+``DELETE /v1/voices/{id}``. ``create_app`` includes :data:`router`; the routes read the TTS, its
+voice store (``tts.voices``: in memory, a read-only file, or a shared directory, see
+:mod:`cosyllama.voices`) and the limits from ``app.state``. Needs the ``server`` extra."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from .defaults import MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS
+from .errors import CosyllamaError, InputError
+from .server_common import ApiError, gate
+from .voices import VoiceDirectory, VoiceExistsError, VoiceStore, check_voice_id
+
+log = logging.getLogger("cosyllama.server")
+
+router = APIRouter()
+
+
+@dataclass
+class VoiceLimits:
+    max_transcript_chars: int = MAX_TRANSCRIPT_CHARS
+    max_transcript_tokens: int = MAX_TRANSCRIPT_TOKENS
+
+
+def _writable(tts) -> None:
+    if tts.voices.read_only:
+        raise ApiError(403, "this server's voices are read-only (it was started with --voices FILE); start it "
+                            "with --voices DIR to register and delete voices that are kept", "permission_error")
+
+
+def _check_id(voice_id: str) -> None:
+    try:
+        check_voice_id(voice_id)
+    except InputError as e:
+        raise ApiError(422, str(e)) from e
+
+
+def _exists(voice_id: str) -> ApiError:
+    return ApiError(409, f"voice {voice_id!r} exists; send replace=true to replace it "
+                         f"(or DELETE /v1/voices/{voice_id} first)", "conflict_error")
+
+
+def _check_transcript(tts, text: str, limits: VoiceLimits) -> None:
+    if len(text) > limits.max_transcript_chars:
+        raise ApiError(413, f"text (the transcript) is {len(text)} characters long; at most "
+                            f"{limits.max_transcript_chars} are allowed (--max-transcript-chars): give the "
+                            "transcript of the 3-15 s clip only", "request_too_large")
+    n = len(tts.frontend.tokenize(text))
+    if n > limits.max_transcript_tokens:
+        raise ApiError(413, f"text (the transcript) is {n} tokens long; at most {limits.max_transcript_tokens} "
+                            "are allowed: give the transcript of the 3-15 s clip only", "request_too_large")
+
+
+@router.post("/v1/voices")
+async def add_voice(request: Request, background: BackgroundTasks, audio: UploadFile = File(...),
+                    text: str | None = Form(None), id: str | None = Form(None), replace: bool = Form(False)):
+    state = request.app.state
+    tts, limits = state.tts, state.limits
+    _writable(tts)
+    voice_id = id if id else f"voice-{secrets.token_hex(4)}"
+    _check_id(voice_id)
+    if text:
+        _check_transcript(tts, text, state.voice_limits)
+    if not replace and await run_in_threadpool(tts.voices.__contains__, voice_id):
+        raise _exists(voice_id)  # before the work; add() checks again, atomically
+    data = await audio.read(limits.max_prompt_bytes + 1)
+    if len(data) > limits.max_prompt_bytes:
+        raise ApiError(413, f"the audio file is larger than {limits.max_prompt_bytes} bytes; give a 3-15 s "
+                       "clip (at most 30 s)", "request_too_large")
+    if not data:
+        raise ApiError(400, "the audio file is empty")
+    g = gate(request.app)
+    await g.acquire()
+    try:
+        voice = await run_in_threadpool(tts.make_voice, data, text or None)
+    except CosyllamaError as e:
+        raise ApiError(400, str(e)) from e
+    finally:
+        g.release()
+    try:
+        await run_in_threadpool(lambda: tts.voices.add(voice_id, voice, replace=replace))
+    except VoiceExistsError as e:
+        raise _exists(voice_id) from e
+    background.add_task(_warm_voice, request.app, voice_id, voice)
+    return {"id": voice_id}
+
+
+async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
+    """After answering: solve the voice's shared flow blocks, so its first streaming request
+    starts after them too. Takes a slot like a request; skipped when the server is busy."""
+    g = gate(app)
+    try:
+        await g.acquire()
+    except ApiError:
+        return
+    try:
+        await run_in_threadpool(app.state.tts.warm_voice, voice)
+    except Exception as e:  # a failed warm-up only costs the first request its head start
+        log.warning("warming voice %s failed: %s", voice_id, e)
+    finally:
+        g.release()
+
+
+@router.get("/v1/voices")
+async def list_voices(request: Request):
+    voices = await run_in_threadpool(request.app.state.tts.voices.items)  # a directory store reads files
+    return {"voices": [{"id": vid, "has_transcript": bool(v.prompt_text), "seconds": round(v.duration, 3)}
+                       for vid, v in voices.items()]}
+
+
+@router.delete("/v1/voices/{voice_id}")
+async def delete_voice(voice_id: str, request: Request):
+    tts = request.app.state.tts
+    _writable(tts)
+    _check_id(voice_id)
+    try:
+        await run_in_threadpool(tts.voices.remove, voice_id)
+    except InputError as e:
+        raise ApiError(404, str(e), "not_found_error") from e
+    return {"id": voice_id, "deleted": True}
+
+
+def open_voice_store(path: str | None) -> VoiceStore:
+    """The voice store ``cosyllama serve --voices PATH`` asks for, read and checked (before the
+    model loads, so a bad one is reported at once):
+
+    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
+      registered or deleted over HTTP are kept there and seen by every server sharing it;
+    * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
+    * None: an empty store in memory; registered voices last until the server stops.
+    """
+    if path is None:
+        log.warning("voices: kept in memory only (registered voices are lost when the server stops; "
+                    "--voices DIR keeps them)")
+        return VoiceStore()
+    if Path(path).is_file():
+        store = VoiceStore()
+        store.load(path)
+        store.read_only = True
+        log.warning("voices: %d from the read-only file %s", len(store), path)
+        return store
+    if Path(path).suffix == ".pt":
+        raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
+                         "without the .pt suffix)")
+    store = VoiceDirectory(path)
+    log.warning("voices: %d in the directory %s, where registrations are kept", len(store), path)
+    return store
+
+
+def warm_voices(tts) -> None:
+    """Warm every voice of ``tts`` in a background thread, beside the first requests (each
+    voice's first stream gets a head start)."""
+    if len(tts.voices):
+        threading.Thread(target=_warm_all, args=(tts,), name="cosyllama-warm-voices", daemon=True).start()
+
+
+def _warm_all(tts) -> None:
+    for vid in tts.voices.ids():
+        try:
+            tts.warm_voice(vid)
+        except Exception as e:
+            log.warning("warming voice %s failed: %s", vid, e)

@@ -1,0 +1,342 @@
+"""The server's voices and who may change them, on loopback with the tiny model (PyTorch LLM):
+`cosyllama serve --voices DIR` replicas share registrations and keep them through kill -9; 409 on
+an existing id unless replace=true; cross-origin POST/DELETE refused; the API key, also through
+the `openai` SDK; unusable audio and oversized transcripts refused with readable messages."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from helpers import FIXTURES, MODEL_DIR
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+import uvicorn  # noqa: E402
+
+from cosyllama.server import create_app  # noqa: E402
+from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
+
+PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
+KEY = "test-key-0123456789"
+GOOD_ORIGIN = "http://app.example:3000"
+SRC = str(Path(__import__("cosyllama").__file__).resolve().parents[1])
+
+
+def _files(data: bytes | None = None, name: str = "p.wav"):
+    return {"audio": (name, PROMPT_WAV.read_bytes() if data is None else data, "audio/wav")}
+
+
+def _ids(client, **kw) -> list[str]:
+    r = client.get("/v1/voices", **kw)
+    assert r.status_code == 200, r.text
+    return [v["id"] for v in r.json()["voices"]]
+
+
+def _speak(client, voice: str, **kw):
+    return client.post("/v1/audio/speech", json={"input": "Hello there.", "voice": voice, "greedy": True}, **kw)
+
+
+def _error(r, status: int, contains: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and contains in err["message"], err
+    return err
+
+
+# ----------------------------------------------------------------------------------------------
+# Real `cosyllama serve` processes sharing one voice directory
+
+
+class ServeProcess:
+    """`python -m cosyllama.cli serve` on a free loopback port, with this checkout's package."""
+
+    def __init__(self, *args: str):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+        env.pop("COSYLLAMA_API_KEY", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cosyllama.cli", "serve", "--model-dir", str(MODEL_DIR), "--port", "0",
+             "--threads", "1", "--precision", "fp32", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.log: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.log.append(line)
+            m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                self.url = m.group(1)
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 120) -> ServeProcess:
+        assert self._ready.wait(timeout) and self.url, "server did not start:\n" + "".join(self.log[-30:])
+        return self
+
+    def client(self):
+        return httpx.Client(base_url=self.url, timeout=60)
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+def test_replicas_share_a_voice_directory_and_survive_kill_9(tmp_path):
+    """Two `cosyllama serve --voices DIR` behind an imaginary load balancer: a voice registered,
+    replaced or deleted through one is seen by the other; after kill -9 and a restart the
+    voices are there (and the deleted one is not), and speak."""
+    vdir = tmp_path / "voices"
+    a, b = ServeProcess("--voices", str(vdir)), ServeProcess("--voices", str(vdir))
+    a2 = None
+    try:
+        a.wait_ready(), b.wait_ready()
+        with a.client() as ca, b.client() as cb:
+            r = ca.post("/v1/voices", files=_files(), data={"id": "anna", "text": "Hello, this is my voice."})
+            assert r.status_code == 200, r.text
+            assert _ids(cb) == ["anna"]
+            spoken = _speak(cb, "anna")
+            assert spoken.status_code == 200 and spoken.content[:4] == b"RIFF"
+            _error(cb.post("/v1/voices", files=_files(), data={"id": "anna"}), 409, "replace=true")
+            r = cb.post("/v1/voices", files=_files(), data={"id": "anna", "replace": "true"})  # no transcript now
+            assert r.status_code == 200, r.text
+            assert ca.get("/v1/voices").json()["voices"][0]["has_transcript"] is False  # a sees b's replacement
+            assert ca.post("/v1/voices", files=_files(), data={"id": "bob"}).status_code == 200
+            assert _speak(cb, "bob").status_code == 200
+            assert cb.delete("/v1/voices/bob").json() == {"id": "bob", "deleted": True}
+            _error(_speak(ca, "bob"), 404, "bob")  # a had bob cached; the file is gone
+            assert _ids(ca) == ["anna"]
+            assert ca.post("/v1/voices", files=_files(), data={"id": "carl", "text": "Hi."}).status_code == 200
+        a.kill9()  # right after the answer: what was acknowledged must be on disk
+        assert sorted(p.name for p in vdir.iterdir()) == ["anna.pt", "carl.pt"]  # no temporary file left
+        a2 = ServeProcess("--voices", str(vdir)).wait_ready()
+        with a2.client() as c:
+            voices = {v["id"]: v for v in c.get("/v1/voices").json()["voices"]}
+            assert sorted(voices) == ["anna", "carl"]
+            assert voices["carl"]["has_transcript"] and not voices["anna"]["has_transcript"]
+            for vid in ("anna", "carl"):
+                r = _speak(c, vid)
+                assert r.status_code == 200 and len(r.content) > 44
+    finally:
+        for s in (a, b, a2):
+            if s is not None:
+                s.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# One in-process server with an API key and one allowed origin
+
+
+class LoopbackServer:
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def tts():
+    from cosyllama.tts import TTS
+
+    return TTS(MODEL_DIR, threads=1, precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def server(tts, tmp_path_factory):
+    view = copy.copy(tts)
+    view.voices = VoiceDirectory(tmp_path_factory.mktemp("voices"))
+    srv = LoopbackServer(create_app(view, api_key=KEY, allow_origins=[GOOD_ORIGIN], max_transcript_chars=200))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+def test_api_key(server, client):
+    with httpx.Client(base_url=server.url, timeout=60) as anon:
+        err = _error(anon.get("/v1/voices"), 401, "Authorization: Bearer")
+        assert err["type"] == "invalid_request_error" and err["code"] == "invalid_api_key"
+        assert anon.get("/v1/voices").headers["www-authenticate"] == "Bearer"
+        _error(anon.get("/v1/voices", headers={"Authorization": "Bearer wrong"}), 401, "incorrect API key")
+        _error(anon.get("/v1/voices", headers={"Authorization": f"Basic {KEY}"}), 401)
+        _error(anon.get("/v1/voices", headers={"Authorization": f"Bearer {KEY}x"}), 401)
+        _error(anon.post("/v1/voices", files=_files(), data={"id": "sneaky"}), 401)
+        _error(anon.get("/openapi.json"), 401)
+        assert anon.get("/health").json()["status"] == "ok"  # load balancers probe it without a key
+    assert client.get("/v1/voices").status_code == 200
+    assert "sneaky" not in _ids(client)
+
+
+def test_openai_sdk_with_api_key(server, client):
+    openai = pytest.importorskip("openai")
+    assert client.post("/v1/voices", files=_files(), data={"id": "sdk", "text": "Hello, this is my voice.",
+                                                           "replace": "true"}).status_code == 200
+    sdk = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    audio = sdk.audio.speech.create(model="cosyvoice3", voice="sdk", input="Hello there.", response_format="wav")
+    samples, sr = sf.read(io.BytesIO(audio.content), dtype="int16")
+    assert sr == 24_000 and samples.size > 0
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.audio.speech.create(model="cosyvoice3", voice="sdk", input="Hello there.")
+
+
+def test_cross_origin_changes_refused(server, client):
+    evil = {"Origin": "http://evil.example"}
+    err = _error(client.post("/v1/voices", files=_files(), data={"id": "en"}, headers=evil), 403, "evil.example")
+    assert err["type"] == "permission_error" and GOOD_ORIGIN in err["message"]
+    assert "en" not in _ids(client)
+    _error(client.post("/v1/voices", files=_files(), data={"id": "en"}, headers={"Origin": "null"}), 403)
+    _error(_speak(client, "en", headers=evil), 403)
+    r = client.post("/v1/voices", files=_files(), data={"id": "en", "text": "Hi."}, headers={"Origin": GOOD_ORIGIN})
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    _error(client.delete("/v1/voices/en", headers=evil), 403)
+    assert client.get("/v1/voices", headers=evil).status_code == 200  # reading is not a change
+    # a web app at the allowed origin gets its CORS preflight (which carries no key) answered; another does not
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    with httpx.Client(base_url=server.url, timeout=60) as browser:
+        ok = browser.options("/v1/audio/speech", headers={"Origin": GOOD_ORIGIN, **pre})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == GOOD_ORIGIN
+        assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+        assert browser.options("/v1/audio/speech", headers={**evil, **pre}).status_code == 400
+    assert client.delete("/v1/voices/en").status_code == 200  # no Origin: curl, SDKs
+
+
+def test_existing_id_needs_replace(client):
+    assert client.post("/v1/voices", files=_files(), data={"id": "twice", "text": "Hi."}).status_code == 200
+    err = _error(client.post("/v1/voices", files=_files(), data={"id": "twice"}), 409, "'twice' exists")
+    assert err["type"] == "conflict_error"
+    assert client.get("/v1/voices").json()["voices"][[*_ids(client)].index("twice")]["has_transcript"]
+    r = client.post("/v1/voices", files=_files(), data={"id": "twice", "replace": "true"})
+    assert r.status_code == 200 and r.json() == {"id": "twice"}
+    voices = {v["id"]: v for v in client.get("/v1/voices").json()["voices"]}
+    assert voices["twice"]["has_transcript"] is False
+    assert client.delete("/v1/voices/twice").status_code == 200
+
+
+@pytest.mark.parametrize("bad", [".", "..", ".hidden", "a/b", "../x", "a b", "x" * 65])
+def test_reserved_ids_refused(client, bad):
+    _error(client.post("/v1/voices", files=_files(), data={"id": bad}), 422, "not allowed")
+
+
+def test_reserved_ids_refused_on_delete(client):
+    _error(client.delete("/v1/voices/%2E%2E"), 422, "not allowed")
+    _error(client.delete("/v1/voices/.hidden"), 422, "not allowed")
+    _error(client.delete("/v1/voices/nobody"), 404, "nobody")
+
+
+def _float_wav(samples) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, np.asarray(samples, np.float32), 16_000, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+def test_unusable_audio_and_transcripts_refused(client):
+    speech = 0.1 * np.sin(np.arange(32_000) / 5.0)
+    nan = speech.copy()
+    nan[1000] = np.nan
+    _error(client.post("/v1/voices", files=_files(_float_wav(nan)), data={"id": "nan"}), 400,
+           "prompt audio holds samples that are not finite numbers (NaN or infinity: 1 of 32000)")
+    inf = speech.copy()
+    inf[5] = np.inf
+    _error(client.post("/v1/voices", files=_files(_float_wav(inf)), data={"id": "inf"}), 400, "not finite")
+    err = _error(client.post("/v1/voices", files=_files(b"just some text, renamed", "notes.wav"), data={"id": "txt"}),
+                 400, "prompt audio is not a readable audio file (Format not recognised); give a wav")
+    assert "0x" not in err["message"] and "<" not in err["message"]
+    _error(client.post("/v1/voices", files=_files(_float_wav(speech[:800])), data={"id": "short"}), 400, "too short")
+    _error(client.post("/v1/voices", files=_files(b""), data={"id": "empty"}), 400, "empty")
+    err = _error(client.post("/v1/voices", files=_files(), data={"id": "long", "text": "x" * 201}), 413,
+                 "201 characters long; at most 200 are allowed (--max-transcript-chars)")
+    assert err["type"] == "request_too_large"
+    _error(client.post("/v1/voices", files=_files(), data={"id": "toks", "text": "\U0001F600" * 190}), 413,
+           "tokens long; at most 500")
+    assert not {"nan", "inf", "txt", "short", "empty", "long", "toks"} & set(_ids(client))
+    assert client.post("/v1/voices", files=_files(_float_wav(speech)), data={"id": "fine", "replace": "true"}
+                       ).status_code == 200  # the same clip, finite
+    assert _speak(client, "fine").status_code == 200
+
+
+def test_a_voice_file_is_served_read_only(tts, tmp_path):
+    """`--voices FILE`: its voices speak; POST and DELETE get 403 pointing at --voices DIR."""
+    from fastapi.testclient import TestClient
+
+    from cosyllama.server_voices import open_voice_store
+
+    bundle = VoiceStore()
+    bundle.add("en", tts.make_voice(PROMPT_WAV, "Hello, this is my voice."))
+    bundle.save(tmp_path / "voices.pt")
+    view = copy.copy(tts)
+    view.voices = open_voice_store(str(tmp_path / "voices.pt"))
+    with TestClient(create_app(view)) as c:
+        assert _ids(c) == ["en"]
+        assert _speak(c, "en").status_code == 200
+        err = _error(c.post("/v1/voices", files=_files(), data={"id": "new"}), 403, "--voices DIR")
+        assert err["type"] == "permission_error"
+        _error(c.delete("/v1/voices/en"), 403, "read-only")
+        assert _ids(c) == ["en"]
+    from cosyllama.errors import InputError
+
+    with pytest.raises(InputError, match="voice file .*nothere.pt' does not exist"):
+        open_voice_store(str(tmp_path / "nothere.pt"))
+
+
+def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
+    from cosyllama import server
+    from cosyllama.cli import main
+
+    monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))
+    base = ["serve", "--model-dir", str(MODEL_DIR)]
+    assert main([*base, "--voices", str(tmp_path / "missing.pt")]) == 2
+    assert "missing.pt' does not exist" in capsys.readouterr().err
+    assert main([*base, "--voices", str(tmp_path / "no" / "dir")]) == 2
+    assert "cannot make voice directory" in capsys.readouterr().err
+    assert main([*base, "--allow-origin", "*"]) == 2
+    assert "--allow-origin: '*' is not an origin" in capsys.readouterr().err
+    assert main([*base, "--allow-origin", "https://x.example/path"]) == 2
+    assert main([*base, "--api-key", " "]) == 2
+    assert "--api-key is empty" in capsys.readouterr().err
+    monkeypatch.setenv("COSYLLAMA_API_KEY", "")
+    assert main(base) == 2
+    assert "$COSYLLAMA_API_KEY is empty" in capsys.readouterr().err
+    monkeypatch.delenv("COSYLLAMA_API_KEY")
+    assert main([*base, "--max-transcript-chars", "0"]) == 2
+    assert "--max-transcript-chars must be >= 1" in capsys.readouterr().err
