@@ -10,3 +10,5 @@ N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot
 MAX_INPUT_CHARS = 4096  # characters of text per server request
+LLM_PRECISIONS = ("fp32", "bf16", "fp16")  # the torch LLM's weights and KV cache (fp32: the parity mode)
+LLM_PRECISION = "fp32"
