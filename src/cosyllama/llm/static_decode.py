@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import LLMConfig
-from ..device import on_true_fp32, resolve_device
+from ..device import on_true_fp32, resolve_device, true_fp32
 from ..errors import BackendBusyError, InputError
 from .backend import Prefill
 from .model import KVCache, SpeechLM, apply_rope, rope_cos_sin
@@ -153,7 +153,8 @@ class StaticTorchLLM:
         capture steps write only the pool's position-(ctx-1) scratch column."""
         self._pos.fill_(self.ctx - 1)
         pool = None
-        with torch.inference_mode():
+        # TF32 off while recording: a graph keeps the matrix-product kernels chosen at capture
+        with torch.inference_mode(), true_fp32(self.device):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
