@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeat", type=int, default=2, help="runs per level; the best is reported (default 2)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--device", default="cpu", help="torch LLM device (cuda: the static-cache CUDA-graph backend)")
+    p.add_argument("--llm-precision", default="fp32", help="torch LLM precision on the static backend (fp32|bf16|fp16)")
+    p.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers on the GPU (999: all)")
     p.add_argument("--torch-thread", action="store_true",
                    help="first start a thread that runs one PyTorch matrix product and stays alive, as a server's "
                         "flow worker does (its OpenMP team then exists beside llama.cpp's)")
@@ -128,14 +131,16 @@ def main(argv=None) -> int:
         ready.wait()
     cfg = load_config(args.model_dir).llm
     if args.gguf:
-        llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels))
+        llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels),
+                          n_gpu_layers=args.n_gpu_layers)
     else:
         import torch
 
-        from cosyllama.llm.torch_backend import TorchLLM
+        from cosyllama.llm.factory import make_llm
 
         torch.set_num_threads(args.threads)
-        llm = TorchLLM.from_dir(args.model_dir)
+        llm = make_llm(load_config(args.model_dir), "torch", device=args.device, n_seq_max=max(levels),
+                       llm_precision=args.llm_precision)
         llm.n_seq_max = max(levels)  # the scheduler's batch size
     rows = []
     try:

@@ -11,6 +11,7 @@ length, each closed after its first non-empty chunk:
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import cosyllama
@@ -38,11 +39,19 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-cache-mb", default="0,512", help="comma list of bounds to compare")
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--warm", action="store_true", help="warm the voice (TTS.warm_voice) before the requests")
+    p.add_argument("--llm", choices=["llamacpp", "torch"], default="llamacpp")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (flow, vocoder, torch LLM; llama.cpp layers if its "
+                                                   "build has GPU support)")
+    p.add_argument("--llm-precision", default="fp32", help="torch LLM precision (fp32|bf16|fp16)")
+    p.add_argument("--precision", default="auto", help="flow precision")
+    p.add_argument("--json", help="append one JSON line per setting here")
     args = p.parse_args(argv)
     model = ensure_full_model(print)
-    gguf = ensure_gguf(model, "speech", args.type, print)
+    gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
     for mb in (float(x) for x in args.prompt_cache_mb.split(",")):
-        tts = cosyllama.load(model, llm="llamacpp", gguf=gguf, threads=args.threads, prompt_cache_mb=mb)
+        tts = cosyllama.load(model, llm=args.llm, gguf=gguf, threads=args.threads, prompt_cache_mb=mb,
+                             device=args.device, precision=args.precision,
+                             **({"llm_precision": args.llm_precision} if args.llm == "torch" else {}))
         voice = tts.make_voice(prompt_wav(args.prompt_seconds))
         tts.cross_lingual("Warm up.", voice=voice,
                           options=SynthesisOptions(greedy=True, max_tokens=5, ignore_stop=True)).audio()
@@ -55,6 +64,12 @@ def main(argv=None) -> int:
         times = [first_audio_s(tts, voice, i) for i in range(args.requests)]
         print(f"prompt_cache_mb={mb:g}{warm}: first audio " + ", ".join(f"{t:.2f}" for t in times) + " s",
               flush=True)
+        if args.json:
+            row = {"llm": args.llm, "type": args.type if gguf else args.llm_precision, "device": args.device,
+                   "flow": tts.token2wav.flow.precision, "prompt_cache_mb": mb, "warm": args.warm,
+                   "first_audio_s": times}
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
         del tts
     return 0
 

@@ -47,6 +47,10 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         cmd += ["--gguf", args.gguf]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.llm_precision:
+        cmd += ["--llm-precision", args.llm_precision]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
@@ -130,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--gguf", help="with --model-dir: serve the LLM from this GGUF (llama.cpp)")
     p.add_argument("--parallel", type=int, default=16, help="with --model-dir: llama.cpp sequences (default 16)")
     p.add_argument("--threads", type=int, help="with --model-dir: server CPU threads")
+    p.add_argument("--device", help="with --model-dir: serve --device (cpu|cuda)")
+    p.add_argument("--llm-precision", help="with --model-dir: serve --llm-precision (torch LLM)")
     p.add_argument("--voice", help="registered voice id to use (default: register --prompt-wav)")
     p.add_argument("--prompt-wav", default=str(DEFAULT_PROMPT))
     p.add_argument("--prompt-text", default="Hello, this is my voice.")

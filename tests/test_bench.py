@@ -97,3 +97,13 @@ def test_size_config_is_what_make_model_writes():
         == (1024, 22, 512, 24)
     with pytest.raises(InputError):
         size_config("huge")
+
+
+def test_llm_types_choose_the_llamacpp_rows():
+    from cosyllama.errors import InputError
+    from cosyllama.tools.bench import LLM_CONFIGS, llm_configs
+
+    assert llm_configs(None) == LLM_CONFIGS
+    assert llm_configs("Q8_0") == [("torch", None, "F32"), ("llamacpp", "speech", "Q8_0"), ("llamacpp", "merged", "Q8_0")]
+    with pytest.raises(InputError, match="Q9"):
+        llm_configs("Q8_0,Q9")

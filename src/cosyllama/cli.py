@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, MAX_TRANSCRIPT_CHARS,
-                       MAX_TRANSCRIPT_TOKENS, PRECISION, SERVE_PARALLEL)
+from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_INPUT_CHARS,
+                       MAX_QUEUE, MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS, PRECISION, SERVE_PARALLEL)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -90,6 +90,14 @@ def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=PRECISION, help=help)
 
 
+def add_gpu_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-gpu-layers", type=int, default=None, metavar="N",
+                   help="llama.cpp layers on the GPU (default: all of them with --device cuda, else 0)")
+    p.add_argument("--llm-precision", choices=LLM_PRECISIONS, default=LLM_PRECISION,
+                   help=f"torch LLM weights and KV cache (default {LLM_PRECISION}, the parity mode; bf16/fp16 "
+                        "for a GPU)")
+
+
 def add_threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
@@ -120,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     s.add_argument("--speed", type=float, default=1.0, help="speaking-rate factor (non-streaming)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    add_gpu_options(s)
     add_threads_option(s)
     add_precision_option(s, "flow compute: auto = bf16 where the CPU/GPU has it natively, else fp32 (the reference)")
     add_llm_weights_option(s)
@@ -130,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_batch_parser(sub)
     add_llm_weights_option(sub.choices["batch"])
+    add_gpu_options(sub.choices["batch"])
     sub.choices["batch"].set_defaults(func=cmd_batch)
 
     c = sub.add_parser("convert", help="write the LLM as a GGUF file for llama.cpp")
@@ -153,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the results as JSON")
     b.add_argument("--parts", default="llm,flow,vocoder,pipeline", help="comma list of parts to run")
     b.add_argument("--repeat", type=int, default=1, help="runs per configuration (median reported)")
+    b.add_argument("--llm-types", default=None, metavar="T,T",
+                   help="GGUF types of the llama.cpp LLM rows (default: F16,Q8_0,Q4_K_M,Q4_0)")
     add_threads_option(b)
     b.add_argument("--prompt-seconds", type=float, default=3.0)
     b.add_argument("--output-seconds", type=float, default=10.0)
@@ -176,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"llama.cpp sequences decoded together in one batch (default {SERVE_PARALLEL})")
     add_threads_option(v)
     v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
-    v.add_argument("--n-gpu-layers", type=int, default=0, help="llama.cpp layers to offload to a GPU")
+    add_gpu_options(v)
     add_precision_option(v, f"flow compute precision (default {PRECISION})")
     add_llm_weights_option(v)
     v.add_argument("--max-queue", type=int, default=MAX_QUEUE,

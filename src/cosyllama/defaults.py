@@ -13,3 +13,5 @@ MAX_INPUT_CHARS = 4096  # characters of text per server request
 MAX_TRANSCRIPT_CHARS = 1000  # characters of a registered voice's transcript (POST /v1/voices); 30 s of speech is ~500
 MAX_TRANSCRIPT_TOKENS = 500  # and its text tokens (a transcript of odd characters can take several per character)
 API_KEY_ENV = "COSYLLAMA_API_KEY"  # the server's API key when --api-key is not given
+LLM_PRECISIONS = ("fp32", "bf16", "fp16")  # the torch LLM's weights and KV cache (fp32: the parity mode)
+LLM_PRECISION = "fp32"

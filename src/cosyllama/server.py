@@ -355,9 +355,10 @@ def load_tts(args):
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
     gguf = getattr(args, "gguf", None)
     return TTS(args.model_dir, llm=choose_llm(None, gguf), gguf=gguf, device=getattr(args, "device", "cpu"),
-               threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", 0),
+               threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
                precision=getattr(args, "precision", PRECISION), parallel=getattr(args, "parallel", SERVE_PARALLEL),
                llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
+               llm_precision=getattr(args, "llm_precision", "fp32"),
                stream_cache_mb=getattr(args, "stream_cache_mb", None),
                prompt_cache_mb=getattr(args, "prompt_cache_mb", None))
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .defaults import LLM_WEIGHTS
+from .defaults import LLM_PRECISION, LLM_WEIGHTS
 from .errors import InputError
 
 SUBTYPES = {"pcm16": "PCM_16", "float": "FLOAT"}
@@ -64,7 +64,9 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
 
     t0 = time.perf_counter()
     tts = TTS(args.model_dir, llm=llm, gguf=args.gguf, device=args.device, threads=args.threads,
-              precision=args.precision, llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS))
+              precision=args.precision, llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
+              n_gpu_layers=getattr(args, "n_gpu_layers", None),
+              llm_precision=getattr(args, "llm_precision", LLM_PRECISION))
     load_s = time.perf_counter() - t0
     progress(f"loaded {args.model_dir} (llm: {llm}{', ' + Path(args.gguf).name if args.gguf else ''}, "
              f"device: {tts.device}) in {load_s:.1f} s")

@@ -22,7 +22,7 @@ import torch
 
 from .audio import AudioSource
 from .config import load_config
-from .defaults import LLM_CHOICES, LLM_WEIGHTS, N_SEQ_MAX, PRECISION
+from .defaults import LLM_CHOICES, LLM_PRECISION, LLM_WEIGHTS, N_SEQ_MAX, PRECISION
 from .device import resolve_device
 from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed
 from .errors import InputError
@@ -120,9 +120,11 @@ def choose_mode(mode: str | None = None, instruction: str | None = None, has_tra
 class TTS:
     """CosyVoice3 synthesis from an official model directory.
 
-    llm: ``"torch"`` (float32 PyTorch) or ``"llamacpp"`` (needs ``gguf``). device: ``"cpu"`` or
-    ``"cuda"`` for the flow and vocoder (and the torch LLM); n_gpu_layers: llama.cpp layers to
-    offload. threads: torch CPU threads (process-wide) and llama.cpp threads. precision: flow
+    llm: ``"torch"`` (PyTorch) or ``"llamacpp"`` (needs ``gguf``). device: ``"cpu"`` or
+    ``"cuda"`` for the flow and vocoder (and the torch LLM, whose decode steps run as CUDA graphs
+    there); n_gpu_layers: llama.cpp layers on the GPU (None: all of them with ``device="cuda"``,
+    else none). llm_precision: the torch LLM's weights, ``"fp32"`` (parity) or ``"bf16"``/``"fp16"``
+    (for a GPU). threads: torch CPU threads (process-wide) and llama.cpp threads. precision: flow
     compute, ``"auto"`` (bf16 where the CPU/GPU does it natively, else fp32), ``"fp32"`` (the
     reference path) or ``"bf16"``; the vocoder stays fp32 unless ``"bf16"`` is asked for.
     stream_cache_mb: bound in MiB of each streaming request's flow K/V cache (earlier attention
@@ -139,10 +141,11 @@ class TTS:
     """
 
     def __init__(self, model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None,
-                 device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0,
+                 device: str = "cpu", threads: int | None = None, n_gpu_layers: int | None = None,
                  llm_backend: LLMBackend | None = None, precision: str = PRECISION,
                  stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
-                 llm_weights: str | Path = LLM_WEIGHTS, parallel: int = N_SEQ_MAX):
+                 llm_weights: str | Path = LLM_WEIGHTS, parallel: int = N_SEQ_MAX,
+                 llm_precision: str = LLM_PRECISION):
         if llm not in LLM_CHOICES:
             raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
         if llm_backend is None:
@@ -160,7 +163,7 @@ class TTS:
         self.frontend = Frontend(self.model_dir, config)
         self.llm = llm_backend if llm_backend is not None else make_llm(
             config, llm, gguf=gguf, llm_weights=llm_weights, device=self.device, threads=threads,
-            n_gpu_layers=n_gpu_layers, n_seq_max=parallel)
+            n_gpu_layers=n_gpu_layers, n_seq_max=parallel, llm_precision=llm_precision)
         self.token2wav = Token2Wav.from_config(
             config, Flow.from_config(config, self.device, precision=precision),
             HiFT.from_config(config, self.device, precision=precision),
@@ -343,10 +346,10 @@ class TTS:
 
 
 def load(model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None, device: str = "cpu",
-         threads: int | None = None, n_gpu_layers: int = 0, precision: str = PRECISION,
+         threads: int | None = None, n_gpu_layers: int | None = None, precision: str = PRECISION,
          stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
-         llm_weights: str | Path = LLM_WEIGHTS) -> TTS:
+         llm_weights: str | Path = LLM_WEIGHTS, llm_precision: str = LLM_PRECISION) -> TTS:
     """Load a CosyVoice3 model directory; see :class:`TTS`."""
     return TTS(model_dir, llm=llm, gguf=gguf, device=device, threads=threads, n_gpu_layers=n_gpu_layers,
                precision=precision, stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb,
-               llm_weights=llm_weights)
+               llm_weights=llm_weights, llm_precision=llm_precision)

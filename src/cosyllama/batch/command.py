@@ -82,7 +82,8 @@ def _check_args(args) -> EngineOptions:
                          gguf=str(Path(args.gguf).resolve()) if args.gguf else None, device=args.device,
                          threads=threads, precision=args.precision, voices=voices,
                          concurrency=args.concurrency, llm_weights=args.llm_weights, fmt=args.format,
-                         flow_slots=args.flow_slots)
+                         flow_slots=args.flow_slots, n_gpu_layers=getattr(args, "n_gpu_layers", None),
+                         llm_precision=getattr(args, "llm_precision", "fp32"))
 
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:

@@ -41,6 +41,8 @@ class EngineOptions:
     llm_weights: str = LLM_WEIGHTS  # the LLM checkpoint in model_dir (e.g. llm.rl.pt)
     fmt: str = "wav"
     flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
+    n_gpu_layers: int | None = None  # llama.cpp layers on the GPU (None: all with device cuda)
+    llm_precision: str = "fp32"  # the torch LLM's weights (bf16/fp16 for a GPU)
 
 
 def voice_files(path: str | Path) -> list[Path]:
@@ -69,7 +71,7 @@ def load_tts(opts: EngineOptions):
 
     tts = TTS(opts.model_dir, llm="llamacpp" if opts.gguf else "torch", gguf=opts.gguf, device=opts.device,
               threads=opts.threads, precision=opts.precision, llm_weights=opts.llm_weights,
-              parallel=opts.concurrency)
+              parallel=opts.concurrency, n_gpu_layers=opts.n_gpu_layers, llm_precision=opts.llm_precision)
     load_voices(tts.voices, opts.voices)
     return tts
 

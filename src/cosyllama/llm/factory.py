@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import ModelConfig
-from ..defaults import LLM_CHOICES, LLM_WEIGHTS, N_SEQ_MAX
-from ..errors import InputError
+from ..defaults import LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, N_SEQ_MAX
+from ..errors import DeviceError, InputError
 from .backend import LLMBackend
 
 
@@ -43,25 +43,55 @@ def llm_weights_path(config: ModelConfig, llm_weights: str | Path = LLM_WEIGHTS)
     return path
 
 
+ALL_LAYERS = 999  # llama.cpp offloads min(n_gpu_layers, layers): more than any model has means all
+
+
 def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None = None,
              llm_weights: str | Path = LLM_WEIGHTS, device="cpu", threads: int | None = None,
-             n_gpu_layers: int = 0, n_seq_max: int = N_SEQ_MAX) -> LLMBackend:
-    """The LLM backend for ``config``'s model: float32 PyTorch on ``device``, or llama.cpp from
-    ``gguf`` (``threads``, ``n_gpu_layers``, ``n_seq_max`` concurrent sequences). ``llm_weights``
-    chooses the checkpoint: the torch backend's weights, and for llama.cpp the file the GGUF must
-    have been converted from (and whose text rows the speech layout reads)."""
+             n_gpu_layers: int | None = None, n_seq_max: int = N_SEQ_MAX,
+             llm_precision: str = LLM_PRECISION) -> LLMBackend:
+    """The LLM backend for ``config``'s model.
+
+    torch: on the CPU in float32, the dynamic-cache :class:`~cosyllama.llm.torch_backend.TorchLLM`;
+    on CUDA (or at ``llm_precision`` bf16/fp16) the static-cache backend whose decode steps are
+    CUDA graphs (:class:`~cosyllama.llm.static_decode.StaticTorchLLM`, ``n_seq_max`` slots).
+    llamacpp: from ``gguf`` with ``threads``, ``n_seq_max`` concurrent sequences and
+    ``n_gpu_layers`` layers on the GPU (None: all of them when ``device`` is CUDA, else none).
+    ``llm_weights`` chooses the checkpoint: the torch backend's weights, and for llama.cpp the
+    file the GGUF must have been converted from (and whose text rows the speech layout reads)."""
+    import torch
+
     llm = choose_llm(llm, gguf)
+    if llm_precision not in LLM_PRECISIONS:
+        raise InputError(f"LLM precision must be one of {', '.join(LLM_PRECISIONS)}, got {llm_precision!r}")
     weights_path = llm_weights_path(config, llm_weights)
+    on_cuda = torch.device(device).type == "cuda"
     if llm == "torch":
         from ..weights import load_llm_weights
+
+        weights = load_llm_weights(weights_path, config.llm)
+        if on_cuda or llm_precision != "fp32":
+            from .static_decode import StaticTorchLLM
+
+            return StaticTorchLLM(config.llm, weights, device, slots=n_seq_max, precision=llm_precision)
         from .torch_backend import TorchLLM
 
-        return TorchLLM(config.llm, load_llm_weights(weights_path, config.llm), device)
-    from .llamacpp_backend import LlamaCppLLM
+        return TorchLLM(config.llm, weights, device)
+    if llm_precision != LLM_PRECISION:
+        raise InputError("the LLM precision applies to the torch LLM; a llama.cpp LLM computes in its GGUF's "
+                         "type (choose it with `cosyllama convert --type`)")
+    from .llamacpp_backend import LlamaCppLLM, import_llama_cpp
 
+    if n_gpu_layers is None:
+        n_gpu_layers = 0
+        if on_cuda:
+            if not import_llama_cpp().llama_supports_gpu_offload():
+                raise DeviceError("device cuda puts llama.cpp's layers on the GPU, but this llama-cpp-python "
+                                  "build has no GPU support: install a CUDA build (README, section 'GPU') or "
+                                  "pass n_gpu_layers=0 (--n-gpu-layers 0) to run the LLM on the CPU")
+            n_gpu_layers = ALL_LAYERS
     return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
                        llm_weights=weights_path)
-
 
 def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None):
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a

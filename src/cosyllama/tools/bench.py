@@ -155,13 +155,15 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
     cfg = load_config(model_dir)
     rows = []
     gpu_layers = None
+    if device.type == "cuda" and ("torch", None, "F32") in configs:
+        configs = [*configs, ("torch", None, "BF16")]  # the GPU's fast torch path beside the parity one
     for backend_name, layout, type_name in configs:
         label = f"{backend_name} {layout or ''} {type_name}".replace("  ", " ")
         if backend_name == "torch":
-            from ..llm.torch_backend import TorchLLM
-            from ..weights import load_llm_weights
+            from ..llm.factory import make_llm
 
-            backend = TorchLLM(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm), device)
+            # on CUDA: the static-cache backend, its decode steps replayed as CUDA graphs
+            backend = make_llm(cfg, "torch", device=device, n_seq_max=1, llm_precision={"F32": "fp32", "BF16": "bf16"}[type_name])
             where = device.type
         else:
             from ..llm.llamacpp_backend import LlamaCppLLM
@@ -357,6 +359,17 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def llm_configs(types: str | None) -> list:
+    """The LLM rows for ``--llm-types`` (comma list of GGUF types; None: all of LLM_TYPES)."""
+    if types is None:
+        return LLM_CONFIGS
+    chosen = [t.strip() for t in types.split(",") if t.strip()]
+    unknown = [t for t in chosen if t not in LLM_TYPES]
+    if unknown:
+        raise InputError(f"unknown --llm-types {', '.join(unknown)}; choose from {', '.join(LLM_TYPES)}")
+    return [c for c in LLM_CONFIGS if c[0] == "torch" or c[2] in chosen]
+
+
 def run_bench(args, progress: Progress = print) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - set(PARTS)
@@ -380,7 +393,7 @@ def run_bench(args, progress: Progress = print) -> int:
            "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": []}
     if "llm" in parts:
         res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
-                             device=device)
+                             configs=llm_configs(getattr(args, "llm_types", None)), device=device)
     if parts & {"flow", "vocoder"}:
         res["flow"], res["vocoder"] = run_flow_vocoder(model_dir, args.prompt_seconds, args.output_seconds,
                                                        args.repeat, parts, progress, device)
