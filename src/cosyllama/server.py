@@ -8,8 +8,8 @@ on ``app.state``.
 The event loop never runs model code: the frontend, the flow and the vocoder run in the thread
 pool, one audio chunk per call. A request that does not fit (``max_concurrent`` running plus
 ``max_queue`` waiting) gets 503 with ``Retry-After``. A client that goes away cancels its request
-at once: its LLM sequence is released at the next decode step. Errors are JSON
-``{"error": {"message": str, "type": str}}``.
+at once: its LLM sequence is released at the next decode step. Errors are OpenAI's JSON
+``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server_errors`).
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 """
