@@ -197,6 +197,8 @@ def test_errors_surface_as_sdk_exceptions(client):
     with pytest.raises(openai.APIStatusError) as ei:
         client.audio.speech.create(model="m", voice="en", input="x" * 5000)
     _error(ei, 413)
+    r = httpx.post(f"{client.base_url}voices", data={"id": "x"}, timeout=60)  # a multipart form without audio
+    assert r.status_code == 422 and r.json()["error"]["param"] == "audio" and r.json()["error"]["code"] == "missing"
 
 
 @pytest.mark.parametrize("extra, param, code", [

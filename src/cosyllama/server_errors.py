@@ -40,7 +40,9 @@ async def _validation_error(request, e: RequestValidationError):
     e.g. ``missing``, ``bool_type``, ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
     parts, first = [], None
     for err in e.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc and loc[0] in ("body", "path", "query", "header", "cookie"):
+            loc = loc[1:]  # the field's name, as OpenAI's `param` gives it
         if err.get("type") == "json_invalid":
             loc = []  # the location is a character offset, not a field
         where = ".".join(loc) or None
