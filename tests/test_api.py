@@ -156,7 +156,7 @@ def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):
     (["--text", "Hi.", "--prompt-wav", "@LONG"], "30 s"),
     (["--text", "Hi.", "--prompt-wav", "@WAV", "--device", "cuda"], "CUDA"),
     (["--text", "Hi.", "--prompt-wav", "@WAV", "--llm", "llamacpp"], "needs --gguf"),
-    (["--text", "Hi.", "--prompt-wav", "@WAV", "--speed", "5"], "speed must be between 0.5 and 2.0"),
+    (["--text", "Hi.", "--prompt-wav", "@WAV", "--speed", "5"], "speed must be between 0.25 and 4.0"),
     (["--text", "...", "--prompt-wav", "@WAV"], "nothing to speak"),
 ])
 def test_cli_user_errors_exit_2(tmp_path, capsys, extra, message):

@@ -83,7 +83,7 @@ def test_manifest_rows_are_checked_one_by_one(tmp_path):
         '',
         '# a comment',
         '["a list"]',
-        '{"id": "../x", "mode": "zero-shot", "text": " ", "prompt_wav": "nope.wav", "seed": -1, "speed": 3}',
+        '{"id": "../x", "mode": "zero-shot", "text": " ", "prompt_wav": "nope.wav", "seed": -1, "speed": 4.5}',
         '{"id": "v", "mode": "zero-shot", "text": "Hi.", "voice": "nobody", "prompt_text": "t", "greedy": "yes"}',
         '{"id": "w", "mode": "instruct", "text": "Hi.", "prompt_wav": "a.wav", "voice": "anna"}',
         '{"id": "x", "mode": "cross-lingual", "text": "Hi.", "prompt_wav": "a.wav", "instructions": "Fast."}',
@@ -97,7 +97,7 @@ def test_manifest_rows_are_checked_one_by_one(tmp_path):
     assert "used again (first on line 1)" in errs[2]
     assert "not valid JSON" in errs[3] and "must be a JSON object" in errs[6]
     for part in ("id '../x' is not allowed", "text must be a non-empty string", "'nope.wav' does not exist",
-                 "seed must be an integer", "speed must be a number from 0.5 to 2.0"):
+                 "seed must be an integer", "speed must be a number from 0.25 to 4.0"):
         assert part in errs[7]
     for part in ("unknown voice 'nobody'; registered voices: anna", "prompt_text goes with prompt_wav",
                  "greedy must be true or false"):

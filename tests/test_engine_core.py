@@ -96,3 +96,14 @@ def test_stream_vs_nonstream_difference_is_the_references(stages):
     ref = assembled([a[f"flow_call{k}_mel"] for k in range(len(offsets))]) - b["flow_call0_mel"][0]
     assert np.abs(ref).mean() > 0.01  # the promise is not vacuous
     assert np.abs(ours - ref).max() <= 2e-3
+
+
+@pytest.mark.parametrize("speed, n_tokens", [(4.0, 1), (4.0, 2), (0.25, 3)])
+def test_speed_stretches_to_frames_over_speed_with_at_least_one(stages, speed, n_tokens):
+    """speed s: int(2 n / s) mel frames, 480 samples each; a one-token output at speed 4 (0 frames
+    by that rule, an interpolation error in the reference) keeps one frame."""
+    _, t2w, _ = stages
+    a, _ = load_fixture("e2e_zero_shot_nonstream")
+    _, _, fp = _inputs(a)
+    speech = t2w.full(a["flow_tokens"][0].tolist()[:n_tokens], fp, speed=speed)
+    assert speech.size == 480 * max(1, int(2 * n_tokens / speed)) and np.isfinite(speech).all()

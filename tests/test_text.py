@@ -72,6 +72,14 @@ def test_normalize_matches_reference(norm, case):
         assert norm.normalize(case["text"], text_frontend=False) == case["text_frontend_false"]
 
 
+def test_a_normalizer_failure_is_an_input_error(norm):
+    """wetext fails on a digit before "¢" (found by fuzzing the server, which answered 500):
+    an InputError (422) naming the text and a way around, not an AssertionError."""
+    with pytest.raises(InputError, match=r"normalizer \(wetext\) fails on 'It costs 10¢\.'.*10 cents"):
+        norm.normalize("It costs 10¢.")
+    assert norm.normalize("It costs 10 cents.") == ["It costs ten cents."]
+
+
 def test_split_lengths(norm, tok):
     case = META["split_cases"][0]
     assert [len(tok.encode(s)) for s in norm.normalize(case["text"])] == case["token_lens"]

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_INPUT_CHARS,
-                       MAX_QUEUE, MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS, PRECISION, SERVE_PARALLEL)
+                       MAX_QUEUE, MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS, PRECISION, SERVE_PARALLEL, SPEED_RANGE)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
     s.add_argument("--greedy", action="store_true", help="argmax decoding (deterministic)")
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    s.add_argument("--speed", type=float, default=1.0, help="speaking-rate factor (non-streaming)")
+    s.add_argument("--speed", type=float, default=1.0,
+                   help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (non-streaming)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     add_gpu_options(s)
     add_threads_option(s)

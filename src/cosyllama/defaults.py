@@ -6,6 +6,7 @@ Light on purpose (no torch): ``cosyllama --help`` prints them without loading an
 LLM_CHOICES = ("torch", "llamacpp")
 LLM_WEIGHTS = "llm.pt"  # LLM checkpoint in the model directory; the official one also ships llm.rl.pt
 PRECISION = "auto"  # flow compute precision (see cosyllama.precision)
+SPEED_RANGE = (0.25, 4.0)  # time-stretch factors allowed (OpenAI's speech API allows the same)
 N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot

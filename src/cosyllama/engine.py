@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .defaults import SPEED_RANGE
 from .errors import InputError
 from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
@@ -228,8 +229,8 @@ class Token2Wav:
         if not tokens:
             return np.zeros(0, dtype=np.float32)
         mel = self._mel(tokens, prompt, 0, streaming=False, finalize=True)
-        if speed != 1.0:
-            mel = F.interpolate(mel, size=int(mel.shape[2] / speed), mode="linear")
+        if speed != 1.0:  # at least one frame: a one-token output at speed > 2 would have none
+            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
         return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
     def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int) -> Iterator[AudioChunk]:
@@ -291,9 +292,12 @@ class Token2Wav:
 
 
 def check_speed(speed: float, stream: bool) -> float:
+    """``speed`` as a float, if it is allowed: within :data:`~cosyllama.defaults.SPEED_RANGE` and,
+    when streaming, 1.0."""
     speed = float(speed)
-    if not (0.5 <= speed <= 2.0) or math.isnan(speed):
-        raise InputError(f"speed must be between 0.5 and 2.0, got {speed}")
+    lo, hi = SPEED_RANGE
+    if not (lo <= speed <= hi):  # NaN too
+        raise InputError(f"speed must be between {lo} and {hi}, got {speed}")
     if stream and speed != 1.0:
         raise InputError("speed other than 1.0 needs non-streaming synthesis (the reference only "
                          "time-stretches the finished mel); drop --stream or use speed 1.0")

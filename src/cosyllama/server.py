@@ -8,48 +8,39 @@ on ``app.state``.
 The event loop never runs model code: the frontend, the flow and the vocoder run in the thread
 pool, one audio chunk per call. A request that does not fit (``max_concurrent`` running plus
 ``max_queue`` waiting) gets 503 with ``Retry-After``. A client that goes away cancels its request
-at once: its LLM sequence is released at the next decode step. Errors are JSON
-``{"error": {"message": str, "type": str}}``.
+at once: its LLM sequence is released at the next decode step. Errors are OpenAI's JSON
+``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server_errors`).
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Literal
-
-import numpy as np
 
 from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, MAX_TRANSCRIPT_CHARS, PRECISION, SERVE_PARALLEL
-from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
+from .errors import InputError, MissingDependencyError
 from .llm.factory import choose_llm, make_token_source
-from .scheduler import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, CancelToken, RequestCancelled,
-                        SchedulerBusyError)
+from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
 
 try:
-    import anyio
     from fastapi import APIRouter, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
-    from pydantic import BaseModel, ConfigDict, Field
     from starlette.concurrency import run_in_threadpool
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
 from .server_common import ApiError  # noqa: E402
-from .server_common import busy as _busy  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
+from .server_errors import add_error_handlers  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
+from .server_speech import SpeechRequest  # noqa: E402
+from .server_speech import router as speech_router  # noqa: E402
 from .server_voices import VoiceLimits, open_voice_store, warm_voices  # noqa: E402
 from .server_voices import router as voices_router  # noqa: E402
-from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav_header  # noqa: E402
+from .server_wire import BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
@@ -57,85 +48,6 @@ DEFAULT_MAX_INPUT_CHARS = MAX_INPUT_CHARS  # characters of text per request
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
-
-
-# ----------------------------------------------------------------------------------------------
-# Request models
-
-
-class SpeechRequest(BaseModel):
-    """Body of ``POST /v1/audio/speech``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    input: str = Field(description="text to speak")
-    voice: str = Field(description="id of a voice registered with POST /v1/voices")
-    model: str | None = Field(None, description="accepted for OpenAI compatibility; ignored")
-    response_format: Literal["wav", "pcm", "flac"] = "wav"
-    speed: float = Field(1.0, ge=0.5, le=2.0, description="time stretch; non-streaming only")
-    stream: bool = False
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    greedy: bool = False
-    instructions: str | None = Field(None, description="style instruction: selects instruct mode")
-
-
-# ----------------------------------------------------------------------------------------------
-# One synthesis
-
-
-class _Job:
-    """One speech request's synthesis, advanced chunk by chunk from the thread pool.
-
-    ``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
-    cancel token lets the event loop free the LLM sequence without waiting for that chunk.
-    """
-
-    def __init__(self, tts, req: SpeechRequest):
-        self.tts, self.req = tts, req
-        self.token = CancelToken()
-        self.lock = threading.Lock()
-        self.syn = None
-
-    def open(self) -> None:
-        from .tts import SynthesisOptions
-
-        r, tts = self.req, self.tts
-        opts = SynthesisOptions(stream=r.stream, speed=r.speed, greedy=r.greedy, seed=r.seed)
-        with self.lock, self.token.bound():
-            self.syn = tts.synthesize(r.input, instruction=r.instructions, voice=r.voice, options=opts)
-
-    def next(self) -> np.ndarray | None:
-        """The next chunk's samples (float32), or None at the end."""
-        with self.lock, self.token.bound():
-            chunk = next(self.syn, None)
-        return None if chunk is None else chunk.samples
-
-    def close(self) -> None:
-        """Stop the synthesis; its LLM sequence is free when this returns."""
-        self.token.cancel()
-        with self.lock:
-            if self.syn is not None:
-                self.syn.close()
-
-
-def _synthesis_error(e: Exception) -> ApiError:
-    if isinstance(e, (SchedulerBusyError, BackendBusyError)):
-        return _busy(str(e))
-    if isinstance(e, InputError):
-        return ApiError(422, str(e))
-    if isinstance(e, CosyllamaError):
-        return ApiError(400, str(e))
-    log.exception("synthesis failed", exc_info=e)
-    return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", "internal_error")
-
-
-async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
-    """Wait for the client to go away, then cancel the request's generation."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            token.cancel()
-            return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,108 +67,6 @@ class ServerLimits:
 
 
 router = APIRouter()
-
-
-def _error_response(status: int, message: str, type: str, headers=None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type}}, status_code=status, headers=headers)
-
-
-async def _api_error(request, e: ApiError):
-    return _error_response(e.status, e.message, e.type, e.headers)
-
-
-async def _validation_error(request, e: RequestValidationError):
-    parts = []
-    for err in e.errors():
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {err.get('msg')}")
-    return _error_response(422, "; ".join(parts) or "invalid request", "invalid_request_error")
-
-
-async def _http_error(request, e: StarletteHTTPException):
-    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return _error_response(e.status_code, str(e.detail), kind, getattr(e, "headers", None))
-
-
-# -- speech -----------------------------------------------------------------------------------
-
-
-@router.post("/v1/audio/speech")
-async def speech(body: SpeechRequest, request: Request):
-    tts, limits = request.app.state.tts, request.app.state.limits
-    if len(body.input) > limits.max_input_chars:
-        raise ApiError(413, f"input is {len(body.input)} characters long; at most {limits.max_input_chars} "
-                       "are allowed per request: split the text", "request_too_large")
-    if not body.input.strip():
-        raise ApiError(422, "input is empty; give some text to speak")
-    if body.voice not in tts.voices:
-        raise ApiError(404, f"unknown voice {body.voice!r}; registered voices: "
-                       f"{', '.join(tts.voices.ids()) or 'none'} (add one with POST /v1/voices)",
-                       "not_found_error")
-    if body.stream and body.response_format == "flac":
-        raise ApiError(422, "response_format 'flac' cannot be streamed; use 'wav' or 'pcm' with stream=true")
-    if body.stream and body.speed != 1.0:
-        raise ApiError(422, f"speed {body.speed} needs stream=false (speed is applied to the finished audio)")
-    g = _gate(request.app)
-    await g.acquire()
-    job = _Job(tts, body)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))
-    done = handed_off = False
-
-    async def cleanup():
-        nonlocal done
-        if not done:
-            done = True
-            watcher.cancel()
-            try:
-                await run_in_threadpool(job.close)
-            finally:
-                g.release()
-
-    try:
-        try:
-            await run_in_threadpool(job.open)
-            first = await run_in_threadpool(job.next)
-        except RequestCancelled:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        except Exception as e:
-            raise _synthesis_error(e) from e
-        sr = tts.sample_rate
-        if body.stream:
-            handed_off = True  # the response runs cleanup when it ends
-            return AudioStream(_stream_body(job, first, sr, body.response_format), cleanup,
-                                MEDIA_TYPES[body.response_format])
-        parts = [first] if first is not None else []
-        try:
-            while (samples := await run_in_threadpool(job.next)) is not None:
-                parts.append(samples)
-        except RequestCancelled:
-            return Response(status_code=499)
-        except Exception as e:
-            raise _synthesis_error(e) from e
-        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        data = await run_in_threadpool(encode, audio, sr, body.response_format)
-        return Response(data, media_type=MEDIA_TYPES[body.response_format])
-    finally:
-        if not handed_off:
-            with anyio.CancelScope(shield=True):
-                await cleanup()
-
-
-async def _stream_body(job: _Job, first, sample_rate: int, fmt: str):
-    if fmt == "wav":
-        yield wav_header(sample_rate, None)
-    samples = first
-    while samples is not None:
-        if samples.size:
-            yield pcm16(samples)
-        try:
-            samples = await run_in_threadpool(job.next)
-        except RequestCancelled:
-            return
-        except Exception as e:  # the status line is gone: end the stream early and say why in the log
-            log.error("stream ended early: %s", _synthesis_error(e).message)
-            return
 
 
 # -- health -----------------------------------------------------------------------------------
@@ -333,10 +143,9 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app.state.limits = ServerLimits(max_concurrent, max_queue, max_input_chars, max_prompt_bytes)
     app.state.gate = None
     app.state.voice_limits = VoiceLimits(max_transcript_chars)
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    add_error_handlers(app)
     app.include_router(router)
+    app.include_router(speech_router)
     app.include_router(voices_router)
     return app
 

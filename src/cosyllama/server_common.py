@@ -1,6 +1,6 @@
 """What the server's route modules share: :class:`ApiError` (answered as a JSON error body by the
-handlers ``create_app`` installs) and the admission gate, one per app on ``app.state.gate``.
-Needs the ``server`` extra."""
+handlers ``create_app`` installs, see :mod:`cosyllama.server_errors`), :func:`error_body` and the
+admission gate, one per app on ``app.state.gate``. Needs the ``server`` extra."""
 
 from __future__ import annotations
 
@@ -11,13 +11,23 @@ from fastapi import FastAPI
 RETRY_AFTER_S = 1  # seconds, sent with 503
 
 
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: ``param`` is the request field at fault, ``code`` a short
+    machine-readable reason (either may be None)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
 class ApiError(Exception):
-    """An error answered as ``{"error": {"message", "type"}}`` with an HTTP status."""
+    """An error answered as :func:`error_body` with an HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.headers = status, message, type, headers
+        self.param, self.code = param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
 
 
 def busy(message: str) -> ApiError:

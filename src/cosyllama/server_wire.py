@@ -1,18 +1,44 @@
-"""What the server puts on the wire: audio encodings (wav, pcm, flac) and the ASGI pieces around
-the routes (a request-body limit, a streaming response that always cleans up). Needs the
-``server`` extra."""
+"""What the server puts on the wire: audio encodings (wav, pcm, flac, mp3, opus), whole or chunk by
+chunk, and the ASGI pieces around the routes (a request-body limit, a streaming response that always
+cleans up). Needs the ``server`` extra.
+
+mp3 and opus are encoded by libsndfile (through soundfile): mp3 at a constant 80 kbit/s (MPEG-2
+layer III at 24 kHz), opus in an Ogg container at libsndfile's default bitrate. Streamed, an
+encoder's output goes out as libsndfile writes it:
+
+* Ogg/Opus is written front to back, so a stream is byte for byte a file. Its pages are cut every
+  100 ms of audio (libsndfile's default, 1 s, would hold back most of a chunk until the next one).
+* An mp3 file's first frame is a placeholder that libsndfile fills at the end with the LAME tag
+  (length, and how much encoder delay and padding to trim); a stream cannot go back for it, so a
+  streamed mp3 starts with a silent frame and decoders also play the delay and padding: up to
+  about 0.1 s more (silent) audio than the whole file has.
+* flac goes back to write its header at the end too and is not streamed.
+"""
 
 from __future__ import annotations
 
 import io
+import logging
 import struct
 
 import anyio
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from .server_common import error_body
+
 PCM_BYTES = 2  # 16-bit samples on the wire
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
+FORMATS = tuple(MEDIA_TYPES)
+STREAMABLE = ("wav", "pcm", "mp3", "opus")
+# soundfile.SoundFile arguments of the formats libsndfile encodes
+_SOUNDFILE = {
+    "flac": {"format": "FLAC", "subtype": "PCM_16"},
+    # compression_level 0.5 at constant bitrate: 80 kbit/s at 24 kHz; a constant bitrate also lets
+    # readers of a streamed file (no LAME tag) compute its length from its size
+    "mp3": {"format": "MP3", "subtype": "MPEG_LAYER_III", "bitrate_mode": "CONSTANT", "compression_level": 0.5},
+    "opus": {"format": "OGG", "subtype": "OPUS"},
+}
 
 
 def pcm16(samples: np.ndarray) -> bytes:
@@ -30,24 +56,144 @@ def wav_header(sample_rate: int, n_data_bytes: int | None) -> bytes:
             + b"data" + struct.pack("<I", data))
 
 
+def _sf_samples(samples: np.ndarray, fmt: str) -> np.ndarray:
+    if fmt == "flac":  # the same 16-bit samples as wav/pcm (soundfile's own float rounding differs)
+        return np.frombuffer(pcm16(samples), "<i2")
+    return np.clip(samples, -1.0, 1.0).astype(np.float32, copy=False)
+
+
 def encode(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
-    """A whole response body in ``fmt`` (wav | pcm | flac)."""
-    if fmt == "flac":
+    """A whole response body in ``fmt`` (one of :data:`FORMATS`)."""
+    if fmt in _SOUNDFILE:
         import soundfile as sf
 
-        buf = io.BytesIO()  # the same 16-bit samples as wav/pcm (soundfile's own float rounding differs)
-        sf.write(buf, np.frombuffer(pcm16(samples), "<i2"), sample_rate, format="FLAC", subtype="PCM_16")
+        buf = io.BytesIO()
+        sf.write(buf, _sf_samples(samples, fmt), sample_rate, **_SOUNDFILE[fmt])
         return buf.getvalue()
     body = pcm16(samples)
     return wav_header(sample_rate, len(body)) + body if fmt == "wav" else body
+
+
+class _Outbox(io.RawIOBase):
+    """A write-only file for libsndfile whose bytes leave as they are written: :meth:`take`
+    returns what was written since the last call. A write into bytes already taken (an encoder
+    going back to fill in a header) cannot be sent and is dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = 0  # bytes taken so far
+        self.pending = bytearray()  # bytes from offset `sent` on
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        n = len(data)
+        skip = max(0, self.sent - self.pos)  # the part that falls on bytes already sent
+        start = self.pos + skip - self.sent
+        if skip < n:
+            if start > len(self.pending):
+                self.pending.extend(bytes(start - len(self.pending)))
+            self.pending[start:start + n - skip] = data[skip:]
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.sent + len(self.pending)}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, size: int = -1) -> bytes:
+        return b""  # encoders do not read back what they wrote
+
+    def take(self) -> bytes:
+        out = bytes(self.pending)
+        self.sent += len(out)
+        self.pending.clear()
+        return out
+
+
+OGG_PAGE_MS = 100.0  # audio per Ogg page of a streamed opus response
+_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # libsndfile's sf_command for it (sndfile.h, libsndfile >= 1.0.29)
+_warned_page_latency = False
+
+
+def _set_ogg_page_latency(f, ms: float) -> None:
+    """Cut the Ogg pages of ``f`` (a soundfile.SoundFile being written) every ``ms`` of audio.
+    soundfile has no call for this libsndfile command, so it goes through soundfile's handle on
+    the library; a soundfile without one keeps 1 s pages, and the log says so once."""
+    global _warned_page_latency
+    import soundfile as sf
+
+    try:
+        value = sf._ffi.new("double *", ms)
+        sf._snd.sf_command(f._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, sf._ffi.sizeof("double"))
+    except AttributeError:
+        if not _warned_page_latency:
+            _warned_page_latency = True
+            logging.getLogger("cosyllama.server").warning(
+                "streamed opus goes out in 1 s pages: soundfile %s has no handle on libsndfile to ask for "
+                "%g ms ones", sf.__version__, ms)
+
+
+class StreamEncoder:
+    """A streamed response body in ``fmt`` (one of :data:`STREAMABLE`), chunk by chunk:
+    :meth:`write` returns the bytes ready to send (possibly none), :meth:`close` the rest."""
+
+    def __init__(self, fmt: str, sample_rate: int):
+        if fmt not in STREAMABLE:
+            raise ValueError(f"{fmt!r} cannot be streamed; streamable: {', '.join(STREAMABLE)}")
+        self.fmt, self.sample_rate = fmt, sample_rate
+        self._header = wav_header(sample_rate, None) if fmt == "wav" else b""
+        self._out = self._file = None
+        if fmt in _SOUNDFILE:
+            import soundfile as sf
+
+            self._out = _Outbox()
+            self._file = sf.SoundFile(self._out, "w", samplerate=sample_rate, channels=1, **_SOUNDFILE[fmt])
+            if fmt == "opus":
+                _set_ogg_page_latency(self._file, OGG_PAGE_MS)
+
+    def _head(self) -> bytes:
+        head, self._header = self._header, b""
+        return head
+
+    def write(self, samples: np.ndarray) -> bytes:
+        if self._file is None:
+            return self._head() + pcm16(samples)
+        if samples.size:
+            self._file.write(_sf_samples(samples, self.fmt))
+        return self._out.take()
+
+    def close(self) -> bytes:
+        """The end of the stream (idempotent: later calls return nothing)."""
+        if self._file is None:
+            return self._head()
+        self._file.close()
+        self._file = None
+        tail = self._out.take()
+        self._out = None
+        self._header = b""
+        return tail
 
 
 class AudioStream(StreamingResponse):
     """A streaming response that always runs ``cleanup`` when it ends, also when the client left
     before the body started (an async generator that never started would not run its ``finally``)."""
 
-    def __init__(self, content, cleanup, media_type: str):
-        super().__init__(content, media_type=media_type)
+    def __init__(self, content, cleanup, media_type: str, headers: dict[str, str] | None = None):
+        super().__init__(content, media_type=media_type, headers=headers)
         self._cleanup = cleanup
 
     async def __call__(self, scope, receive, send) -> None:
@@ -71,7 +217,7 @@ class BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
             msg = f"the request body is larger than {self.limit} bytes"
-            response = JSONResponse({"error": {"message": msg, "type": "request_too_large"}}, status_code=413)
+            response = JSONResponse(error_body(msg, "request_too_large"), status_code=413)
             return await response(scope, receive, send)
         seen = 0
 

@@ -318,17 +318,26 @@ class TextNormalizer:
         else:
             if russian_numbers and _CYRILLIC_RE.search(text):
                 text = expand_russian_sentences(text)
-            with self._lock:
-                text = self._en.normalize(text)
+            text = self._wetext(self._en, text)
             text = spell_out_number(text)
             segments = split_paragraph(text, lambda s: len(self.tokenizer.encode(s)), "en") if split else []
         if not split:
             return text
         return [s for s in segments if not is_only_punctuation(s)]
 
-    def _normalize_zh(self, text: str) -> str:
+    def _wetext(self, normalizer, text: str) -> str:
+        """wetext's normalization of ``text``; its grammars fail on a few inputs (``"10¢"``: an
+        AssertionError in wetext 0.1.8), which is an input error naming the text, not a crash."""
         with self._lock:
-            text = self._zh.normalize(text)
+            try:
+                return normalizer.normalize(text)
+            except Exception as e:
+                shown = text if len(text) <= 80 else text[:77] + "..."
+                raise InputError(f"the text normalizer (wetext) fails on {shown!r} ({type(e).__name__}); "
+                                 "write out the symbols next to numbers (e.g. '10¢' as '10 cents')") from e
+
+    def _normalize_zh(self, text: str) -> str:
+        text = self._wetext(self._zh, text)
         text = text.replace("\n", "")
         text = replace_blank(text)
         text = text.replace("²", "平方").replace("³", "立方")

@@ -44,7 +44,7 @@ __all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOption
 class SynthesisOptions:
     """Per-call options.
 
-    stream: yield audio chunk by chunk as tokens are decoded. speed: 0.5-2.0 time stretch of the
+    stream: yield audio chunk by chunk as tokens are decoded. speed: 0.25-4.0 time stretch of the
     finished mel (non-streaming only). greedy: argmax decoding. seed: makes sampling reproducible
     (segment i uses seed + i). text_frontend: normalize and split the text. russian_numbers: spell
     numbers in Russian sentences in Russian (else English, as the reference does).

@@ -16,13 +16,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..defaults import SPEED_RANGE
 from ..errors import InputError
 
 MODES = ("zero-shot", "cross-lingual", "instruct")
 FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed")
 REQUIRED = ("id", "text", "mode")
 MAX_SEED = 2**31 - 1
-SPEED_RANGE = (0.5, 2.0)
 # A file name on every filesystem: no separators, no leading dot (temporary files start with one).
 _ID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 

@@ -1,0 +1,72 @@
+"""The handlers that answer every error the way OpenAI's API does, as JSON ``{"error": {"message":
+str, "type": str, "param": str | None, "code": str | None}}`` (:func:`~cosyllama.server_common.error_body`),
+and the answer for an exception raised while synthesizing. Needs the ``server`` extra."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .errors import BackendBusyError, CosyllamaError, InputError
+from .scheduler import SchedulerBusyError
+from .server_common import ApiError, busy, error_body
+
+log = logging.getLogger("cosyllama.server")
+
+
+def synthesis_error(e: Exception) -> ApiError:
+    """The answer for an exception raised while synthesizing."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, (SchedulerBusyError, BackendBusyError)):
+        return busy(str(e))
+    if isinstance(e, InputError):
+        return ApiError(422, str(e))
+    if isinstance(e, CosyllamaError):
+        return ApiError(400, str(e))
+    log.exception("synthesis failed", exc_info=e)
+    return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", "internal_error")
+
+
+async def _api_error(request, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _validation_error(request, e: RequestValidationError):
+    """422 naming every bad field; ``param`` and ``code`` come from the first (pydantic's error type,
+    e.g. ``missing``, ``bool_type``, ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
+    parts, first = [], None
+    for err in e.errors():
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc and loc[0] in ("body", "path", "query", "header", "cookie"):
+            loc = loc[1:]  # the field's name, as OpenAI's `param` gives it
+        if err.get("type") == "json_invalid":
+            loc = []  # the location is a character offset, not a field
+        where = ".".join(loc) or None
+        parts.append(f"{where or 'body'}: {err.get('msg')}")
+        if first is None:
+            first = (where, err.get("type"))
+    param, code = first or (None, None)
+    return JSONResponse(error_body("; ".join(parts) or "invalid request", "invalid_request_error", param, code),
+                        status_code=422)
+
+
+async def _http_error(request, e: StarletteHTTPException):
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code,
+                        headers=getattr(e, "headers", None))
+
+
+async def _unexpected_error(request, e: Exception):
+    """A bug: answer 500 with the JSON error body (the traceback goes to the log)."""
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500)
+
+
+def add_error_handlers(app) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,102 @@
+"""Property-based fuzzing of the HTTP API from its own OpenAPI schema (schemathesis + hypothesis):
+requests that fit the schema and requests that break it, against the server on loopback (tiny
+model, llama.cpp F32). No answer may be a 5xx other than 503 (busy). The default run is bounded
+by examples and by a time budget; ``-m slow`` runs more, with fresh random examples."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from helpers import MODEL_DIR
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llama_cpp")
+httpx = pytest.importorskip("httpx")
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cosyllama.server import create_app  # noqa: E402
+from test_server import PROMPT_WAV, LoopbackServer  # noqa: E402
+
+VOICE = "en"
+MAX_INPUT_CHARS = 48  # keeps each synthesis of generated text short; longer input gets 413
+
+
+@pytest.fixture(scope="module")
+def server(tiny_gguf):
+    from cosyllama.llm.llamacpp_backend import LlamaCppLLM
+    from cosyllama.tts import TTS
+
+    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=4)
+    srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend),
+                                    max_input_chars=MAX_INPUT_CHARS, max_prompt_bytes=1_000_000))
+    yield srv
+    srv.stop()
+    backend.close()
+
+
+def _ensure_voice(url: str) -> None:
+    ids = [v["id"] for v in httpx.get(f"{url}/v1/voices", timeout=60).json()["voices"]]
+    if VOICE not in ids:
+        r = httpx.post(f"{url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
+                       data={"text": "Hello, this is my voice.", "id": VOICE}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def _reach_synthesis(body: dict) -> None:
+    """Make a generated speech body one the route accepts, so that it reaches synthesis: a
+    registered voice, and none of the combinations the route refuses whatever the values (the
+    schema cannot say them): streaming with speed != 1 or flac, stream=false beside a
+    stream_format."""
+    body["voice"] = VOICE
+    if body.get("stream_format") is not None and body.get("stream") is False:
+        del body["stream"]
+    if body.get("stream_format") is not None or body.get("stream") is True:
+        body.pop("speed", None)
+        if body.get("response_format") == "flac":
+            body["response_format"] = "wav"
+
+
+def _fuzz(server, max_examples: int, budget_s: float, derandomize: bool):
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    positive, negative = schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE
+    speech = schema["/v1/audio/speech"]["POST"].as_strategy(generation_mode=positive)
+    # valid speech requests three times as often as the rest: they reach synthesis
+    cases = st.one_of(speech, speech, speech, schema.as_strategy(generation_mode=positive),
+                      schema.as_strategy(generation_mode=negative))
+    seen: dict[str, int] = {}
+    deadline = time.monotonic() + budget_s
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=derandomize,
+              suppress_health_check=list(HealthCheck))
+    @given(case=cases, repair=st.integers(0, 3))
+    def run(case, repair):
+        if time.monotonic() > deadline:
+            return  # out of time: the remaining examples pass at once
+        _ensure_voice(server.url)
+        if repair and isinstance(case.body, dict) and "voice" in case.body:
+            _reach_synthesis(case.body)
+        response = case.call(base_url=server.url, timeout=60)
+        key = f"{case.method} {case.operation.path} {response.status_code}"
+        seen[key] = seen.get(key, 0) + 1
+        assert response.status_code < 500 or response.status_code == 503, (
+            f"{response.status_code} for {case.method} {case.formatted_path} body={case.body!r}: "
+            f"{response.text[:500]}")
+
+    run()
+    return seen
+
+
+def test_fuzz_the_api_from_its_schema(server):
+    seen = _fuzz(server, max_examples=200, budget_s=40, derandomize=True)
+    print(sorted(seen.items()))
+    assert any(k.startswith("POST /v1/audio/speech 200") for k in seen), seen  # synthesis was reached
+
+
+@pytest.mark.slow
+def test_fuzz_the_api_longer(server):
+    seen = _fuzz(server, max_examples=1500, budget_s=600, derandomize=False)
+    print(sorted(seen.items()))
