@@ -86,7 +86,7 @@ def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=PRECISION, help=help)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default=PRECISION, help=help)
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
@@ -158,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu",
                    help="cpu or cuda: where the torch LLM, the flow and the vocoder run (default cpu); llama.cpp "
                         "rows use the GPU only if llama-cpp-python was built with GPU support")
+    b.add_argument("--flow-precisions", default=None,
+                   help="comma list of flow precisions to time (fp32 first: the others' fidelity is measured "
+                        "against it; default fp32,bf16,int8 on the CPU, fp32,bf16 on a GPU); the pipeline's "
+                        "rows take fp32 and auto")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="no-weights demo: synthesize with both backends on a full-size random model")
