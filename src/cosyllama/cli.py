@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speed", type=float, default=1.0, help="speaking-rate factor (non-streaming)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     add_threads_option(s)
-    add_precision_option(s, "flow compute: auto = bf16 where the CPU/GPU has it natively, else fp32 (the reference)")
+    add_precision_option(s, "flow compute: auto = bf16 where the CPU/GPU has it natively, int8 on other x86 CPUs, "
+                            "each kept only if a fidelity check on the loaded weights passes, else fp32 (the "
+                            "reference)")
     add_llm_weights_option(s)
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.set_defaults(func=cmd_synth)
