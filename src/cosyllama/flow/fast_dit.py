@@ -101,7 +101,7 @@ class _Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x, self.packed, INT8_REDUCE_RANGE)
-        return F.gelu(y, approximate="tanh") if self.gelu else y
+        return torch.ops.aten.gelu_(y, approximate="tanh") if self.gelu else y  # in place: y is ours
 
 
 class FastDiT:
@@ -176,16 +176,21 @@ class FastDiT:
         return per_block, final
 
     @staticmethod
-    def _rotate_head0_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """In place on ``qkv (B, N, 3*dim)``: RoPE on the first ``2*cos.shape[-1]`` channels of q and
-        of k (head 0; the reference rotates the first channels of the full projection)."""
+    def _rotate_head0_(qkv: torch.Tensor, heads: int, cis: torch.Tensor) -> None:
+        """In place on ``qkv (B, N, 3*dim)``: RoPE on the first ``2*cis.shape[-1]`` channels of q and
+        of k (head 0; the reference rotates the first channels of the full projection). A channel
+        pair (a, b) is the complex number a + ib, and rotating it is a product with ``cis`` =
+        cos + i sin ``(N, 1, r/2)`` complex64: one vectorized op on the strided view (float32), where
+        the real-arithmetic form on these strided views (4 products, 2 sums, a stack and a copy)
+        cost ~12 % of an int8 DiT step on an AVX2 CPU."""
         b, n, _ = qkv.shape
-        r = 2 * cos.shape[-1]
+        r = 2 * cis.shape[-1]
         qk0 = qkv.view(b, n, 3, heads, -1)[:, :, :2, 0, :r]  # (B, N, 2, r) view
-        pairs = qk0.float().unflatten(-1, (r // 2, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-        qk0.copy_(rot)
+        if qkv.dtype == torch.float32:
+            torch.view_as_complex(qk0.unflatten(-1, (r // 2, 2))).mul_(cis)
+        else:  # no bfloat16 complex type: rotate a float32 copy
+            c = torch.view_as_complex(qk0.float().unflatten(-1, (r // 2, 2)))
+            qk0.copy_(torch.view_as_real(c * cis).flatten(-2))
 
     def solve_from(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                    grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool,
@@ -206,7 +211,7 @@ class FastDiT:
                           spks[:, None, :].expand(-1, m, -1)], dim=-1)
         const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, m, -1)])
         ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over the q/k axis
+        cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
         ones = torch.ones(dim, device=mu.device)
         x = noise[:, :, start:]
@@ -221,7 +226,7 @@ class FastDiT:
                 # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
                 n1 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_a[s]).to(dt_), sh_a[s].to(dt_), eps)
                 qkv = blk["qkv"](n1)
-                self._rotate_head0_(qkv, self.heads, cos, sin)
+                self._rotate_head0_(qkv, self.heads, cis)
                 q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]  # (B, m, dim) views
                 if past is not None:
                     k, v = past.kv(i, k, v)  # (B, N, dim): cached frames first
