@@ -401,6 +401,7 @@ def run_bench(args, progress: Progress = print) -> int:
     from ..device import resolve_device
 
     device = resolve_device(getattr(args, "device", "cpu"))
+    variants = flow_variants(getattr(args, "flow_precisions", None), device)
     model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
     from ..config import load_config
 
@@ -414,7 +415,7 @@ def run_bench(args, progress: Progress = print) -> int:
     if parts & {"flow", "vocoder"}:
         res["flow"], res["vocoder"] = run_flow_vocoder(
             model_dir, args.prompt_seconds, args.output_seconds, args.repeat, parts, progress, device,
-            flow_variants(getattr(args, "flow_precisions", None), device))
+            variants)
     if "pipeline" in parts:
         res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
                                        progress, device)
