@@ -5,7 +5,9 @@ Measures, in one run:
 * memory read bandwidth (sum over a 1 GiB float32 tensor, 1 and all threads, best of ``--repeats``);
 * matrix-product throughput at the DiT's real shapes (2 CFG rows x 650 frames against the block
   matrices of Fun-CosyVoice3-0.5B), float32 and bfloat16, through the same pre-packed oneDNN
-  linear that the flow's bf16 solver uses;
+  linear that the flow's bf16 solver uses, and int8 through the int8 flow's kernel (fbgemm's
+  dynamic linear: activations quantized on each call, included) and through fbgemm's int8 product
+  with the activations quantized beforehand (the int8 peak the flow's products can approach);
 
 and turns them into lower bounds:
 
@@ -90,6 +92,33 @@ def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> tu
     return flops / best_time(run, repeats) / 1e9, kernel
 
 
+def int8_gemm_gops(rows: int, threads: int, repeats: int) -> dict[str, float]:
+    """int8 throughput (GOP/s, one multiply-add = 2 ops) of one DiT block's products on ``rows`` rows:
+    ``dynamic`` = what the int8 flow runs (:class:`cosyllama.flow.fast_dit._Int8Linear`: quantizing
+    the float32 activations, the int8 product, float32 out); ``prequantized`` = fbgemm's product on
+    activations already quantized (u8 in, float32 out): the kernel alone."""
+    import warnings
+
+    from cosyllama.flow import fast_dit
+
+    torch.set_num_threads(threads)
+    layers, flops = [], 0
+    for k, n in dit_shapes():
+        lin = fast_dit._Int8Linear(torch.randn(n, k) / k ** 0.5, torch.zeros(n))
+        layers.append((torch.randn(rows, k), lin))
+        flops += 2 * rows * k * n
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        qx = [torch.quantize_per_tensor(x, float(x.abs().max()) / 63, 64, torch.quint8) for x, _ in layers]
+    out = {"dynamic": flops / best_time(lambda: [lin(x) for x, lin in layers], repeats) / 1e9}
+    try:  # static int8 linear: u8 in, int8 product, requantized u8 out (no float pass on either side)
+        out["prequantized"] = flops / best_time(
+            lambda: [torch.ops.quantized.linear(q, lin.packed, 1.0, 0) for q, (_, lin) in zip(qx, layers)], repeats) / 1e9
+    except (RuntimeError, AttributeError):
+        pass
+    return out
+
+
 def flow_gemm_seconds_per_audio_s(gflops: float, prompt_s: float, output_s: float, steps: int = 10) -> dict:
     s = SIZES["full"]
     frames = round((prompt_s + output_s) * MEL_RATE)
@@ -141,13 +170,20 @@ def main() -> int:
         res["gemm_gflops"][name], res["gemm_kernel"][name] = round(g, 1), kernel
         if not kernel.startswith("oneDNN"):
             print(f"{name}: {kernel}; measured that instead")
+    from cosyllama.precision import int8_available
+
+    if int8_available():
+        for name, g in int8_gemm_gops(rows, args.threads, args.repeats).items():
+            res["gemm_gflops"][f"int8-{name}"] = round(g, 1)
+            res["gemm_kernel"][f"int8-{name}"] = "fbgemm " + ("dynamic linear (the int8 flow's)" if name == "dynamic"
+                                                              else "static linear on pre-quantized u8")
     if not has_native_bf16():
         print("bf16: this CPU has no native bf16 (AVX512-BF16/AMX): the bf16 figure is emulation, "
-              "which is why --precision auto picks fp32 here")
+              "which is why --precision auto does not pick it here (int8 if it passes its check, else fp32)")
     res["flow"] = {name: flow_gemm_seconds_per_audio_s(g, args.prompt_s, args.output_s)
                    for name, g in res["gemm_gflops"].items()}
     print(f"memory read: {res['read_gb_s']} GB/s (by threads)")
-    print(f"DiT matrix products ({rows} rows): {res['gemm_gflops']} GFLOP/s")
+    print(f"DiT matrix products ({rows} rows): {res['gemm_gflops']} GFLOP/s (int8: GOP/s)")
     for name, f in res["flow"].items():
         print(f"flow {name}: {f['gemm_tflop']:.2f} TFLOP of matrix products (+{f['attention_tflop']:.2f} attention) "
               f"for {args.output_s:g} s -> >= {f['gemm_bound_s_per_audio_s']:.2f} s per audio second")

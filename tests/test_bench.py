@@ -67,7 +67,10 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
         assert r["tokens_per_s"] > 0 and r["rtf"] > 0
     for part in ("flow", "vocoder"):
         assert res[part] and all(r["variant"] and r["seconds_per_audio_second"] > 0 for r in res[part])
-    assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] and res["flow"][0]["mel_max_abs_diff_vs_fp32"] == 0
+    from cosyllama.precision import int8_available
+
+    assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] + (["int8"] if int8_available() else [])
+    assert res["flow"][0]["mel_max_abs_diff_vs_fp32"] == 0
     assert [(r["llm"], r["flow"]) for r in res["pipeline"]][:2] == [("torch fp32", "fp32"), ("llamacpp speech Q8_0", "fp32")]
     for r in res["pipeline"]:
         assert r["rtf"] > 0 and r["first_chunk_s"] > 0 and r["peak_rss_mb"] > 0 and r["flow"]
@@ -76,6 +79,16 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
 def test_bench_rejects_bad_parts(capsys):
     assert main(["bench", "--parts", "llm,gpu"]) == 2
     assert "unknown --parts gpu" in capsys.readouterr().err
+
+
+def test_bench_flow_precisions(capsys):
+    from cosyllama.tools.bench import flow_variants
+
+    cpu = torch.device("cpu")
+    assert flow_variants("int8, auto,int8", cpu) == ("fp32", "int8", "auto")  # fp32 first: the fidelity reference
+    assert "int8" not in flow_variants(None, torch.device("cuda"))
+    assert main(["bench", "--flow-precisions", "fp32,int4"]) == 2
+    assert "--flow-precisions 'fp32,int4': choose from fp32, bf16, int8, auto" in capsys.readouterr().err
 
 
 def test_bench_rejects_a_device_it_cannot_use(capsys):

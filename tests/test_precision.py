@@ -1,4 +1,4 @@
-"""Precision policy (fp32 | bf16 | auto) and the fidelity bound of the fast paths on the fixtures.
+"""Precision policy (fp32 | bf16 | int8 | auto) and the fidelity bound of the fast paths on the fixtures.
 
 A fast path may be the default only if its mel stays within MEAN_BOUND / MAX_BOUND (natural-log mel
 units) of the float32 path. The flow is held to it on every recorded upstream flow call; the vocoder
@@ -57,18 +57,28 @@ def test_names_resolve():
     assert resolve_precision("bfloat16") is torch.bfloat16
     assert resolve_precision(None) is torch.float32
     assert resolve_precision(torch.bfloat16) is torch.bfloat16
+    assert resolve_precision("INT8") is prec.INT8 and prec.precision_name(prec.INT8) == "int8"
 
 
-@pytest.mark.parametrize("bad", ["fp16", "", "int8", "bf-16", torch.float16])
+def test_int8_is_cpu_only():
+    with pytest.raises(InputError, match="CPU only"):
+        resolve_precision("int8", "cuda")
+
+
+@pytest.mark.parametrize("bad", ["fp16", "", "int4", "bf-16", torch.float16])
 def test_bad_names_are_refused_with_the_allowed_ones(bad):
-    with pytest.raises(InputError, match="fp32, bf16, auto"):
+    with pytest.raises(InputError, match="fp32, bf16, int8, auto"):
         resolve_precision(bad)
 
 
-def test_auto_follows_the_cpu(monkeypatch):
+def test_auto_candidate_follows_the_cpu(monkeypatch):
+    """``auto``'s candidate (the flow keeps it only after its fidelity check, see test_flow_int8.py):
+    bf16 where native, else int8 where PyTorch has its x86 int8 kernels, else fp32."""
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
     assert resolve_precision("auto", "cpu") is torch.bfloat16
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
+    assert resolve_precision("auto", "cpu") is (prec.INT8 if prec.int8_available() else torch.float32)
+    monkeypatch.setattr(prec, "int8_available", lambda: False)
     assert resolve_precision("auto", "cpu") is torch.float32
 
 

@@ -87,7 +87,7 @@ def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=PRECISION, help=help)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default=PRECISION, help=help)
 
 
 def add_gpu_options(p: argparse.ArgumentParser) -> None:
@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     add_gpu_options(s)
     add_threads_option(s)
-    add_precision_option(s, "flow compute: auto = bf16 where the CPU/GPU has it natively, else fp32 (the reference)")
+    add_precision_option(s, "flow compute: auto = bf16 where the CPU/GPU has it natively, int8 on other x86 CPUs, "
+                            "each kept only if a fidelity check on the loaded weights passes, else fp32 (the "
+                            "reference)")
     add_llm_weights_option(s)
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.set_defaults(func=cmd_synth)
@@ -172,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="cpu",
                    help="cpu or cuda: where the torch LLM, the flow and the vocoder run (default cpu); llama.cpp "
                         "rows use the GPU only if llama-cpp-python was built with GPU support")
+    b.add_argument("--flow-precisions", default=None,
+                   help="comma list of flow precisions to time (fp32 first: the others' fidelity is measured "
+                        "against it; default fp32,bf16,int8 on the CPU, fp32,bf16 on a GPU); the pipeline's "
+                        "rows take fp32 and auto")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("demo", help="no-weights demo: synthesize with both backends on a full-size random model")

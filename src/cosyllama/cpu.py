@@ -140,6 +140,8 @@ def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: st
     if chosen == "bf16":
         return "auto: this CPU computes bf16 natively (" + "/".join(
             n for f, n in ISA_FLAGS if f in NATIVE_BF16_FLAGS and f in cpu_flags()) + ")"
+    if chosen == "int8":
+        return "auto: int8 matrix products (no native bf16 on this CPU, where bf16 is emulated and several times slower)"
     return "auto: no native bf16 on this CPU, where bf16 is emulated and several times slower"
 
 
@@ -148,18 +150,19 @@ class CpuPath:
     """What a run computes with; ``lines()`` is what the CLI prints."""
 
     threads: int
-    flow: str | None = None  # chosen flow precision (fp32/bf16)
+    flow: str | None = None  # chosen flow precision (fp32/bf16/int8)
     vocoder: str | None = None
     requested: str = "auto"
     device: str = "cpu"
     llm: str | None = None  # "torch" / "llamacpp"
+    flow_why: str | None = None  # why the flow runs at ``flow`` (the flow's own record; else derived)
 
     def as_dict(self) -> dict:
         d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "native_bf16": has_native_bf16(),
              "torch_kernels": torch_kernels(), "threads": self.threads, "device": self.device}
         if self.flow:
             d["flow_precision"] = self.flow
-            d["flow_precision_why"] = precision_reason(self.requested, self.flow, self.device)
+            d["flow_precision_why"] = self.flow_why or precision_reason(self.requested, self.flow, self.device)
         if self.vocoder:
             d["vocoder_precision"] = self.vocoder
             d["vocoder_precision_why"] = precision_reason(self.requested, self.vocoder, self.device, "vocoder")
@@ -187,8 +190,10 @@ def tts_path(tts, requested: str, threads: int | None = None) -> CpuPath:
     """The :class:`CpuPath` of a loaded ``TTS``."""
     import torch
 
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.qint8: "int8"}  # qint8: precision.INT8
     t2w = tts.token2wav
     llm = "torch" if type(tts.llm).__name__ == "TorchLLM" else "llamacpp"
+    choice = getattr(t2w.flow, "precision_choice", None)
     return CpuPath(threads=threads or torch.get_num_threads(), flow=names.get(t2w.flow.precision),
-                   vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device), llm=llm)
+                   vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device),
+                   llm=llm, flow_why=choice.reason if choice is not None else None)

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     b.add_argument("--voices", metavar="DIR|FILE", help="registered voices: a voice file (VoiceStore.save) or a "
                                                         "directory of them (*.pt)")
     b.add_argument("--format", choices=FORMATS, default="wav", help="audio file format (16-bit, 24 kHz mono)")
-    b.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto", help="flow compute precision")
+    b.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default="auto",
+                   help="flow compute precision")
     b.add_argument("--threads", type=int, default=None,
                    help="CPU threads per model (default: all cores; with --ray, --ray-cpus)")
     b.add_argument("--device", default="cpu", help="cpu (default) or cuda")

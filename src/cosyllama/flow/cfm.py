@@ -9,6 +9,7 @@ from torch import nn
 from ..config import FlowConfig
 from ..derived import DerivedWeights, weights_key
 from ..errors import InputError
+from ..precision import INT8
 from .cache import FlowStreamCache, _StepCache
 from .dit import DiT
 from .fast_dit import FastDiT
@@ -47,7 +48,7 @@ class CFM(nn.Module):
         self.cfg_rate = cfg.inference_cfg_rate
         self.estimator = DiT(cfg)
         self.register_buffer("rand_noise", flow_noise(cfg.mel_dim), persistent=False)
-        # float32: the reference solver below. bfloat16: the mixed-precision solver (FastDiT).
+        # float32: the reference solver below. bfloat16 / INT8: the mixed-precision solver (FastDiT).
         self.compute_dtype = torch.float32
         self._fast: DerivedWeights[FastDiT] = DerivedWeights(FastDiT)  # the fast solver's weight copies
 
@@ -88,7 +89,8 @@ class CFM(nn.Module):
         """Bytes a streaming cache holds per mel frame: K and V of both CFG rows, every block and step."""
         blk = self.estimator.transformer_blocks
         inner = blk[0].attn.to_k.out_features if len(blk) else 0
-        item = torch.empty(0, dtype=self.compute_dtype).element_size()
+        act = torch.float32 if self.compute_dtype == INT8 else self.compute_dtype  # int8: float32 K/V
+        item = torch.empty(0, dtype=act).element_size()
         return self.n_timesteps * len(blk) * 2 * 2 * inner * item
 
     def forward_cached(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,

@@ -1,11 +1,15 @@
-"""The mixed-precision (bf16) Euler/CFG solver: the DiT's maths re-arranged over pre-packed
+"""The mixed-precision (bf16 / int8) Euler/CFG solver: the DiT's maths re-arranged over pre-packed
 low-precision weight copies."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 import torch.nn.functional as F
 
+from ..precision import INT8
 from .cache import FlowStreamCache, _StepCache
 from .dit import LN_EPS, DiT, chunk_attention_mask
 
@@ -46,6 +50,60 @@ class _LowpLinear:
         return F.gelu(y, approximate="tanh") if self.gelu else y
 
 
+# PyTorch's int8 kernel library for the dynamic linear. fbgemm and oneDNN ("onednn") ran at the same
+# speed at the DiT's shapes on an AVX2 CPU (docs/benchmarks.md, "int8 flow"); fbgemm is PyTorch's x86 default.
+INT8_ENGINE = "fbgemm"
+# Activations are quantized to 7 bits (u8 0..127), weights to 8 (+-127): on CPUs without VNNI the
+# 8-bit dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which saturates for 8-bit
+# activations (2 * 255 * 127 > 32767) and measurably hurt the mel (fixtures: worst mean 3.3e-3 with
+# 8-bit activations, 2.2e-3 with 7-bit).
+INT8_REDUCE_RANGE = True
+# Largest weight magnitude after quantization (per output channel); tests lower it to show that the
+# fidelity bound catches a coarser scheme.
+INT8_WEIGHT_MAX = 127
+
+
+@contextlib.contextmanager
+def _quant_engine(name: str):
+    old = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = old
+
+
+class _Int8Linear:
+    """``x W^T + b`` (then GELU-tanh if ``gelu``) on PyTorch's int8 dynamic linear (fbgemm): W
+    quantized once, symmetric, one scale per output channel; x quantized on every call from its
+    own min/max (one asymmetric scale per call, 7 bits, see ``INT8_REDUCE_RANGE``); int32
+    accumulation, bias added in float32; float32 in and out.
+
+    Per-call rather than per-row activation scales: at the DiT's shapes on an AVX2 CPU, normalising
+    the rows first (and scaling the products back) cost 25-50 % of the int8 products' time in extra
+    passes, for a mel error only ~20 % smaller (docs/benchmarks.md). So a row's result depends on
+    the other rows of the call (the two CFG rows and the frames computed together) at the level of
+    the quantization step; the streaming cache's frames then equal recomputed ones within that
+    error, as at bf16, not bit for bit."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False):
+        self.gelu = gelu
+        w = weight.detach().float().cpu()
+        n = w.shape[0]
+        scale = (w.abs().amax(dim=1).clamp_min(1e-12) / INT8_WEIGHT_MAX).double()
+        self.bias = bias.detach().float().contiguous()
+        # PyTorch deprecates its quantized tensor type (the packing below takes one); the pinned
+        # release has it, and the fidelity check falls back to fp32 if the path ever misbehaves.
+        with warnings.catch_warnings(), _quant_engine(INT8_ENGINE):
+            warnings.filterwarnings("ignore", category=UserWarning)
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qw, self.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(x, self.packed, INT8_REDUCE_RANGE)
+        return torch.ops.aten.gelu_(y, approximate="tanh") if self.gelu else y  # in place: y is ours
+
+
 class FastDiT:
     """The whole Euler/CFG solve with the DiT's matrix products in a low-precision ``dtype``.
 
@@ -62,7 +120,9 @@ class FastDiT:
     * LayerNorm and its modulation are one ``layer_norm`` call with the (shared) scale/shift as its
       affine parameters.
 
-    Precision: the weights of q/k/v, out, and the feed-forward are held in ``dtype``; LayerNorm
+    Precision: the weights of q/k/v, out, and the feed-forward are held in ``dtype`` (for
+    :data:`~cosyllama.precision.INT8`: int8 weights on PyTorch's int8 kernels, see :class:`_Int8Linear`,
+    and float32 everywhere else); LayerNorm
     statistics, the residual stream, the modulation, the input/output projections, the conv
     position embedding, the CFG combination and the Euler update stay float32. Noise in and mel out
     are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
@@ -77,6 +137,14 @@ class FastDiT:
 
     def __init__(self, dit: DiT, dtype: torch.dtype):
         self.dtype = dtype
+        # dtype of the activations between the products: float32 on the int8 path
+        self.act_dtype = torch.float32 if dtype == INT8 else dtype
+        if dtype == INT8:
+            def lin(w, b, gelu=False):
+                return _Int8Linear(w, b, gelu)
+        else:
+            def lin(w, b, gelu=False):
+                return _LowpLinear(w, b, dtype, gelu)
         self.dit = dit  # time MLP, conv position embedding, final modulation/projection (float32)
         blk0 = dit.transformer_blocks[0]
         self.heads = blk0.attn.heads
@@ -94,11 +162,11 @@ class FastDiT:
                 a, ff = b.attn, b.ff.ff
                 self.blocks.append(dict(
                     w_mod=b.attn_norm.linear.weight, b_mod=b.attn_norm.linear.bias,
-                    qkv=_LowpLinear(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]),
-                                    torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias]), dtype),
-                    out=_LowpLinear(a.to_out[0].weight, a.to_out[0].bias, dtype),
-                    ff1=_LowpLinear(ff[0][0].weight, ff[0][0].bias, dtype, gelu=True),
-                    ff2=_LowpLinear(ff[2].weight, ff[2].bias, dtype)))
+                    qkv=lin(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]),
+                            torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias])),
+                    out=lin(a.to_out[0].weight, a.to_out[0].bias),
+                    ff1=lin(ff[0][0].weight, ff[0][0].bias, gelu=True),
+                    ff2=lin(ff[2].weight, ff[2].bias)))
 
     def _modulations(self, ts: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
         """Per block, per step: the six modulation vectors ``(dim,)``; and the final (scale, shift)."""
@@ -108,16 +176,21 @@ class FastDiT:
         return per_block, final
 
     @staticmethod
-    def _rotate_head0_(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """In place on ``qkv (B, N, 3*dim)``: RoPE on the first ``2*cos.shape[-1]`` channels of q and
-        of k (head 0; the reference rotates the first channels of the full projection)."""
+    def _rotate_head0_(qkv: torch.Tensor, heads: int, cis: torch.Tensor) -> None:
+        """In place on ``qkv (B, N, 3*dim)``: RoPE on the first ``2*cis.shape[-1]`` channels of q and
+        of k (head 0; the reference rotates the first channels of the full projection). A channel
+        pair (a, b) is the complex number a + ib, and rotating it is a product with ``cis`` =
+        cos + i sin ``(N, 1, r/2)`` complex64: one vectorized op on the strided view (float32), where
+        the real-arithmetic form on these strided views (4 products, 2 sums, a stack and a copy)
+        cost ~12 % of an int8 DiT step on an AVX2 CPU."""
         b, n, _ = qkv.shape
-        r = 2 * cos.shape[-1]
+        r = 2 * cis.shape[-1]
         qk0 = qkv.view(b, n, 3, heads, -1)[:, :, :2, 0, :r]  # (B, N, 2, r) view
-        pairs = qk0.float().unflatten(-1, (r // 2, 2))
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rot = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-        qk0.copy_(rot)
+        if qkv.dtype == torch.float32:
+            torch.view_as_complex(qk0.unflatten(-1, (r // 2, 2))).mul_(cis)
+        else:  # no bfloat16 complex type: rotate a float32 copy
+            c = torch.view_as_complex(qk0.float().unflatten(-1, (r // 2, 2)))
+            qk0.copy_(torch.view_as_real(c * cis).flatten(-2))
 
     def solve_from(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                    grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool,
@@ -126,7 +199,7 @@ class FastDiT:
         t=1, ``(1, mel, N)`` float32. With ``cache`` (streaming only) only frames
         ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
         ``0..keep-1`` (see :class:`_StepCache`)."""
-        dit, dt_, res = self.dit, self.dtype, self.residual_dtype
+        dit, dt_, res = self.dit, self.act_dtype, self.residual_dtype
         n = mu.shape[2]
         start = cache.frames if cache is not None else 0
         m = n - start  # frames computed here
@@ -138,7 +211,7 @@ class FastDiT:
                           spks[:, None, :].expand(-1, m, -1)], dim=-1)
         const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, m, -1)])
         ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # broadcast over the q/k axis
+        cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
         ones = torch.ones(dim, device=mu.device)
         x = noise[:, :, start:]
@@ -153,7 +226,7 @@ class FastDiT:
                 # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
                 n1 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_a[s]).to(dt_), sh_a[s].to(dt_), eps)
                 qkv = blk["qkv"](n1)
-                self._rotate_head0_(qkv, self.heads, cos, sin)
+                self._rotate_head0_(qkv, self.heads, cis)
                 q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]  # (B, m, dim) views
                 if past is not None:
                     k, v = past.kv(i, k, v)  # (B, N, dim): cached frames first

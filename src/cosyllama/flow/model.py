@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,10 +14,25 @@ from torch import nn
 from ..config import FlowConfig, ModelConfig
 from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
-from ..precision import resolve_precision
+from ..precision import is_auto, precision_name, resolve_precision
 from .cache import FlowStreamCache
 from .cfm import CFM
+from .check import CheckResult, check_candidate
 from .dit import PreLookaheadLayer
+
+
+log = logging.getLogger("cosyllama.flow")
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """Which flow path runs and why: ``requested`` (as asked), ``chosen`` (fp32/bf16/int8),
+    ``check`` (the fidelity check ``auto`` ran on a lossy candidate, or None) and ``reason``."""
+
+    requested: str
+    chosen: str
+    reason: str
+    check: CheckResult | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,9 @@ class Flow(nn.Module):
         self.pre_lookahead_layer = PreLookaheadLayer(cfg.input_size, cfg.pre_lookahead_channels,
                                                      cfg.pre_lookahead_len)
         self.decoder = CFM(cfg)
+        self.weights_file: Path | None = None  # the flow.pt loaded (the fidelity check's cache key)
+        self.weights_file_key: tuple | None = None
+        self.precision_choice = PrecisionChoice("fp32", "fp32", "the default")
 
     @classmethod
     def from_config(cls, config: ModelConfig, device: str | torch.device = "cpu", precision: str = "fp32",
@@ -55,6 +75,8 @@ class Flow(nn.Module):
         flow = cls(config.flow)
         flow.load_state_dict(load_flow_weights(Path(config.model_dir) / "flow.pt", config.flow), strict=True)
         flow = flow.to(dev).eval()
+        flow.weights_file = Path(config.model_dir) / "flow.pt"
+        flow.weights_file_key = flow.decoder.weights_key()
         flow.set_precision(precision)
         if n_timesteps is not None:
             flow.set_n_timesteps(n_timesteps)
@@ -85,19 +107,42 @@ class Flow(nn.Module):
 
     @property
     def precision(self) -> torch.dtype:
-        """Compute dtype of the DiT: ``torch.float32`` (reference) or ``torch.bfloat16``."""
+        """Compute dtype of the DiT: ``torch.float32`` (reference), ``torch.bfloat16`` or
+        :data:`cosyllama.precision.INT8` (int8 block matrices, float32 activations)."""
         return self.decoder.compute_dtype
 
     def set_precision(self, precision: str | torch.dtype | None) -> torch.dtype:
         """Choose the DiT compute precision: ``"fp32"`` — the reference float32 solver;
         ``"bf16"`` — bfloat16 matrix products with float32 LayerNorm statistics, residual stream and
-        interfaces (:class:`FastDiT`); ``"auto"`` — bf16 where this device computes it natively
-        (CPU with AVX512-BF16/AMX, CUDA with bf16 support), else fp32. Returns the dtype chosen;
-        raises :class:`InputError` for an unknown name. The float32 weights stay (the fp32 path
-        needs them); bf16 adds pre-packed copies of the block matrices (their size: see
-        docs/benchmarks.md#memory-of-the-streaming-caches), made here. Call it before sharing the module between threads; ``inference`` is unchanged."""
+        interfaces (:class:`FastDiT`); ``"int8"`` (CPU) — the same solver with the block matrices on
+        PyTorch's int8 kernels, everything else float32; ``"auto"`` — this device's candidate
+        (bf16 where it computes bf16 natively, int8 on other x86 CPUs; see
+        :func:`cosyllama.precision.auto_candidate`), kept only if it passes the fidelity check on
+        these weights (:mod:`cosyllama.flow.check`, cached per weight file), else fp32.
+        ``precision_choice`` and the ``cosyllama.flow`` log say which path runs and why. Returns the
+        dtype chosen; raises :class:`InputError` for an unknown name. The float32 weights stay (the
+        fp32 path needs them); bf16/int8 add pre-packed copies of the block matrices (their size: see
+        docs/benchmarks.md#memory-of-the-streaming-caches), made here. Call it before sharing the
+        module between threads; ``inference`` is unchanged."""
         dtype = resolve_precision(precision, self.device)
+        requested = "auto" if is_auto(precision) else precision_name(dtype)
+        check = None
+        if requested != "auto":
+            reason = "asked for"
+        elif dtype == torch.float32:
+            reason = "auto: no faster path on this device (no native bf16, no int8 kernels)"
+        else:
+            check = check_candidate(self, dtype)
+            if check.passed:
+                why = "this device computes bf16 natively" if dtype == torch.bfloat16 else \
+                    "int8 matrix products (this CPU has no native bf16)"
+                reason = f"auto: {why}; {check.summary()}"
+            else:
+                reason = f"auto: fell back to fp32, {check.summary()} misses the bound"
+                dtype = torch.float32
         self.decoder.set_compute_dtype(dtype)
+        self.precision_choice = PrecisionChoice(requested, precision_name(dtype), reason, check)
+        log.info("flow precision %s (%s)", precision_name(dtype), reason)
         return dtype
 
     def set_n_timesteps(self, n: int) -> None:

@@ -188,7 +188,22 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 # Flow and vocoder
 
 
-FLOW_VARIANTS = ("fp32", "bf16")
+FLOW_VARIANTS = ("fp32", "bf16", "int8")  # on the CPU; a GPU has no int8 path
+
+
+def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
+    """The flow precisions to time: ``spec`` (a comma list) or the default for ``device``; fp32 is
+    always timed first, because every row's fidelity is measured against it."""
+    from ..precision import PRECISIONS
+
+    if spec is None:
+        names = [v for v in FLOW_VARIANTS if device.type == "cpu" or v != "int8"]
+    else:
+        names = [v.strip().lower() for v in spec.split(",") if v.strip()]
+        bad = [v for v in names if v not in PRECISIONS]
+        if bad or not names:
+            raise InputError(f"--flow-precisions {spec!r}: choose from {', '.join(PRECISIONS)}")
+    return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
 
 
 def _time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> tuple[float, object]:
@@ -204,8 +219,12 @@ def _time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> tuple[
 
 
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
-                     progress: Progress, device: torch.device = torch.device("cpu")) -> tuple[list[dict], list[dict]]:
-    """Flow per precision (fidelity vs fp32 on the same inputs), then the vocoder, fp32 and bf16."""
+                     progress: Progress, device: torch.device = torch.device("cpu"),
+                     variants: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
+    """Flow per precision (fidelity vs fp32 on the same inputs; ``auto`` runs its fidelity check
+    first and says what it chose), then the vocoder, fp32 and bf16."""
+    from ..precision import precision_name
+
     from ..flow import Flow
     from ..vocoder import HiFT
 
@@ -218,15 +237,22 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     flow_rows, voc_rows = [], []
     flow = Flow.from_dir(model_dir, device)
     mel_ref = None
-    for variant in FLOW_VARIANTS if "flow" in parts else ("fp32",):
+    variants = variants or flow_variants(None, device)
+    for variant in variants if "flow" in parts else ("fp32",):
+        t0 = time.perf_counter()
         flow.set_precision(variant)
+        setup = time.perf_counter() - t0
+        ran = precision_name(flow.precision)
+        if variant == "auto":
+            progress(f"flow auto -> {ran} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
         flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
         secs, mel = _time(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), repeat, device)
         if mel_ref is None:
             mel_ref = mel
         diff = (mel - mel_ref).abs()
         if "flow" in parts:
-            flow_rows.append({"variant": variant, "seconds_per_audio_second": secs / output_s,
+            flow_rows.append({"variant": variant if variant != "auto" else f"auto={ran}",
+                              "seconds_per_audio_second": secs / output_s,
                               "mel_mean_abs_diff_vs_fp32": float(diff.mean()),
                               "mel_max_abs_diff_vs_fp32": float(diff.max())})
             progress(f"flow {variant}: {secs / output_s:.3f} s per audio second "
@@ -277,7 +303,9 @@ def pipeline_worker(spec: dict) -> dict:
             if first is None and chunk.samples.size:
                 first = time.perf_counter() - t0
         firsts.append(first)
-    flow = "bf16" if tts.token2wav.flow.precision == torch.bfloat16 else "fp32"
+    from ..precision import precision_name
+
+    flow = precision_name(tts.token2wav.flow.precision)
     return {"flow": flow, "rtf": _median(rtfs), "first_chunk_s": _median(firsts), "peak_rss_mb": peak_rss_mb(),
             "llm_s": syn.timings.llm, "token2wav_s": syn.timings.token2wav}
 
@@ -342,10 +370,12 @@ def format_table(res: dict) -> str:
                 lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
     if res["flow"] or res["vocoder"]:
         lines.append("")
+    base = next((r["seconds_per_audio_second"] for r in res["flow"] if r["variant"] == "fp32"), None)
     for r in res["flow"]:
-        native = "" if r["variant"] == "fp32" or m.get("device", "cpu") != "cpu" or m.get("native_bf16", True) \
-            else " [bf16 emulated on this CPU: auto uses fp32]"
-        lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
+        native = "" if "bf16" not in r["variant"] or m.get("device", "cpu") != "cpu" or m.get("native_bf16", True) \
+            else " [bf16 emulated on this CPU: auto does not pick it]"
+        ratio = f" {base / r['seconds_per_audio_second']:.2f}x fp32" if base and r["variant"] != "fp32" else ""
+        lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio{ratio} "
                      f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})"
                      + native)
     for r in res["vocoder"]:
@@ -384,6 +414,7 @@ def run_bench(args, progress: Progress = print) -> int:
     from ..device import resolve_device
 
     device = resolve_device(getattr(args, "device", "cpu"))
+    variants = flow_variants(getattr(args, "flow_precisions", None), device)
     model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
     from ..config import load_config
 
@@ -395,8 +426,9 @@ def run_bench(args, progress: Progress = print) -> int:
         res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
                              configs=llm_configs(getattr(args, "llm_types", None)), device=device)
     if parts & {"flow", "vocoder"}:
-        res["flow"], res["vocoder"] = run_flow_vocoder(model_dir, args.prompt_seconds, args.output_seconds,
-                                                       args.repeat, parts, progress, device)
+        res["flow"], res["vocoder"] = run_flow_vocoder(
+            model_dir, args.prompt_seconds, args.output_seconds, args.repeat, parts, progress, device,
+            variants)
     if "pipeline" in parts:
         res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
                                        progress, device)

@@ -63,9 +63,10 @@ def rtf_meaning(path, segments: int) -> str:
     lines = [f"RTF = wall seconds / audio seconds (below 1 is faster than real time). This CPU is of the "
              f"{d['cpu_class']} class; the flow ran at {d.get('flow_precision', '?')} ({why}) on {path.threads} "
              f"threads."]
-    if d.get("flow_precision") == "fp32" and not d["native_bf16"]:
-        lines.append("Without native bf16 the flow runs float32, about 2-3x slower than on an AVX512-BF16/AMX "
-                     "CPU: a higher RTF here is expected, not a broken install.")
+    if d.get("flow_precision") in ("fp32", "int8") and not d["native_bf16"]:
+        lines.append(f"Without native bf16 the flow runs {'int8' if d['flow_precision'] == 'int8' else 'float32'}, "
+                     "slower than bf16 on an AVX512-BF16/AMX CPU: a higher RTF here is expected, not a broken "
+                     "install.")
     if segments > 1:
         lines.append(f"The text was split into {segments} segments; each one runs the flow over the 3 s prompt "
                      f"again, which adds to the RTF of a short text.")

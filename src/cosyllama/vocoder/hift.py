@@ -14,7 +14,7 @@ from ..config import HiftConfig, ModelConfig
 from ..derived import DerivedWeights
 from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
-from ..precision import resolve_precision
+from ..precision import INT8, is_auto, resolve_precision
 from .fast import CHANNELS_LAST, _FastGenerator
 from .modules import (CONV_POST_KERNEL, F0_LOOKAHEAD, POST_SLOPE, F0Predictor, ResBlock, SourceModule, causal_conv,
                       lookahead_conv, source_noise_state)
@@ -99,10 +99,11 @@ class HiFT(nn.Module):
         resblock run in bfloat16; f0 predictor (float64), source, STFT, conv_post, iSTFT and the
         output stay as in the reference). ``"auto"`` resolves to fp32 here on every device: the bf16
         vocoder misses the fidelity bound on the fixture model (log-mel of its waveform, see
-        ``tests/test_precision.py``), so it is never picked implicitly. Returns the dtype chosen;
+        ``tests/test_precision.py``), so it is never picked implicitly. ``"int8"`` (a flow
+        precision: the vocoder has no int8 path) is fp32 here too. Returns the dtype chosen;
         :class:`InputError` for an unknown name."""
         dtype = resolve_precision(precision, self.device)
-        if isinstance(precision, str) and precision.strip().lower() == "auto":
+        if is_auto(precision) or dtype == INT8:
             dtype = torch.float32
         self.compute_dtype = dtype
         self._fast_weights.drop()
