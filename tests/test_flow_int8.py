@@ -82,6 +82,14 @@ def test_int8_streaming_cache_equals_recomputing(flow_int8):
     assert float(d.mean()) <= MEAN_BOUND and float(d.max()) <= MAX_BOUND
 
 
+def test_int8_tail_steps_are_float32(monkeypatch):
+    """The int8 solver's float32 tail: with every step in the tail it is the float32 solve."""
+    a = _args()
+    ref = Flow.from_dir(MODEL_DIR).inference(*a)
+    monkeypatch.setattr(fast_dit, "INT8_FP32_LAST_STEPS", 10)
+    assert float((Flow.from_dir(MODEL_DIR, precision="int8").inference(*a) - ref).abs().max()) <= 1e-4
+
+
 def test_fp32_is_the_reference_bit_for_bit_after_int8():
     a = _args()
     flow = Flow.from_dir(MODEL_DIR)

@@ -3,7 +3,8 @@
 ``fp32`` is the float32 path the fixture tests hold to upstream. ``bf16`` runs the DiT's matrix
 products in bfloat16 with float32 accumulation, float32 LayerNorm statistics, float32 residual stream
 and float32 interfaces (noise in, mel out). ``int8`` runs the same four matrix products of every DiT
-block on PyTorch's int8 kernels (fbgemm): weights quantized once, one scale per output channel;
+block on PyTorch's int8 kernels (fbgemm) in all but the last two Euler steps: weights quantized
+once, one scale per output channel;
 activations quantized on every call; int32 accumulation; everything between the products float32
 (see :mod:`cosyllama.flow.fast_dit`). The vocoder stays float32 under ``int8`` and ``auto`` (see
 ``vocoder.py``).

@@ -32,7 +32,7 @@ MAX_BOUND = 0.1
 CHECK_TOKENS = 20
 CHECK_PROMPT_TOKENS = 5
 CHECK_SEED = 1234
-CHECK_VERSION = 1  # bump when a path's arithmetic changes: older cached outcomes are then ignored
+CHECK_VERSION = 2  # bump when a path's arithmetic changes: older cached outcomes are then ignored
 
 _memory: dict[str, dict] = {}
 
@@ -69,7 +69,11 @@ def _file_key(flow: "Flow", candidate: torch.dtype) -> str | None:
     except OSError:
         return None
     dev = flow.device.type
+    from . import fast_dit
+
+    scheme = (fast_dit.INT8_ENGINE, fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX, fast_dit.INT8_FP32_LAST_STEPS)
     return "|".join(str(x) for x in (Path(path).resolve(), st.st_size, st.st_mtime_ns, precision_name(candidate),
+                                     scheme if precision_name(candidate) == "int8" else "",
                                      dev, cpu_class() if dev == "cpu" else torch.cuda.get_device_name(flow.device),
                                      torch.__version__, flow.decoder.n_timesteps, CHECK_VERSION))
 

@@ -53,11 +53,17 @@ class _LowpLinear:
 # PyTorch's int8 kernel library for the dynamic linear. fbgemm and oneDNN ("onednn") ran at the same
 # speed at the DiT's shapes on an AVX2 CPU (docs/benchmarks.md, "int8 flow"); fbgemm is PyTorch's x86 default.
 INT8_ENGINE = "fbgemm"
-# Activations are quantized to 7 bits (u8 0..127), weights to 8 (+-127): on CPUs without VNNI the
-# 8-bit dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which saturates for 8-bit
-# activations (2 * 255 * 127 > 32767) and measurably hurt the mel (fixtures: worst mean 3.3e-3 with
-# 8-bit activations, 2.2e-3 with 7-bit).
-INT8_REDUCE_RANGE = True
+# Activations are quantized to 8 bits (u8), weights to 8 (+-127). On CPUs without VNNI the 8-bit
+# dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which can saturate (2 * 255 *
+# 127 > 32767); 7-bit activations (True) avoid that. Measured on an AVX2 CPU: the tiny fixture model
+# prefers 7 bits (worst mean 2.2e-3 vs 3.3e-3), the full-size random model 8 bits (the fidelity
+# check's mel mean 0.0102 vs 0.0146), and only the full-size one is near the bound.
+INT8_REDUCE_RANGE = False
+# The int8 path runs its last this-many Euler steps with float32 products: the late steps take the
+# largest time steps (cosine grid), so their product error reaches the mel most directly (measured
+# on the full random model: int8 in steps 1-5 only gave a third of the mel error of int8 in 6-10;
+# the fidelity check's mel mean: all 10 steps int8 0.0102, last 2 float32 0.0079, last 3 0.0066).
+INT8_FP32_LAST_STEPS = 2
 # Largest weight magnitude after quantization (per output channel); tests lower it to show that the
 # fidelity bound catches a coarser scheme.
 INT8_WEIGHT_MAX = 127
@@ -76,7 +82,7 @@ def _quant_engine(name: str):
 class _Int8Linear:
     """``x W^T + b`` (then GELU-tanh if ``gelu``) on PyTorch's int8 dynamic linear (fbgemm): W
     quantized once, symmetric, one scale per output channel; x quantized on every call from its
-    own min/max (one asymmetric scale per call, 7 bits, see ``INT8_REDUCE_RANGE``); int32
+    own min/max (one asymmetric scale per call, 8 bits, see ``INT8_REDUCE_RANGE``); int32
     accumulation, bias added in float32; float32 in and out.
 
     Per-call rather than per-row activation scales: at the DiT's shapes on an AVX2 CPU, normalising
@@ -102,6 +108,19 @@ class _Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x, self.packed, INT8_REDUCE_RANGE)
         return torch.ops.aten.gelu_(y, approximate="tanh") if self.gelu else y  # in place: y is ours
+
+
+class _Fp32Linear:
+    """``x W^T + b`` (then GELU-tanh) in float32 on the DiT's own parameters (no copy); a list of
+    (W, b) pairs is computed as one product per pair and concatenated (the fused q/k/v)."""
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], gelu: bool = False):
+        self.pairs, self.gelu = pairs, gelu
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [F.linear(x, w, b) for w, b in self.pairs]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return F.gelu(y, approximate="tanh") if self.gelu else y
 
 
 class FastDiT:
@@ -167,6 +186,15 @@ class FastDiT:
                     out=lin(a.to_out[0].weight, a.to_out[0].bias),
                     ff1=lin(ff[0][0].weight, ff[0][0].bias, gelu=True),
                     ff2=lin(ff[2].weight, ff[2].bias)))
+            # int8: the float32 products of the last INT8_FP32_LAST_STEPS steps
+            self.tail_steps = INT8_FP32_LAST_STEPS if dtype == INT8 else 0
+            self.tail_blocks = [dict(
+                qkv=_Fp32Linear([(a.to_q.weight, a.to_q.bias), (a.to_k.weight, a.to_k.bias),
+                                 (a.to_v.weight, a.to_v.bias)]),
+                out=_Fp32Linear([(a.to_out[0].weight, a.to_out[0].bias)]),
+                ff1=_Fp32Linear([(ff[0][0].weight, ff[0][0].bias)], gelu=True),
+                ff2=_Fp32Linear([(ff[2].weight, ff[2].bias)]))
+                for a, ff in ((b.attn, b.ff.ff) for b in dit.transformer_blocks)] if self.tail_steps else []
 
     def _modulations(self, ts: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
         """Per block, per step: the six modulation vectors ``(dim,)``; and the final (scale, shift)."""
@@ -221,7 +249,8 @@ class FastDiT:
             cpe = dit.input_embed.conv_pos_embed
             h = (cpe(h) if past is None else past.conv_pos(cpe, h)) + h
             h = h.to(res)  # a fresh tensor: updated in place below
-            for i, (blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f)) in enumerate(zip(self.blocks, mods)):
+            blocks = self.tail_blocks if s >= len(grid) - self.tail_steps else self.blocks
+            for i, (blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f)) in enumerate(zip(blocks, mods)):
                 # LayerNorm on the residual rounded to the compute dtype, modulation as its affine
                 # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
                 n1 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_a[s]).to(dt_), sh_a[s].to(dt_), eps)
