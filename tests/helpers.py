@@ -101,3 +101,16 @@ def maxdiff(actual, expected) -> float:
     e = np.asarray(torch.as_tensor(expected).detach().cpu(), dtype=np.float64)
     assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
     return float(np.abs(a - e).max()) if a.size else 0.0
+
+
+def mixed_requests(pf):
+    """Four requests from one prefill that end at different steps (forced lengths 5 and 30, a
+    greedy stop, a seeded sample): a batch that pads, shrinks and moves sequences between slots."""
+    from cosyllama.llm.backend import Prefill
+    from cosyllama.llm.decode import DecodeOptions
+
+    return [(pf, 9, DecodeOptions(greedy=True, ignore_stop=True, max_len=5)),
+            (Prefill(pf.text_ids[:-2], pf.prompt_speech_tokens[:20]), 7, DecodeOptions(greedy=True)),
+            (pf, 9, DecodeOptions(seed=3)),
+            (Prefill(pf.text_ids[3:], pf.prompt_speech_tokens), 9, DecodeOptions(greedy=True, ignore_stop=True,
+                                                                                 max_len=30))]

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from helpers import MODEL_DIR, generate_many, load_fixture
+from helpers import MODEL_DIR, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
@@ -76,11 +76,7 @@ def test_graph_greedy_tokens_equal_fixture(graphs):
 def test_graph_batches_with_padding_and_compaction(graphs, dynamic):
     a, _ = load_fixture("llm_greedy")
     pf = _prefill(a)
-    reqs = [(pf, 9, DecodeOptions(greedy=True, ignore_stop=True, max_len=5)),
-            (Prefill(pf.text_ids[:-2], pf.prompt_speech_tokens[:20]), 7, DecodeOptions(greedy=True)),
-            (pf, 9, DecodeOptions(seed=3)),
-            (Prefill(pf.text_ids[3:], pf.prompt_speech_tokens), 9, DecodeOptions(greedy=True, ignore_stop=True,
-                                                                                 max_len=30))]
+    reqs = mixed_requests(pf)
     assert generate_many(graphs, reqs) == generate_many(dynamic, reqs)
     assert graphs.active == 0
 

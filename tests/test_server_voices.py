@@ -10,11 +10,9 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,8 @@ from helpers import FIXTURES, MODEL_DIR
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-import uvicorn  # noqa: E402
 
+from test_server import LoopbackServer  # noqa: E402
 from cosyllama.server import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 
@@ -148,25 +146,6 @@ def test_replicas_share_a_voice_directory_and_survive_kill_9(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # One in-process server with an API key and one allowed origin
-
-
-class LoopbackServer:
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ CPU, held to the dynamic-cache backend and the golden fixtures."""
 import pytest
 import torch
 
-from helpers import MODEL_DIR, generate_many, load_fixture
+from helpers import MODEL_DIR, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
 from cosyllama.errors import BackendBusyError, InputError
 from cosyllama.llm.backend import Prefill
@@ -80,11 +80,7 @@ def test_batched_steps_with_padding_and_compaction_equal_each_alone(static, dyna
     that ends moves the highest slot's sequence into its slot. Tokens equal the dynamic backend's."""
     a, _ = load_fixture("llm_greedy")
     pf = _prefill(a)
-    reqs = [(pf, 9, DecodeOptions(greedy=True, ignore_stop=True, max_len=5)),
-            (Prefill(pf.text_ids[:-2], pf.prompt_speech_tokens[:20]), 7, DecodeOptions(greedy=True)),
-            (pf, 9, DecodeOptions(seed=3)),
-            (Prefill(pf.text_ids[3:], pf.prompt_speech_tokens), 9, DecodeOptions(greedy=True, ignore_stop=True,
-                                                                                 max_len=30))]
+    reqs = mixed_requests(pf)
     assert generate_many(static, reqs) == generate_many(dynamic, reqs)
     assert static.active == 0
 
