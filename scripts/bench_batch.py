@@ -60,7 +60,9 @@ def summarize(name: str, recs: list[dict], wall: float, load_s: float | None = N
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=4, help="rows at a time in the ray mode")
+    ap.add_argument("--concurrency", type=int, default=4, help="rows at a time in the cli and ray modes")
+    ap.add_argument("--flow-slots", type=int, default=0,
+                    help="rows in the flow at once in the cli and ray modes (0: no limit)")
     ap.add_argument("--batch-configs", default="4:0",
                     help="batch-engine runs as CONCURRENCY:FLOW_SLOTS, comma separated (default 4:0)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -87,6 +89,7 @@ def main() -> int:
     opts = EngineOptions(model_dir=str(model_dir), gguf=gguf, threads=args.threads, precision=args.precision,
                          concurrency=args.concurrency)
     results = {"machine": machine_info(args.threads), "rows": args.rows, "concurrency": args.concurrency,
+               "flow_slots": args.flow_slots,
                "llm": "llamacpp Q8_0 speech" if gguf else "torch", "modes": []}
 
     tts = None
@@ -137,7 +140,7 @@ def main() -> int:
         out = work / mode
         cmd = [sys.executable, "-m", "cosyllama.cli", "batch", str(manifest), "--out", str(out), "--model-dir",
                str(model_dir), "--threads", str(args.threads), "--precision", args.precision,
-               "--concurrency", str(args.concurrency), "--no-progress"]
+               "--concurrency", str(args.concurrency), "--flow-slots", str(args.flow_slots), "--no-progress"]
         if mode == "ray":
             cmd += ["--ray", "--ray-actors", "1", "--ray-cpus", str(args.threads),
                     "--ray-batch-size", str(2 * args.concurrency)]
