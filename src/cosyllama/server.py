@@ -29,8 +29,7 @@ import numpy as np
 from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
 from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
 from .llm.factory import choose_llm, make_token_source
-from .scheduler import (DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, CancelToken, RequestCancelled,
-                        SchedulerBusyError)
+from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, RequestCancelled, SchedulerBusyError
 from .voices import check_voice_id
 
 try:
@@ -44,6 +43,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
+from .server_jobs import Gate, SynthesisJob, cancel_on_disconnect  # noqa: E402
 from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
@@ -89,71 +89,7 @@ class SpeechRequest(BaseModel):
 
 
 # ----------------------------------------------------------------------------------------------
-# Admission
-
-
-class _Gate:
-    """At most ``limit`` requests run; up to ``queue`` more wait (FIFO); the rest get 503."""
-
-    def __init__(self, limit: int, queue: int):
-        self.limit, self.queue = limit, queue
-        self.running = 0
-        self.waiting = 0
-        self._sem = asyncio.Semaphore(limit)
-
-    async def acquire(self) -> None:
-        if self._sem.locked() and self.waiting >= self.queue:
-            raise _busy(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
-                        f"retry in {RETRY_AFTER_S} s")
-        self.waiting += 1
-        try:
-            await self._sem.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._sem.release()
-
-
-# ----------------------------------------------------------------------------------------------
-# One synthesis
-
-
-class _Job:
-    """One speech request's synthesis, advanced chunk by chunk from the thread pool.
-
-    ``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
-    cancel token lets the event loop free the LLM sequence without waiting for that chunk.
-    """
-
-    def __init__(self, tts, req: SpeechRequest):
-        self.tts, self.req = tts, req
-        self.token = CancelToken()
-        self.lock = threading.Lock()
-        self.syn = None
-
-    def open(self) -> None:
-        from .tts import SynthesisOptions
-
-        r, tts = self.req, self.tts
-        opts = SynthesisOptions(stream=r.stream, speed=r.speed, greedy=r.greedy, seed=r.seed)
-        with self.lock, self.token.bound():
-            self.syn = tts.synthesize(r.input, instruction=r.instructions, voice=r.voice, options=opts)
-
-    def next(self) -> np.ndarray | None:
-        """The next chunk's samples (float32), or None at the end."""
-        with self.lock, self.token.bound():
-            chunk = next(self.syn, None)
-        return None if chunk is None else chunk.samples
-
-    def close(self) -> None:
-        """Stop the synthesis; its LLM sequence is free when this returns."""
-        self.token.cancel()
-        with self.lock:
-            if self.syn is not None:
-                self.syn.close()
+# Errors
 
 
 def _synthesis_error(e: Exception) -> ApiError:
@@ -165,15 +101,6 @@ def _synthesis_error(e: Exception) -> ApiError:
         return ApiError(400, str(e))
     log.exception("synthesis failed", exc_info=e)
     return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", "internal_error")
-
-
-async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
-    """Wait for the client to go away, then cancel the request's generation."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            token.cancel()
-            return
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,9 +119,10 @@ class ServerLimits:
     max_prompt_bytes: int
 
 
-def _gate(app: FastAPI) -> _Gate:
+def _gate(app: FastAPI) -> Gate:
     if app.state.gate is None:  # created inside the running loop
-        app.state.gate = _Gate(app.state.limits.max_concurrent, app.state.limits.max_queue)
+        app.state.gate = Gate(app.state.limits.max_concurrent, app.state.limits.max_queue,
+                              lambda message: _busy(f"{message}; retry in {RETRY_AFTER_S} s"))
     return app.state.gate
 
 
@@ -243,8 +171,8 @@ async def speech(body: SpeechRequest, request: Request):
         raise ApiError(422, f"speed {body.speed} needs stream=false (speed is applied to the finished audio)")
     g = _gate(request.app)
     await g.acquire()
-    job = _Job(tts, body)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))
+    job = SynthesisJob(tts, body)
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job.token))
     done = handed_off = False
 
     async def cleanup():
@@ -287,7 +215,7 @@ async def speech(body: SpeechRequest, request: Request):
                 await cleanup()
 
 
-async def _stream_body(job: _Job, first, sample_rate: int, fmt: str):
+async def _stream_body(job: SynthesisJob, first, sample_rate: int, fmt: str):
     if fmt == "wav":
         yield wav_header(sample_rate, None)
     samples = first
