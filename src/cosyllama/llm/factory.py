@@ -45,32 +45,39 @@ def llm_weights_path(config: ModelConfig, llm_weights: str | Path = LLM_WEIGHTS)
 
 def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None = None,
              llm_weights: str | Path = LLM_WEIGHTS, device="cpu", threads: int | None = None,
-             n_gpu_layers: int = 0, n_seq_max: int = N_SEQ_MAX) -> LLMBackend:
+             n_gpu_layers: int = 0, n_seq_max: int = N_SEQ_MAX, max_seq_tokens: int | None = None) -> LLMBackend:
     """The LLM backend for ``config``'s model: float32 PyTorch on ``device``, or llama.cpp from
     ``gguf`` (``threads``, ``n_gpu_layers``, ``n_seq_max`` concurrent sequences). ``llm_weights``
     chooses the checkpoint: the torch backend's weights, and for llama.cpp the file the GGUF must
-    have been converted from (and whose text rows the speech layout reads)."""
+    have been converted from (and whose text rows the speech layout reads). ``max_seq_tokens``:
+    positions one sequence may use (prompt + new tokens); given, the llama.cpp context is made
+    now for ``n_seq_max`` such sequences and never grows; None: the model's context length, and a
+    context sized lazily."""
     llm = choose_llm(llm, gguf)
     weights_path = llm_weights_path(config, llm_weights)
     if llm == "torch":
         from ..weights import load_llm_weights
         from .torch_backend import TorchLLM
 
-        return TorchLLM(config.llm, load_llm_weights(weights_path, config.llm), device)
+        return TorchLLM(config.llm, load_llm_weights(weights_path, config.llm), device, max_seq_tokens=max_seq_tokens)
     from .llamacpp_backend import LlamaCppLLM
 
     return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
-                       llm_weights=weights_path)
+                       llm_weights=weights_path, max_seq_tokens=max_seq_tokens,
+                       n_ctx=None if max_seq_tokens is None else n_seq_max * max_seq_tokens)
 
 
-def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None):
+def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None,
+                      prefill_chunk: int | None = None):
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
     :class:`~cosyllama.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
-    wait for a sequence (its default if None); the caller closes it."""
+    wait for a sequence and prefilling ``prefill_chunk`` prompt positions between two decode steps
+    (its defaults if None); the caller closes it."""
     if not batched:
         from .decode import DirectTokens
 
         return DirectTokens(backend)
     from ..scheduler import BatchScheduler
 
-    return BatchScheduler(backend) if max_waiting is None else BatchScheduler(backend, max_waiting=max_waiting)
+    kw = {k: v for k, v in (("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)) if v is not None}
+    return BatchScheduler(backend, **kw)
