@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .defaults import LLM_CHOICES, LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .defaults import LLM_CHOICES, LLM_WEIGHTS, MAX_QUEUE, PRECISION, PREFILL_CHUNK, SERVE_PARALLEL
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -87,6 +87,18 @@ def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
 
 def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=PRECISION, help=help)
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """``--max-input-chars`` ... ``--max-seq-tokens``: the per-request bounds of the server."""
+    from dataclasses import fields
+
+    from .limits import LIMIT_HELP, RequestLimits, limit_flag
+
+    g = p.add_argument_group("per-request limits (a request over one gets 413 naming it)")
+    for f in fields(RequestLimits):
+        g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
+                       help=f"{LIMIT_HELP[f.name]} (default {f.default})")
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
@@ -180,8 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_llm_weights_option(v)
     v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help=f"requests that may wait; more get 503 (default {MAX_QUEUE})")
-    v.add_argument("--max-input-chars", type=int, default=MAX_INPUT_CHARS,
-                   help=f"longest input text (default {MAX_INPUT_CHARS})")
+    add_limit_options(v)
+    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
+                        f"prompt does not stall them (default {PREFILL_CHUNK})")
     v.add_argument("--voices", help="voice file (written by VoiceStore.save) to register at start")
     v.add_argument("--stream-cache-mb", type=float, default=None,
                    help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "

@@ -7,8 +7,10 @@ on ``app.state``.
 
 The event loop never runs model code: the frontend, the flow and the vocoder run in the thread
 pool, one audio chunk per call. A request that does not fit (``max_concurrent`` running plus
-``max_queue`` waiting) gets 503 with ``Retry-After``. A client that goes away cancels its request
-at once: its LLM sequence is released at the next decode step. Errors are JSON
+``max_queue`` waiting) gets 503 with ``Retry-After``. Each request's work is bounded
+(:class:`~cosyllama.limits.RequestLimits`: characters, text tokens, LLM positions per sequence;
+413 naming the limit and its flag). A client that goes away cancels its request at once: its LLM
+sequence is released at the next decode step or prefill piece. Errors are JSON
 ``{"error": {"message": str, "type": str}}``.
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
@@ -26,8 +28,9 @@ from typing import Literal
 
 import numpy as np
 
-from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
 from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
+from .limits import LimitExceeded, RequestLimits
 from .llm.factory import choose_llm, make_token_source
 from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, RequestCancelled, SchedulerBusyError
 from .voices import check_voice_id
@@ -48,7 +51,6 @@ from .server_wire import MEDIA_TYPES, AudioStream, BodyLimit, encode, pcm16, wav
 
 log = logging.getLogger("cosyllama.server")
 
-DEFAULT_MAX_INPUT_CHARS = MAX_INPUT_CHARS  # characters of text per request
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
 RETRY_AFTER_S = 1  # seconds, sent with 503
@@ -95,6 +97,8 @@ class SpeechRequest(BaseModel):
 def _synthesis_error(e: Exception) -> ApiError:
     if isinstance(e, (SchedulerBusyError, BackendBusyError)):
         return _busy(str(e))
+    if isinstance(e, LimitExceeded):
+        return ApiError(413, str(e), "request_too_large")
     if isinstance(e, InputError):
         return ApiError(422, str(e))
     if isinstance(e, CosyllamaError):
@@ -115,8 +119,8 @@ def _synthesis_error(e: Exception) -> ApiError:
 class ServerLimits:
     max_concurrent: int
     max_queue: int
-    max_input_chars: int
     max_prompt_bytes: int
+    request: RequestLimits  # text fields and the LLM budget per sequence (also on app.state.tts.limits)
 
 
 def _gate(app: FastAPI) -> Gate:
@@ -156,9 +160,11 @@ async def _http_error(request, e: StarletteHTTPException):
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
     tts, limits = request.app.state.tts, request.app.state.limits
-    if len(body.input) > limits.max_input_chars:
-        raise ApiError(413, f"input is {len(body.input)} characters long; at most {limits.max_input_chars} "
-                       "are allowed per request: split the text", "request_too_large")
+    try:  # before any work; tokens and the LLM budget are checked after the frontend (SynthesisJob.open)
+        limits.request.check_chars("input", body.input)
+        limits.request.check_chars("instructions", body.instructions)
+    except LimitExceeded as e:
+        raise _synthesis_error(e) from e
     if not body.input.strip():
         raise ApiError(422, "input is empty; give some text to speak")
     if body.voice not in tts.voices:
@@ -326,29 +332,37 @@ async def health(request: Request):
 
 
 def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               max_input_chars: int = DEFAULT_MAX_INPUT_CHARS, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-               scheduler: BatchScheduler | None = None) -> FastAPI:
+               max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, limits: RequestLimits | None = None,
+               scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
     when that is one, else a scheduler made here over ``tts.llm`` (closed when the app shuts down).
     ``max_concurrent``: requests synthesized at once (default: twice the scheduler's sequence
     slots, so the LLM stays busy while other requests are in the flow/vocoder); ``max_queue``:
-    requests that may wait for one of those; more get 503. ``max_input_chars``: longer text gets
-    413. ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is
-    checked by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent``
-    requests wait for a sequence (the gate is the real limit).
+    requests that may wait for one of those; more get 503. ``limits``: characters and tokens of
+    the text fields and the LLM positions per sequence (default :class:`RequestLimits`()); a
+    request over one gets 413 naming it. ``max_prompt_bytes``: larger uploaded prompt files get
+    413 (their length in seconds is checked by the frontend: 0.1-30 s). A scheduler passed in
+    must let ``max_concurrent`` requests wait for a sequence (the gate is the real limit);
+    ``prefill_chunk``: prompt positions a scheduler made here runs between two decode steps.
     """
+    limits = RequestLimits() if limits is None else limits
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
     owns_scheduler = scheduler is None
     if max_concurrent is None:
         max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
                               else scheduler.max_active)
-    if min(max_concurrent, max_input_chars, max_prompt_bytes) < 1 or max_queue < 0:
-        raise ValueError("max_concurrent, max_input_chars and max_prompt_bytes must be >= 1 and max_queue >= 0")
+    if min(max_concurrent, max_prompt_bytes) < 1 or max_queue < 0:
+        raise ValueError("max_concurrent and max_prompt_bytes must be >= 1 and max_queue >= 0")
+    llm_budget = getattr(tts.llm, "max_seq_tokens", None)
+    if llm_budget is not None and llm_budget < limits.seq_tokens:
+        raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
+                         f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
     if owns_scheduler:
-        scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent))
+        scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
+                                      prefill_chunk=prefill_chunk)
     elif scheduler.max_waiting < max_concurrent:
         raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
                          f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
@@ -361,10 +375,12 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
 
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
-    app.add_middleware(BodyLimit, limit=max(max_prompt_bytes, 6 * max_input_chars) + BODY_SLACK_BYTES)
-    app.state.tts = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
+    text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
+    app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
+    view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
+    app.state.tts = view.with_limits(limits)
     app.state.scheduler = scheduler
-    app.state.limits = ServerLimits(max_concurrent, max_queue, max_input_chars, max_prompt_bytes)
+    app.state.limits = ServerLimits(max_concurrent, max_queue, max_prompt_bytes, limits)
     app.state.gate = None
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -378,26 +394,32 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
 
 
 def load_tts(args):
-    """The TTS the ``serve`` command asks for (llama.cpp when ``--gguf`` is given)."""
+    """The TTS the ``serve`` command asks for (llama.cpp when ``--gguf`` is given); its LLM holds
+    ``--parallel`` sequences of ``--max-seq-tokens`` positions."""
     from .tts import TTS
 
     for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
         v = getattr(args, name, None)
         if v is not None and not v >= 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    limits = RequestLimits.from_args(args)
     gguf = getattr(args, "gguf", None)
     return TTS(args.model_dir, llm=choose_llm(None, gguf), gguf=gguf, device=getattr(args, "device", "cpu"),
                threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", 0),
                precision=getattr(args, "precision", PRECISION), parallel=getattr(args, "parallel", SERVE_PARALLEL),
                llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
                stream_cache_mb=getattr(args, "stream_cache_mb", None),
-               prompt_cache_mb=getattr(args, "prompt_cache_mb", None))
+               prompt_cache_mb=getattr(args, "prompt_cache_mb", None), max_seq_tokens=limits.seq_tokens)
 
 
 def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
 
+    limits = RequestLimits.from_args(args)  # refuses a bad --max-... before loading the model
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is not None and chunk < 1:
+        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
     tts = load_tts(args)
     voices = getattr(args, "voices", None)
     if voices:
@@ -411,8 +433,8 @@ def serve(args) -> None:
                     log.warning("warming voice %s failed: %s", vid, e)
 
         threading.Thread(target=warm_all, name="cosyllama-warm-voices", daemon=True).start()
-    app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
-                     max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS))
+    app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
+                     prefill_chunk=getattr(args, "prefill_chunk", None))
     if getattr(tts.llm, "name", None) == "llamacpp":
         from .llm.llamacpp_backend import openmp_serving_hint
 
