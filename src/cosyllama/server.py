@@ -370,6 +370,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     @asynccontextmanager
     async def lifespan(app):
         yield
+        app.state.tts.frontend.normalizer.close_worker()
         if owns_scheduler:
             await run_in_threadpool(scheduler.close)
 
@@ -378,7 +379,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
     app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
     view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
-    app.state.tts = view.with_limits(limits)
+    app.state.tts = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the loop
     app.state.scheduler = scheduler
     app.state.limits = ServerLimits(max_concurrent, max_queue, max_prompt_bytes, limits)
     app.state.gate = None

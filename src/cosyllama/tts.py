@@ -182,6 +182,15 @@ class TTS:
         view.token_source = token_source
         return view
 
+    def with_text_worker(self) -> TTS:
+        """A view of this TTS whose frontend normalizes long texts in a helper process (see
+        :meth:`~cosyllama.text.TextNormalizer.with_worker_process`; same text, but a long text no
+        longer holds the GIL for seconds); ``view.frontend.normalizer.close_worker()`` ends it."""
+        view = copy.copy(self)
+        view.frontend = copy.copy(self.frontend)
+        view.frontend.normalizer = self.frontend.normalizer.with_worker_process()
+        return view
+
     def with_limits(self, limits: RequestLimits | None) -> TTS:
         """A view of this TTS (same models, same voices, same token source) checking every call
         against ``limits``; this one is left as it is."""
