@@ -69,6 +69,9 @@ def cmd_batch(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from .heap import bound_onednn_cache
+
+    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
     from .server import serve
 
     serve(args)

@@ -30,6 +30,7 @@ import numpy as np
 
 from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
 from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
+from .heap import bound_onednn_cache
 from .limits import LimitExceeded, RequestLimits
 from .llm.factory import choose_llm, make_token_source
 from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler, RequestCancelled, SchedulerBusyError
@@ -416,6 +417,8 @@ def load_tts(args):
 def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
+
+    bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.heap)
 
     limits = RequestLimits.from_args(args)  # refuses a bad --max-... before loading the model
     chunk = getattr(args, "prefill_chunk", None)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .heap import trim_heap
 from .scheduler import CancelToken
 
 # ----------------------------------------------------------------------------------------------
@@ -79,11 +80,13 @@ class SynthesisJob:
         return None if chunk is None else chunk.samples
 
     def close(self) -> None:
-        """Stop the synthesis; its LLM sequence is free when this returns."""
+        """Stop the synthesis; its LLM sequence is free when this returns. Gives the heap's free
+        pages back to the OS (see :mod:`cosyllama.heap`)."""
         self.token.cancel()
         with self.lock:
             if self.syn is not None:
                 self.syn.close()
+        trim_heap()
 
 
 async def cancel_on_disconnect(request, token: CancelToken) -> None:
