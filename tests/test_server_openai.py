@@ -196,7 +196,7 @@ def test_errors_surface_as_sdk_exceptions(client):
     _error(ei, 422, "stream", "conflicting_fields")
     with pytest.raises(openai.APIStatusError) as ei:
         client.audio.speech.create(model="m", voice="en", input="x" * 5000)
-    _error(ei, 413)
+    _error(ei, 413, "input", "string_above_max_length", "input is too long: 5000 characters, at most 4096 allowed")
     r = httpx.post(f"{client.base_url}voices", data={"id": "x"}, timeout=60)  # a multipart form without audio
     assert r.status_code == 422 and r.json()["error"]["param"] == "audio" and r.json()["error"]["code"] == "missing"
 

@@ -25,6 +25,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from test_server import LoopbackServer  # noqa: E402
+from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 
@@ -159,7 +160,8 @@ def tts():
 def server(tts, tmp_path_factory):
     view = copy.copy(tts)
     view.voices = VoiceDirectory(tmp_path_factory.mktemp("voices"))
-    srv = LoopbackServer(create_app(view, api_key=KEY, allow_origins=[GOOD_ORIGIN], max_transcript_chars=200))
+    srv = LoopbackServer(create_app(view, api_key=KEY, allow_origins=[GOOD_ORIGIN],
+                                    limits=RequestLimits(transcript_chars=200)))
     yield srv
     srv.stop()
 
@@ -264,10 +266,10 @@ def test_unusable_audio_and_transcripts_refused(client):
     _error(client.post("/v1/voices", files=_files(_float_wav(speech[:800])), data={"id": "short"}), 400, "too short")
     _error(client.post("/v1/voices", files=_files(b""), data={"id": "empty"}), 400, "empty")
     err = _error(client.post("/v1/voices", files=_files(), data={"id": "long", "text": "x" * 201}), 413,
-                 "201 characters long; at most 200 are allowed (--max-transcript-chars)")
-    assert err["type"] == "request_too_large"
+                 "transcript is too long: 201 characters, at most 200 allowed (--max-transcript-chars)")
+    assert (err["type"], err["param"], err["code"]) == ("request_too_large", "text", "string_above_max_length")
     _error(client.post("/v1/voices", files=_files(), data={"id": "toks", "text": "\U0001F600" * 190}), 413,
-           "tokens long; at most 500")
+           "760 text tokens as the LLM sees them, at most 512 allowed (--max-transcript-tokens)")
     assert not {"nan", "inf", "txt", "short", "empty", "long", "toks"} & set(_ids(client))
     assert client.post("/v1/voices", files=_files(_float_wav(speech)), data={"id": "fine", "replace": "true"}
                        ).status_code == 200  # the same clip, finite
@@ -318,4 +320,4 @@ def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch,
     assert "$COSYLLAMA_API_KEY is empty" in capsys.readouterr().err
     monkeypatch.delenv("COSYLLAMA_API_KEY")
     assert main([*base, "--max-transcript-chars", "0"]) == 2
-    assert "--max-transcript-chars must be >= 1" in capsys.readouterr().err
+    assert "--max-transcript-chars must be an integer >= 1" in capsys.readouterr().err

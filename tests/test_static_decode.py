@@ -131,6 +131,45 @@ def test_full_pool_is_busy_and_a_long_request_is_refused():
     assert llm.active == 0
 
 
+def test_prefill_in_pieces_equals_one_pass_even_when_compaction_moves_it(static, dynamic):
+    """begin + prefill_step (the scheduler's pieces) give the logp of one pass; a sequence still in
+    its prefill may be moved to a lower slot by compaction and goes on from there; stepping it
+    before its prompt is in is refused."""
+    from cosyllama.llm.backend import PiecewisePrefill
+
+    assert isinstance(static, PiecewisePrefill)
+    a, _ = load_fixture("llm_teacher_forced")
+    pf = _prefill(a)
+    ref = _teacher_forced(dynamic, a)
+    first = static.begin(pf, 8)
+    moving = static.begin(pf, len(a["continuation"]))  # slot 1
+    assert static.prefill_step(moving, 10) is None
+    with pytest.raises(RuntimeError, match="prefill"):
+        static.step([(moving, 0)])
+    static.release(first)  # compaction: `moving` goes to slot 0 with its 10 positions
+    assert moving.index == 0 and moving.length == 10
+    pieces = 1
+    while (lp := static.prefill_step(moving, 7)) is None:
+        pieces += 1
+    assert pieces == -(-(moving.length - 10) // 7)  # the prompt's positions (sos, text, task, speech) in 7s
+    rows = [lp] + [static.step([(moving, t)])[0] for t in a["continuation"].tolist()]
+    assert (torch.stack(rows) - ref).abs().max() <= LOGP_ATOL
+    with pytest.raises(RuntimeError, match="complete"):
+        static.prefill_step(moving, 7)
+    static.release(moving)
+    assert static.active == 0
+
+
+def test_factory_sizes_the_static_slots_from_max_seq_tokens():
+    from cosyllama.llm.factory import make_llm
+
+    cfg = load_config(MODEL_DIR)
+    llm = make_llm(cfg, "torch", llm_precision="bf16", n_seq_max=1, max_seq_tokens=200)
+    assert llm.ctx == 201  # the budget plus the padding rows' scratch column
+    with pytest.raises(InputError, match="max_seq_tokens"):
+        make_llm(cfg, "torch", llm_precision="bf16", n_seq_max=1, max_seq_tokens=0)
+
+
 def test_precision_choices():
     with pytest.raises(InputError, match="precision"):
         _static(precision="int4")

@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_INPUT_CHARS,
-                       MAX_QUEUE, MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS, PRECISION, SERVE_PARALLEL, SPEED_RANGE)
+from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, PRECISION,
+                       PREFILL_CHUNK, SERVE_PARALLEL, SPEED_RANGE)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -70,6 +70,9 @@ def cmd_batch(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from .heap import bound_onednn_cache
+
+    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
     from .server import serve
 
     serve(args)
@@ -96,6 +99,18 @@ def add_gpu_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm-precision", choices=LLM_PRECISIONS, default=LLM_PRECISION,
                    help=f"torch LLM weights and KV cache (default {LLM_PRECISION}, the parity mode; bf16/fp16 "
                         "for a GPU)")
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """``--max-input-chars`` ... ``--max-seq-tokens``: the per-request bounds of the server."""
+    from dataclasses import fields
+
+    from .limits import LIMIT_HELP, RequestLimits, limit_flag
+
+    g = p.add_argument_group("per-request limits (a request over one gets 413 naming it)")
+    for f in fields(RequestLimits):
+        g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
+                       help=f"{LIMIT_HELP[f.name]} (default {f.default})")
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
@@ -200,15 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_llm_weights_option(v)
     v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help=f"requests that may wait; more get 503 (default {MAX_QUEUE})")
-    v.add_argument("--max-input-chars", type=int, default=MAX_INPUT_CHARS,
-                   help=f"longest input text (default {MAX_INPUT_CHARS})")
+    add_limit_options(v)
+    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
+                        f"prompt does not stall them (default {PREFILL_CHUNK})")
     v.add_argument("--voices", metavar="DIR|FILE",
                    help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
                         "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
                         "(VoiceStore.save) served read-only; default: voices in memory only")
-    v.add_argument("--max-transcript-chars", type=int, default=MAX_TRANSCRIPT_CHARS,
-                   help=f"longest transcript of a registered voice (default {MAX_TRANSCRIPT_CHARS} characters; "
-                        f"also at most {MAX_TRANSCRIPT_TOKENS} text tokens)")
     v.add_argument("--api-key", metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every request but GET /health (default: "
                         f"${API_KEY_ENV}, else no key; the variable keeps the key out of the process list)")

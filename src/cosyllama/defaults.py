@@ -10,9 +10,17 @@ SPEED_RANGE = (0.25, 4.0)  # time-stretch factors allowed (OpenAI's speech API a
 N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot
-MAX_INPUT_CHARS = 4096  # characters of text per server request
-MAX_TRANSCRIPT_CHARS = 1000  # characters of a registered voice's transcript (POST /v1/voices); 30 s of speech is ~500
-MAX_TRANSCRIPT_TOKENS = 500  # and its text tokens (a transcript of odd characters can take several per character)
+PREFILL_CHUNK = 128  # prompt positions the server's scheduler prefills between two decode steps
 API_KEY_ENV = "COSYLLAMA_API_KEY"  # the server's API key when --api-key is not given
 LLM_PRECISIONS = ("fp32", "bf16", "fp16")  # the torch LLM's weights and KV cache (fp32: the parity mode)
 LLM_PRECISION = "fp32"
+
+# Per-request bounds of the server (cosyllama.limits.RequestLimits; `serve --max-...`). Tokens are
+# text tokens after the frontend's normalization and tokenizer.
+MAX_INPUT_CHARS = 4096  # characters of input text per request
+MAX_INPUT_TOKENS = 4096  # text tokens of the input, all segments together
+MAX_INSTRUCTIONS_CHARS = 1000  # characters of an instruct-mode instruction
+MAX_INSTRUCTIONS_TOKENS = 256  # its text tokens, system prefix included
+MAX_TRANSCRIPT_CHARS = 1000  # characters of a voice's transcript (a prompt clip is at most 30 s; 30 s of speech is ~500)
+MAX_TRANSCRIPT_TOKENS = 512  # its text tokens, system prefix included (odd characters can take several each)
+MAX_SEQ_TOKENS = 4096  # LLM positions of one sequence: its prompt plus the speech tokens it may decode

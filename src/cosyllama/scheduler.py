@@ -9,10 +9,17 @@ Per-request rules (min/max length, stop ids, RAS or greedy, seeds) come from
 :class:`~cosyllama.llm.decode.TokenDecoder`, the same object :func:`~cosyllama.llm.decode.generate`
 uses, so a greedy request gives the same tokens batched as alone.
 
-Failure isolation: an error in one request's prefill (``backend.start``) or token choice fails only
-that request. An error raised by ``backend.step`` fails the requests of that step (the backend
-cannot say which sequence caused it, and may have advanced some of them); the worker keeps serving
-the others.
+Prefill in pieces: with a backend that implements
+:class:`~cosyllama.llm.backend.PiecewisePrefill`, a new request only reserves its sequence when it
+is admitted; its prompt then runs ``prefill_chunk`` positions at a time, one piece (of one
+prefilling request, in turn) between two decode steps of the others. A long prompt therefore
+delays the others' steps by one piece at most, and a cancelled request stops between two pieces.
+Other backends prefill in one ``start`` call.
+
+Failure isolation: an error in one request's prefill (``backend.start`` / ``begin`` /
+``prefill_step``) or token choice fails only that request. An error raised by ``backend.step``
+fails the requests of that step (the backend cannot say which sequence caused it, and may have
+advanced some of them); the worker keeps serving the others.
 
 Cancellation: closing a request's iterator releases its sequence before ``close()`` returns. A
 :class:`CancelToken` bound with :meth:`CancelToken.bound` around the code that calls ``generate``
@@ -34,8 +41,9 @@ from collections.abc import Iterator
 
 import torch
 
+from .defaults import PREFILL_CHUNK
 from .errors import BackendBusyError, CosyllamaError
-from .llm.backend import LLMBackend, Prefill
+from .llm.backend import LLMBackend, PiecewisePrefill, Prefill
 from .llm.decode import DecodeOptions, TokenDecoder
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
@@ -54,7 +62,8 @@ _END = object()  # queue sentinel: decoding finished normally
 
 
 class _Request:
-    __slots__ = ("prefill", "decoder", "out", "handle", "next_tok", "cancelled", "finished", "released")
+    __slots__ = ("prefill", "decoder", "out", "handle", "next_tok", "prefilling", "cancelled", "finished",
+                 "released")
 
     def __init__(self, prefill: Prefill, decoder: TokenDecoder):
         self.prefill = prefill
@@ -62,6 +71,7 @@ class _Request:
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # tokens, then _END or an exception
         self.handle: object | None = None
         self.next_tok: int | None = None  # token to feed at the next step
+        self.prefilling = False  # begun; prompt pieces still to run
         self.cancelled = False
         self.finished = False  # no more output will be queued
         self.released = threading.Event()  # the backend sequence is gone (or never existed)
@@ -113,15 +123,20 @@ class BatchScheduler:
     else :data:`DEFAULT_MAX_ACTIVE`). ``max_waiting``: requests that may wait for a free sequence;
     one more raises :class:`SchedulerBusyError`. A backend that refuses a start with
     ``BackendBusyError`` (KV memory full) makes the request wait until another one finishes.
+    ``prefill_chunk``: prompt positions run between two decode steps (piecewise backends only).
     """
 
     def __init__(self, backend: LLMBackend, *, max_active: int | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING):
+                 max_waiting: int = DEFAULT_MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK):
         if max_active is None:
             max_active = int(getattr(backend, "n_seq_max", DEFAULT_MAX_ACTIVE))
-        if max_active < 1 or max_waiting < 0:
-            raise ValueError(f"max_active must be >= 1 and max_waiting >= 0, got {max_active}, {max_waiting}")
+        if max_active < 1 or max_waiting < 0 or prefill_chunk < 1:
+            raise ValueError(f"max_active and prefill_chunk must be >= 1 and max_waiting >= 0, got {max_active}, "
+                             f"{prefill_chunk}, {max_waiting}")
         self.backend = backend
+        self.piecewise = isinstance(backend, PiecewisePrefill)
+        self.prefill_chunk = prefill_chunk
+        self._turn = 0  # which prefilling request runs the next piece
         self.config = backend.config
         self.max_active = max_active
         self.max_waiting = max_waiting
@@ -135,6 +150,7 @@ class BatchScheduler:
         # counters for /health and tests
         self.steps = 0
         self.tokens = 0
+        self.prefill_pieces = 0
         self.max_batch = 0
         self.batch_hist: dict[int, int] = {}
         self._thread = threading.Thread(target=self._run, name="cosyllama-scheduler", daemon=True)
@@ -174,6 +190,7 @@ class BatchScheduler:
         """Active sequences, waiting requests and batching counters."""
         with self._cond:
             return {"active_sequences": self._n_active, "waiting": len(self._waiting),
+                    "prefilling": sum(r.prefilling for r in self._active), "prefill_pieces": self.prefill_pieces,
                     "max_active": self.max_active, "max_waiting": self.max_waiting, "steps": self.steps,
                     "tokens": self.tokens, "max_batch": self.max_batch, "batch_sizes": dict(self.batch_hist)}
 
@@ -260,7 +277,8 @@ class BatchScheduler:
 
     def _loop_once(self) -> bool:
         with self._cond:
-            while not self._closed and not self._wake and not any(r.next_tok is not None for r in self._active):
+            while not self._closed and not self._wake and not any(r.next_tok is not None or r.prefilling
+                                                                  for r in self._active):
                 self._cond.wait()
             if self._closed:
                 return False
@@ -278,19 +296,27 @@ class BatchScheduler:
                 with self._cond:  # keep arrival order for the ones not tried yet
                     self._waiting.extendleft(reversed(admitted[i + 1:]))
                 break
+        filling = [r for r in self._active if r.prefilling and not r.cancelled]
+        if filling:
+            self._turn = (self._turn + 1) % len(filling)
+            self._prefill_piece(filling[self._turn])
         live = [r for r in self._active if r.next_tok is not None and not r.cancelled]
         if live:
             self._step(live)
         return True
 
     def _start(self, req: _Request) -> bool:
-        """Prefill one request. False when the backend is full (the request waits again)."""
+        """Begin one request (piecewise backends) or prefill it whole. False when the backend is
+        full (the request waits again)."""
         if req.cancelled:
             self._finish(req, RequestCancelled("the request was cancelled"))
             req.released.set()
             return True
         try:
-            handle, logp = self.backend.start(req.prefill, req.decoder.max_len)
+            if self.piecewise:
+                handle, logp = self.backend.begin(req.prefill, req.decoder.max_len), None
+            else:
+                handle, logp = self.backend.start(req.prefill, req.decoder.max_len)
         except BackendBusyError as e:
             with self._cond:
                 if self._active:  # room comes back when one of them finishes
@@ -305,11 +331,27 @@ class BatchScheduler:
             req.released.set()
             return True
         req.handle = handle
+        req.prefilling = logp is None
         with self._cond:
             self._active.append(req)
             self._n_active = len(self._active)
-        self._advance(req, logp)
+        if logp is not None:
+            self._advance(req, logp)
         return True
+
+    def _prefill_piece(self, req: _Request) -> None:
+        """Run the next piece of one request's prompt; once it is all in, choose its first token."""
+        try:
+            logp = self.backend.prefill_step(req.handle, self.prefill_chunk)
+        except Exception as e:
+            self._finish(req, e)
+            self._release(req)
+            return
+        with self._cond:
+            self.prefill_pieces += 1
+        if logp is not None:
+            req.prefilling = False
+            self._advance(req, logp)
 
     def _step(self, live: list[_Request]) -> None:
         batch = [(r.handle, r.next_tok) for r in live]

@@ -7,8 +7,10 @@ on ``app.state``.
 
 The event loop never runs model code: the frontend, the flow and the vocoder run in the thread
 pool, one audio chunk per call. A request that does not fit (``max_concurrent`` running plus
-``max_queue`` waiting) gets 503 with ``Retry-After``. A client that goes away cancels its request
-at once: its LLM sequence is released at the next decode step. Errors are OpenAI's JSON
+``max_queue`` waiting) gets 503 with ``Retry-After``. Each request's work is bounded
+(:class:`~cosyllama.limits.RequestLimits`: characters, text tokens, LLM positions per sequence;
+413 naming the limit and its flag). A client that goes away cancels its request at once: its LLM
+sequence is released at the next decode step or prefill piece. Errors are OpenAI's JSON
 ``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server_errors`).
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
@@ -21,8 +23,10 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from .defaults import LLM_WEIGHTS, MAX_INPUT_CHARS, MAX_QUEUE, MAX_TRANSCRIPT_CHARS, PRECISION, SERVE_PARALLEL
+from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
 from .errors import InputError, MissingDependencyError
+from .heap import bound_onednn_cache
+from .limits import RequestLimits
 from .llm.factory import choose_llm, make_token_source
 from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
 
@@ -38,13 +42,12 @@ from .server_errors import add_error_handlers  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
 from .server_speech import SpeechRequest  # noqa: E402
 from .server_speech import router as speech_router  # noqa: E402
-from .server_voices import VoiceLimits, open_voice_store, warm_voices  # noqa: E402
+from .server_voices import open_voice_store, warm_voices  # noqa: E402
 from .server_voices import router as voices_router  # noqa: E402
 from .server_wire import BodyLimit, encode, pcm16, wav_header  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
-DEFAULT_MAX_INPUT_CHARS = MAX_INPUT_CHARS  # characters of text per request
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
@@ -62,8 +65,8 @@ BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 class ServerLimits:
     max_concurrent: int
     max_queue: int
-    max_input_chars: int
     max_prompt_bytes: int
+    request: RequestLimits  # characters and tokens of the text fields, LLM positions per sequence
 
 
 router = APIRouter()
@@ -95,35 +98,41 @@ async def health(request: Request):
 
 
 def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               max_input_chars: int = DEFAULT_MAX_INPUT_CHARS, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-               scheduler: BatchScheduler | None = None,
-               max_transcript_chars: int = MAX_TRANSCRIPT_CHARS, api_key: str | None = None,
-               allow_origins: Sequence[str] = ()) -> FastAPI:
+               max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, limits: RequestLimits | None = None,
+               scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
+               api_key: str | None = None, allow_origins: Sequence[str] = ()) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
     when that is one, else a scheduler made here over ``tts.llm`` (closed when the app shuts down).
     ``max_concurrent``: requests synthesized at once (default: twice the scheduler's sequence
     slots, so the LLM stays busy while other requests are in the flow/vocoder); ``max_queue``:
-    requests that may wait for one of those; more get 503. ``max_input_chars``: longer text gets
-    413. ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is
-    checked by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent``
-    requests wait for a sequence (the gate is the real limit). ``max_transcript_chars``: a longer
-    voice transcript gets 413. ``api_key`` and ``allow_origins``: see :mod:`cosyllama.server_security`.
-    Voices are registered in ``tts.voices`` (``serve`` sets it with
-    :func:`cosyllama.server_voices.open_voice_store`).
+    requests that may wait for one of those; more get 503. ``limits``: characters and tokens of
+    the text fields (input, instructions, a voice's transcript) and the LLM positions per sequence
+    (default :class:`RequestLimits`()); a request over one gets 413 naming it.
+    ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is checked
+    by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent`` requests wait for
+    a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
+    here runs between two decode steps. ``api_key`` and ``allow_origins``: see
+    :mod:`cosyllama.server_security`. Voices are registered in ``tts.voices`` (``serve`` sets it
+    with :func:`cosyllama.server_voices.open_voice_store`).
     """
+    limits = RequestLimits() if limits is None else limits
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
     owns_scheduler = scheduler is None
     if max_concurrent is None:
         max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
                               else scheduler.max_active)
-    if min(max_concurrent, max_input_chars, max_prompt_bytes, max_transcript_chars) < 1 or max_queue < 0:
-        raise ValueError("max_concurrent, max_input_chars, max_prompt_bytes and max_transcript_chars must be >= 1 "
-                         "and max_queue >= 0")
+    if min(max_concurrent, max_prompt_bytes) < 1 or max_queue < 0:
+        raise ValueError("max_concurrent and max_prompt_bytes must be >= 1 and max_queue >= 0")
+    llm_budget = getattr(tts.llm, "max_seq_tokens", None)
+    if llm_budget is not None and llm_budget < limits.seq_tokens:
+        raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
+                         f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
     if owns_scheduler:
-        scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent))
+        scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
+                                      prefill_chunk=prefill_chunk)
     elif scheduler.max_waiting < max_concurrent:
         raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
                          f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
@@ -131,18 +140,20 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     @asynccontextmanager
     async def lifespan(app):
         yield
+        app.state.tts.frontend.normalizer.close_worker()
         if owns_scheduler:
             await run_in_threadpool(scheduler.close)
 
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
-    app.add_middleware(BodyLimit, limit=max(max_prompt_bytes, 6 * max_input_chars) + BODY_SLACK_BYTES)
+    text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
+    app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
     add_guard(app, api_key, allow_origins)  # in front: refusals come before any body is read
-    app.state.tts = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
+    view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
+    app.state.tts = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the loop
     app.state.scheduler = scheduler
-    app.state.limits = ServerLimits(max_concurrent, max_queue, max_input_chars, max_prompt_bytes)
+    app.state.limits = ServerLimits(max_concurrent, max_queue, max_prompt_bytes, limits)
     app.state.gate = None
-    app.state.voice_limits = VoiceLimits(max_transcript_chars)
     add_error_handlers(app)
     app.include_router(router)
     app.include_router(speech_router)
@@ -155,13 +166,15 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
 
 
 def load_tts(args):
-    """The TTS the ``serve`` command asks for (llama.cpp when ``--gguf`` is given)."""
+    """The TTS the ``serve`` command asks for (llama.cpp when ``--gguf`` is given); its LLM holds
+    ``--parallel`` sequences of ``--max-seq-tokens`` positions."""
     from .tts import TTS
 
     for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
         v = getattr(args, name, None)
         if v is not None and not v >= 0:
             raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    limits = RequestLimits.from_args(args)
     gguf = getattr(args, "gguf", None)
     return TTS(args.model_dir, llm=choose_llm(None, gguf), gguf=gguf, device=getattr(args, "device", "cpu"),
                threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
@@ -169,24 +182,26 @@ def load_tts(args):
                llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
                llm_precision=getattr(args, "llm_precision", "fp32"),
                stream_cache_mb=getattr(args, "stream_cache_mb", None),
-               prompt_cache_mb=getattr(args, "prompt_cache_mb", None))
+               prompt_cache_mb=getattr(args, "prompt_cache_mb", None), max_seq_tokens=limits.seq_tokens)
 
 
 def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
 
-    api_key, origins = guard_options(args)  # checked before the minutes of loading a model
-    if getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS) < 1:
-        raise InputError(f"--max-transcript-chars must be >= 1, got {args.max_transcript_chars}")
+    bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.heap)
+    # the options are checked before the minutes of loading a model
+    api_key, origins = guard_options(args)
+    limits = RequestLimits.from_args(args)
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is not None and chunk < 1:
+        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
     tts.voices = voices
     warm_voices(tts)
-    app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE),
-                     max_input_chars=getattr(args, "max_input_chars", DEFAULT_MAX_INPUT_CHARS),
-                     max_transcript_chars=getattr(args, "max_transcript_chars", MAX_TRANSCRIPT_CHARS),
-                     api_key=api_key, allow_origins=origins)
+    app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
+                     prefill_chunk=chunk, api_key=api_key, allow_origins=origins)
     if getattr(tts.llm, "name", None) == "llamacpp":
         from .llm.llamacpp_backend import openmp_serving_hint
 

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import BackendBusyError, CosyllamaError, InputError
+from .limits import LimitExceeded
 from .scheduler import SchedulerBusyError
 from .server_common import ApiError, busy, error_body
 
@@ -23,12 +24,27 @@ def synthesis_error(e: Exception) -> ApiError:
         return e
     if isinstance(e, (SchedulerBusyError, BackendBusyError)):
         return busy(str(e))
+    if isinstance(e, LimitExceeded):
+        return limit_error(e)
     if isinstance(e, InputError):
         return ApiError(422, str(e))
     if isinstance(e, CosyllamaError):
         return ApiError(400, str(e))
     log.exception("synthesis failed", exc_info=e)
     return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", "internal_error")
+
+
+# the request field a limit's refusal points at: a voice's transcript came with the voice
+_LIMIT_PARAM = {"input": "input", "instructions": "instructions", "transcript": "voice", "sequence": "input"}
+
+
+def limit_error(e: LimitExceeded, param: str | None = None) -> ApiError:
+    """413 for a request over one of its :class:`~cosyllama.limits.RequestLimits`; ``param``
+    overrides the field named (e.g. ``text`` for a voice registration's transcript). The code is
+    OpenAI's: ``context_length_exceeded`` for the LLM's per-sequence budget, else
+    ``string_above_max_length``."""
+    code = "context_length_exceeded" if e.field == "sequence" else "string_above_max_length"
+    return ApiError(413, str(e), "request_too_large", param=param or _LIMIT_PARAM.get(e.field), code=code)
 
 
 async def _api_error(request, e: ApiError):

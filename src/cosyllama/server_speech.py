@@ -32,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from .defaults import SPEED_RANGE
+from .heap import trim_heap
+from .limits import LimitExceeded
 from .scheduler import CancelToken, RequestCancelled
 from .server_common import ApiError, error_body, gate
 from .server_errors import synthesis_error
@@ -127,7 +129,8 @@ class _Job:
         return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
 
     def close(self) -> None:
-        """Stop the synthesis; its LLM sequence is free when this returns."""
+        """Stop the synthesis; its LLM sequence is free when this returns. Gives the heap's free
+        pages back to the OS (see :mod:`cosyllama.heap`)."""
         self.token.cancel()
         with self.lock:
             if self.syn is not None:
@@ -135,6 +138,7 @@ class _Job:
             if self.encoder is not None:
                 self.encoder.close()
                 self.encoder = None
+        trim_heap()
 
 
 async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
@@ -152,9 +156,11 @@ router = APIRouter()
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
     tts, limits = request.app.state.tts, request.app.state.limits
-    if len(body.input) > limits.max_input_chars:
-        raise ApiError(413, f"input is {len(body.input)} characters long; at most {limits.max_input_chars} "
-                       "are allowed per request: split the text", "request_too_large")
+    try:  # before any work; tokens and the LLM budget are checked after the frontend (in tts.synthesize)
+        limits.request.check_chars("input", body.input)
+        limits.request.check_chars("instructions", body.instructions)
+    except LimitExceeded as e:
+        raise synthesis_error(e) from e
     if not body.input.strip():
         raise ApiError(422, "input is empty; give some text to speak")
     if body.voice not in tts.voices:

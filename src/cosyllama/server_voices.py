@@ -8,26 +8,20 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from .defaults import MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS
 from .errors import CosyllamaError, InputError
+from .limits import LimitExceeded, RequestLimits
 from .server_common import ApiError, gate
+from .server_errors import limit_error
 from .voices import VoiceDirectory, VoiceExistsError, VoiceStore, check_voice_id
 
 log = logging.getLogger("cosyllama.server")
 
 router = APIRouter()
-
-
-@dataclass
-class VoiceLimits:
-    max_transcript_chars: int = MAX_TRANSCRIPT_CHARS
-    max_transcript_tokens: int = MAX_TRANSCRIPT_TOKENS
 
 
 def _writable(tts) -> None:
@@ -48,15 +42,14 @@ def _exists(voice_id: str) -> ApiError:
                          f"(or DELETE /v1/voices/{voice_id} first)", "conflict_error")
 
 
-def _check_transcript(tts, text: str, limits: VoiceLimits) -> None:
-    if len(text) > limits.max_transcript_chars:
-        raise ApiError(413, f"text (the transcript) is {len(text)} characters long; at most "
-                            f"{limits.max_transcript_chars} are allowed (--max-transcript-chars): give the "
-                            "transcript of the 3-15 s clip only", "request_too_large")
-    n = len(tts.frontend.tokenize(text))
-    if n > limits.max_transcript_tokens:
-        raise ApiError(413, f"text (the transcript) is {n} tokens long; at most {limits.max_transcript_tokens} "
-                            "are allowed: give the transcript of the 3-15 s clip only", "request_too_large")
+def _check_transcript(tts, text: str, limits: RequestLimits) -> None:
+    """Refuse an over-long transcript before any audio work (``tts.make_voice`` checks the tokens
+    again with the system prefix the LLM sees)."""
+    try:
+        limits.check_chars("transcript", text)
+        limits.check_tokens("transcript", len(tts.frontend.tokenize(text)))
+    except LimitExceeded as e:
+        raise limit_error(e, param="text") from e
 
 
 @router.post("/v1/voices")
@@ -68,7 +61,7 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     voice_id = id if id else f"voice-{secrets.token_hex(4)}"
     _check_id(voice_id)
     if text:
-        _check_transcript(tts, text, state.voice_limits)
+        _check_transcript(tts, text, limits.request)
     if not replace and await run_in_threadpool(tts.voices.__contains__, voice_id):
         raise _exists(voice_id)  # before the work; add() checks again, atomically
     data = await audio.read(limits.max_prompt_bytes + 1)
@@ -81,6 +74,8 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     await g.acquire()
     try:
         voice = await run_in_threadpool(tts.make_voice, data, text or None)
+    except LimitExceeded as e:
+        raise limit_error(e, param="text") from e
     except CosyllamaError as e:
         raise ApiError(400, str(e)) from e
     finally:

@@ -29,6 +29,7 @@ Prompt conventions (our choice, documented here and in the engine): the LLM need
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -286,18 +287,55 @@ class TextNormalizer:
     """The reference's ``text_normalize`` (wetext backend) with Russian numbers spelled in Russian.
 
     Safe to share between threads: wetext calls are serialized by a lock (its FST objects are
-    shared native objects with no documented thread-safety; a call takes milliseconds).
+    shared native objects with no documented thread-safety). A wetext call holds the GIL for its
+    whole length (about 1 s for 4,000 characters), so a server moves long texts to a helper
+    process (:meth:`with_worker_process`; same output).
     """
 
     def __init__(self, tokenizer: TextTokenizer):
+        from .text_worker import make_wetext_normalizers
+
         self.tokenizer = tokenizer
         try:
-            from wetext import Normalizer
+            self._wetext_normalizers = make_wetext_normalizers()
         except ImportError as e:
             raise MissingDependencyError("text normalization needs wetext>=0.1.8: pip install 'wetext>=0.1.8'") from e
-        self._zh = Normalizer(lang="auto", operator="tn", remove_erhua=False)
-        self._en = Normalizer(lang="auto", operator="tn")
         self._lock = threading.Lock()
+        self._worker = None
+
+    def with_worker_process(self, min_chars: int | None = None) -> TextNormalizer:
+        """A copy of this normalizer (same wetext objects) that normalizes texts of at least
+        ``min_chars`` characters (default :data:`~cosyllama.text_worker.WORKER_MIN_CHARS`) in a
+        helper process, started now, so that they do not stop this process's other threads; its
+        :meth:`close_worker` ends the process."""
+        from .text_worker import WORKER_MIN_CHARS, WetextWorker
+
+        twin = copy.copy(self)
+        twin._worker = WetextWorker(WORKER_MIN_CHARS if min_chars is None else min_chars)
+        return twin
+
+    def close_worker(self) -> None:
+        """Stop the helper process of :meth:`with_worker_process` (if any); normalize in place again."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
+
+    def _wetext(self, kind: str, text: str) -> str:
+        """wetext's ``kind`` (``"en"``/``"zh"``) normalization of ``text``. Its grammars fail on a
+        few inputs (``"10¢"``: an AssertionError in wetext 0.1.8), which is an input error naming
+        the text, not a crash."""
+        try:
+            worker = self._worker
+            out = worker.normalize(kind, text) if worker is not None else None
+            if out is None:
+                with self._lock:
+                    out = self._wetext_normalizers[kind].normalize(text)
+            return out
+        except Exception as e:
+            shown = text if len(text) <= 80 else text[:77] + "..."
+            raise InputError(f"the text normalizer (wetext) fails on {shown!r} ({type(e).__name__}); "
+                             "write out the symbols next to numbers (e.g. '10¢' as '10 cents')") from e
 
     def normalize(self, text: str, split: bool = True, text_frontend: bool = True,
                   russian_numbers: bool = True) -> list[str] | str:
@@ -318,27 +356,14 @@ class TextNormalizer:
         else:
             if russian_numbers and _CYRILLIC_RE.search(text):
                 text = expand_russian_sentences(text)
-            text = self._wetext(self._en, text)
-            text = spell_out_number(text)
+            text = spell_out_number(self._wetext("en", text))
             segments = split_paragraph(text, lambda s: len(self.tokenizer.encode(s)), "en") if split else []
         if not split:
             return text
         return [s for s in segments if not is_only_punctuation(s)]
 
-    def _wetext(self, normalizer, text: str) -> str:
-        """wetext's normalization of ``text``; its grammars fail on a few inputs (``"10¢"``: an
-        AssertionError in wetext 0.1.8), which is an input error naming the text, not a crash."""
-        with self._lock:
-            try:
-                return normalizer.normalize(text)
-            except Exception as e:
-                shown = text if len(text) <= 80 else text[:77] + "..."
-                raise InputError(f"the text normalizer (wetext) fails on {shown!r} ({type(e).__name__}); "
-                                 "write out the symbols next to numbers (e.g. '10¢' as '10 cents')") from e
-
     def _normalize_zh(self, text: str) -> str:
-        text = self._wetext(self._zh, text)
-        text = text.replace("\n", "")
+        text = self._wetext("zh", text).replace("\n", "")
         text = replace_blank(text)
         text = text.replace("²", "平方").replace("³", "立方")
         text = text.replace(".", "。").replace(" - ", "，")

@@ -29,7 +29,8 @@ from .errors import InputError
 from .flow import Flow
 from .frontend import Frontend, ModelInput, PromptFeatures
 from .llm.backend import LLMBackend, Prefill
-from .llm.decode import DecodeOptions, DirectTokens, SilentTokenFilter
+from .limits import RequestLimits
+from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
 from .vocoder import HiFT
 from .voices import VoiceStore
@@ -125,8 +126,10 @@ class TTS:
     there); n_gpu_layers: llama.cpp layers on the GPU (None: all of them with ``device="cuda"``,
     else none). llm_precision: the torch LLM's weights, ``"fp32"`` (parity) or ``"bf16"``/``"fp16"``
     (for a GPU). threads: torch CPU threads (process-wide) and llama.cpp threads. precision: flow
-    compute, ``"auto"`` (bf16 where the CPU/GPU does it natively, else fp32), ``"fp32"`` (the
-    reference path) or ``"bf16"``; the vocoder stays fp32 unless ``"bf16"`` is asked for.
+    compute, ``"auto"`` (per CPU class, checked on the loaded weights: bf16 where the CPU/GPU
+    does it natively, int8 on other x86 CPUs, else fp32; see :mod:`cosyllama.precision`),
+    ``"fp32"`` (the reference path), ``"bf16"`` or ``"int8"``; the vocoder stays fp32 unless
+    ``"bf16"`` is asked for.
     stream_cache_mb: bound in MiB of each streaming request's flow K/V cache (earlier attention
     blocks are not recomputed for later chunks); None: 2048 at bf16, off at fp32 (reference
     parity); 0: off. prompt_cache_mb: bound in MiB of the flow frames that streaming requests with
@@ -136,6 +139,10 @@ class TTS:
     llm_weights: the LLM checkpoint in the model directory (``"llm.pt"``, or the RL-tuned
     ``"llm.rl.pt"`` the official directory also ships); a llama.cpp GGUF must have been converted
     from the same file. parallel: sequences one llama.cpp context decodes together.
+    max_seq_tokens: LLM positions one text segment may use (prompt + speech tokens); given, the
+    llama.cpp context is made at load for ``parallel`` such sequences and never grows; None: the
+    model's context length. limits: a :class:`~cosyllama.limits.RequestLimits` every call and
+    :meth:`make_voice` is checked against (the server's); None: no limits but the LLM's.
 
     The model directory's config is read once, here; every stage is built from it.
     """
@@ -145,7 +152,8 @@ class TTS:
                  llm_backend: LLMBackend | None = None, precision: str = PRECISION,
                  stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
                  llm_weights: str | Path = LLM_WEIGHTS, parallel: int = N_SEQ_MAX,
-                 llm_precision: str = LLM_PRECISION):
+                 llm_precision: str = LLM_PRECISION, max_seq_tokens: int | None = None,
+                 limits: RequestLimits | None = None):
         if llm not in LLM_CHOICES:
             raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
         if llm_backend is None:
@@ -163,13 +171,15 @@ class TTS:
         self.frontend = Frontend(self.model_dir, config)
         self.llm = llm_backend if llm_backend is not None else make_llm(
             config, llm, gguf=gguf, llm_weights=llm_weights, device=self.device, threads=threads,
-            n_gpu_layers=n_gpu_layers, n_seq_max=parallel, llm_precision=llm_precision)
+            n_gpu_layers=n_gpu_layers, n_seq_max=parallel, llm_precision=llm_precision,
+            max_seq_tokens=max_seq_tokens)
         self.token2wav = Token2Wav.from_config(
             config, Flow.from_config(config, self.device, precision=precision),
             HiFT.from_config(config, self.device, precision=precision),
             stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
         self.token_source = make_token_source(self.llm)
         self.voices = VoiceStore()
+        self.limits = limits
 
     def with_token_source(self, token_source) -> TTS:
         """A view of this TTS (same models, same voices) whose LLM tokens come from
@@ -178,11 +188,32 @@ class TTS:
         view.token_source = token_source
         return view
 
+    def with_text_worker(self) -> TTS:
+        """A view of this TTS whose frontend normalizes long texts in a helper process (see
+        :meth:`~cosyllama.text.TextNormalizer.with_worker_process`; same text, but a long text no
+        longer holds the GIL for seconds); ``view.frontend.normalizer.close_worker()`` ends it."""
+        view = copy.copy(self)
+        view.frontend = copy.copy(self.frontend)
+        view.frontend.normalizer = self.frontend.normalizer.with_worker_process()
+        return view
+
+    def with_limits(self, limits: RequestLimits | None) -> TTS:
+        """A view of this TTS (same models, same voices, same token source) checking every call
+        against ``limits``; this one is left as it is."""
+        view = copy.copy(self)
+        view.limits = limits
+        return view
+
     # -- voices ------------------------------------------------------------------------------------
 
     def make_voice(self, prompt_wav: AudioSource, prompt_text: str | None = None) -> PromptFeatures:
         """Prompt tokens, speaker embedding and prompt mel of a clip (16 kHz+, up to 30 s), once."""
-        return self.frontend.make_voice(prompt_wav, prompt_text)
+        if self.limits is not None:
+            self.limits.check_chars("transcript", prompt_text)
+        voice = self.frontend.make_voice(prompt_wav, prompt_text)
+        if self.limits is not None:
+            self.limits.check_tokens("transcript", len(voice.prompt_text_ids))
+        return voice
 
     def add_voice(self, voice_id: str, prompt_wav: AudioSource, prompt_text: str | None = None) -> PromptFeatures:
         """Register a voice under ``voice_id`` (replacing one of the same id)."""
@@ -219,6 +250,7 @@ class TTS:
                   **kw) -> Synthesis:
         """Clone the prompt's voice saying ``text``; the LLM continues the prompt's transcript."""
         opts = self._options(options, kw)
+        self._check_chars(text, transcript=prompt_text)
         t0 = time.perf_counter()
         inputs = self.frontend.zero_shot(text, self._voice(voice, prompt_wav), prompt_text,
                                          text_frontend=opts.text_frontend, russian_numbers=opts.russian_numbers)
@@ -229,6 +261,7 @@ class TTS:
                       **kw) -> Synthesis:
         """Speak ``text`` (any language) in the prompt's voice, without its transcript."""
         opts = self._options(options, kw)
+        self._check_chars(text)
         t0 = time.perf_counter()
         v = self._voice(voice, prompt_wav)
         inputs = self.frontend.cross_lingual(text, v, text_frontend=opts.text_frontend,
@@ -242,6 +275,7 @@ class TTS:
         opts = self._options(options, kw)
         if not instruction or not instruction.strip():
             raise InputError("instruct mode needs a non-empty instruction")
+        self._check_chars(text, instructions=instruction)
         t0 = time.perf_counter()
         v = self._voice(voice, prompt_wav)
         inputs = self.frontend.instruct2(text, instruction, v, text_frontend=opts.text_frontend,
@@ -315,7 +349,28 @@ class TTS:
             if flt.keep(tok):
                 yield tok
 
+    def _check_chars(self, text: str, instructions: str | None = None, transcript: str | None = None) -> None:
+        if self.limits is not None:
+            for name, value in (("input", text), ("instructions", instructions), ("transcript", transcript)):
+                self.limits.check_chars(name, value if isinstance(value, str) else None)
+
+    def _check_tokens(self, inputs: list[ModelInput], opts: SynthesisOptions) -> None:
+        """Refuse, before any LLM work, inputs over the token limits or a segment whose sequence
+        (prompt + the speech tokens it may decode) is over the per-sequence budget."""
+        lim = self.limits
+        if lim is None or not inputs or inputs[0].mode == "vc":
+            return
+        lim.check_tokens("input", sum(len(inp.text_ids) for inp in inputs))
+        prompt_field = {"zero_shot": "transcript", "instruct2": "instructions"}.get(inputs[0].mode)
+        if prompt_field is not None:
+            lim.check_tokens(prompt_field, len(inputs[0].prompt_text_ids))
+        for inp in inputs:
+            n_prompt = 2 + len(inp.llm_text_ids) + len(inp.llm_prompt_speech_tokens)
+            n_new = opts.max_tokens if opts.max_tokens is not None else MAX_LEN_RATIO * len(inp.text_ids)
+            lim.check_sequence(n_prompt, n_new, inp.text)
+
     def _run(self, inputs: list[ModelInput], opts: SynthesisOptions, frontend_s: float) -> Synthesis:
+        self._check_tokens(inputs, opts)
         timings = Timings(frontend=frontend_s)
         return Synthesis(self._generate(inputs, opts, timings), timings)
 

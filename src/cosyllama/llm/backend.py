@@ -4,6 +4,11 @@ A backend owns the weights and the KV memory; a *sequence* is one request's posi
 backend never samples: it returns the log-probabilities over the 6761 speech ids, and the shared
 sampler (:mod:`cosyllama.llm.sampling`) picks the token. Decode steps of several sequences can be
 advanced together in one call (:meth:`LLMBackend.step`), which is what the server batches.
+
+A backend that also implements :class:`PiecewisePrefill` lets its prompt be run in pieces
+(``begin`` then ``prefill_step`` until it returns the log-probs): the server's scheduler puts
+one piece between two decode steps of the other sequences, so a long prompt neither stalls them
+nor runs on after its client has gone.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from ..config import LLMConfig
+from ..errors import InputError
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,18 @@ class Prefill:
     def __len__(self) -> int:
         """Number of prefill positions, sos and task included."""
         return len(self.text_ids) + len(self.prompt_speech_tokens) + 2
+
+
+def check_max_seq_tokens(max_seq_tokens: int | None, config: LLMConfig) -> int:
+    """The positions one sequence may use: ``max_seq_tokens`` (1 .. the model's context length),
+    or that context length when None."""
+    n_pos = config.qwen.max_position_embeddings
+    if max_seq_tokens is None:
+        return n_pos
+    if not 1 <= max_seq_tokens <= n_pos:
+        raise InputError(f"max_seq_tokens (--max-seq-tokens) must be 1..{n_pos} (the model's context length), "
+                         f"got {max_seq_tokens}")
+    return int(max_seq_tokens)
 
 
 @runtime_checkable
@@ -54,4 +72,20 @@ class LLMBackend(Protocol):
 
     def release(self, handle: object) -> None:
         """Free the sequence's KV memory at once. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class PiecewisePrefill(Protocol):
+    """A backend whose prefill can run in pieces; ``start`` equals ``begin`` + ``prefill_step`` until done."""
+
+    def begin(self, prefill: Prefill, max_new_tokens: int) -> object:
+        """Create a sequence and reserve its memory for ``len(prefill) + max_new_tokens`` positions;
+        nothing is computed yet. Raises ``BackendBusyError`` when the memory is full and
+        ``InputError`` when the sequence can never fit."""
+        ...
+
+    def prefill_step(self, handle: object, max_positions: int) -> torch.Tensor | None:
+        """Run up to ``max_positions`` more prompt positions of the sequence; return the logp
+        (vocab_size,) of its first token once the whole prompt is in, else None."""
         ...

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..defaults import LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import DeviceError, InputError
-from .backend import LLMBackend
+from .backend import LLMBackend, check_max_seq_tokens
 
 
 def choose_llm(llm: str | None, gguf: str | Path | None) -> str:
@@ -49,7 +49,7 @@ ALL_LAYERS = 999  # llama.cpp offloads min(n_gpu_layers, layers): more than any 
 def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None = None,
              llm_weights: str | Path = LLM_WEIGHTS, device="cpu", threads: int | None = None,
              n_gpu_layers: int | None = None, n_seq_max: int = N_SEQ_MAX,
-             llm_precision: str = LLM_PRECISION) -> LLMBackend:
+             llm_precision: str = LLM_PRECISION, max_seq_tokens: int | None = None) -> LLMBackend:
     """The LLM backend for ``config``'s model.
 
     torch: on the CPU in float32, the dynamic-cache :class:`~cosyllama.llm.torch_backend.TorchLLM`;
@@ -58,7 +58,11 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
     llamacpp: from ``gguf`` with ``threads``, ``n_seq_max`` concurrent sequences and
     ``n_gpu_layers`` layers on the GPU (None: all of them when ``device`` is CUDA, else none).
     ``llm_weights`` chooses the checkpoint: the torch backend's weights, and for llama.cpp the
-    file the GGUF must have been converted from (and whose text rows the speech layout reads)."""
+    file the GGUF must have been converted from (and whose text rows the speech layout reads).
+    ``max_seq_tokens``: positions one sequence may use (prompt + new tokens); given, the llama.cpp
+    context and the static cache are made now for ``n_seq_max`` such sequences and never grow;
+    None: the model's context length (the static cache: its default), a llama.cpp context sized
+    lazily."""
     import torch
 
     llm = choose_llm(llm, gguf)
@@ -73,10 +77,11 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
         if on_cuda or llm_precision != "fp32":
             from .static_decode import StaticTorchLLM
 
-            return StaticTorchLLM(config.llm, weights, device, slots=n_seq_max, precision=llm_precision)
+            ctx = {} if max_seq_tokens is None else {"ctx": check_max_seq_tokens(max_seq_tokens, config.llm) + 1}
+            return StaticTorchLLM(config.llm, weights, device, slots=n_seq_max, precision=llm_precision, **ctx)
         from .torch_backend import TorchLLM
 
-        return TorchLLM(config.llm, weights, device)
+        return TorchLLM(config.llm, weights, device, max_seq_tokens=max_seq_tokens)
     if llm_precision != LLM_PRECISION:
         raise InputError("the LLM precision applies to the torch LLM; a llama.cpp LLM computes in its GGUF's "
                          "type (choose it with `cosyllama convert --type`)")
@@ -91,16 +96,21 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
                                   "pass n_gpu_layers=0 (--n-gpu-layers 0) to run the LLM on the CPU")
             n_gpu_layers = ALL_LAYERS
     return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
-                       llm_weights=weights_path)
+                       llm_weights=weights_path, max_seq_tokens=max_seq_tokens,
+                       n_ctx=None if max_seq_tokens is None else n_seq_max * max_seq_tokens)
 
-def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None):
+
+def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None,
+                      prefill_chunk: int | None = None):
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
     :class:`~cosyllama.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
-    wait for a sequence (its default if None); the caller closes it."""
+    wait for a sequence and prefilling ``prefill_chunk`` prompt positions between two decode steps
+    (its defaults if None); the caller closes it."""
     if not batched:
         from .decode import DirectTokens
 
         return DirectTokens(backend)
     from ..scheduler import BatchScheduler
 
-    return BatchScheduler(backend) if max_waiting is None else BatchScheduler(backend, max_waiting=max_waiting)
+    kw = {k: v for k, v in (("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)) if v is not None}
+    return BatchScheduler(backend, **kw)

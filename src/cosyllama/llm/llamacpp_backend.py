@@ -29,7 +29,7 @@ from ..config import ModelConfig, load_config
 from ..defaults import LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
 from ..weights import load_llm_weights
-from .backend import Prefill
+from .backend import Prefill, check_max_seq_tokens
 from .gguf_read import inspect_gguf, llm_fingerprint
 from .llamacpp_lib import (INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint,
                            set_llama_verbose)
@@ -53,6 +53,9 @@ class LlamaSequence:
     n_past: int  # positions already in the KV cache
     capacity: int  # positions reserved for it (prefill + max_new_tokens)
     released: bool = field(default=False)
+    n_prompt: int = 0  # prefill positions
+    # the prefill inputs (token ids or embedding rows) while the prompt is not all in; then None
+    pending: np.ndarray | None = field(default=None, repr=False)
 
 
 class _Batch:
@@ -93,9 +96,12 @@ class LlamaCppLLM:
     (config; ``llm_weights``, default ``llm.pt``, for the prompt's text embedding rows in the speech
     layout and for the fingerprint check: the GGUF must have been converted from that file).
     ``n_threads``: CPU threads (default: all available). ``n_gpu_layers``: layers offloaded to a GPU
-    (a build without GPU support refuses values > 0). ``n_ctx``: KV cells shared by all sequences;
-    ``None`` sizes the context from the first request (at least ``MIN_CELLS_PER_SEQ`` per sequence)
-    and grows it when an idle context meets a longer request. ``n_seq_max``: concurrent sequences.
+    (a build without GPU support refuses values > 0). ``max_seq_tokens``: positions one sequence may
+    use (prompt + new tokens; default: the model's context length); a request needing more is
+    refused with :class:`InputError`. ``n_ctx``: KV cells shared by all sequences; ``None`` sizes
+    the context from the first request (at least ``MIN_CELLS_PER_SEQ`` per sequence) and grows it
+    when an idle context meets a longer request, to at most ``n_seq_max`` × ``max_seq_tokens``
+    (rounded up to 256). ``n_seq_max``: concurrent sequences.
     ``kv_type``: KV cache type, one of :data:`KV_TYPES`; default ``f32`` for an all-F32 GGUF (exact
     parity with torch) and ``f16`` otherwise. ``flash_attn``: ``None`` = off with an F32 KV cache
     (its CPU kernel works in F16), else llama.cpp decides.
@@ -108,7 +114,7 @@ class LlamaCppLLM:
                  n_threads: int | None = None, n_gpu_layers: int = 0, n_ctx: int | None = None, *,
                  n_seq_max: int = DEFAULT_N_SEQ_MAX, n_batch: int = DEFAULT_N_BATCH, kv_type: str | None = None,
                  flash_attn: bool | None = None, layout: str | None = None, verbose: bool = False,
-                 llm_weights: str | os.PathLike = LLM_WEIGHTS):
+                 llm_weights: str | os.PathLike = LLM_WEIGHTS, max_seq_tokens: int | None = None):
         cfg = model_dir if isinstance(model_dir, ModelConfig) else load_config(model_dir)
         self.config = self.cfg = cfg.llm
         self.vocab_size = cfg.llm.vocab_size
@@ -127,6 +133,7 @@ class LlamaCppLLM:
             raise InputError(f"n_seq_max must be >= 1, got {n_seq_max}")
         if n_batch < 1:
             raise InputError(f"n_batch must be >= 1, got {n_batch}")
+        self.max_seq_tokens = check_max_seq_tokens(max_seq_tokens, cfg.llm)
         kv = kv_type.lower() if kv_type is not None else ("f32" if self.info.all_f32 else "f16")
         if kv not in KV_TYPES:
             raise InputError(f"unknown kv_type {kv_type!r}; allowed: {', '.join(KV_TYPES)}")
@@ -191,7 +198,12 @@ class LlamaCppLLM:
         self.n_ctx = int(lc.llama_n_ctx(ctx))
 
     def _reserve(self, need: int) -> int:
-        """Take a sequence id and ``need`` cells (lock held); grow an idle lazily-sized context."""
+        """Take a sequence id and ``need`` cells (lock held); grow an idle lazily-sized context (a
+        request over ``max_seq_tokens`` is refused first, so the context stays within
+        ``n_seq_max`` × ``max_seq_tokens``)."""
+        if need > self.max_seq_tokens:
+            raise InputError(f"this request needs {need} LLM positions (prompt + max_new_tokens); one sequence "
+                             f"may use at most max_seq_tokens={self.max_seq_tokens}")
         if not self._free_ids:
             raise BackendBusyError(f"all {self.n_seq_max} llama.cpp sequences are in use; release one "
                                    "or create the backend with a larger n_seq_max")
@@ -254,35 +266,53 @@ class LlamaCppLLM:
         logits = torch.from_numpy(row[off:off + self.vocab_size].copy())
         return torch.log_softmax(logits, dim=-1)
 
-    def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[LlamaSequence, torch.Tensor]:
-        """Run the prefill of a new sequence; return its handle and the logp (6761,) of the next token."""
+    def begin(self, prefill: Prefill, max_new_tokens: int) -> LlamaSequence:
+        """Reserve a sequence for ``prefill`` and ``max_new_tokens``; its prompt runs in
+        :meth:`prefill_step` pieces."""
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         tokens, embd = self._prefill_inputs(prefill)
         n = len(prefill)
         need = n + int(max_new_tokens)
         with self._lock:
-            seq = LlamaSequence(self._reserve(need), 0, need)
+            seq = LlamaSequence(self._reserve(need), 0, need, n_prompt=n, pending=tokens if embd is None else embd)
             self._active.add(seq)
+        return seq
+
+    def prefill_step(self, seq: LlamaSequence, max_positions: int) -> torch.Tensor | None:
+        """Decode the next ``max_positions`` (at most ``n_batch``) prompt positions of ``seq``; the
+        logp (6761,) of its first new token once the prompt is complete, else None."""
+        if seq.released or seq.pending is None:
+            raise InputError("prefill_step() got a released sequence or one whose prompt is complete")
+        lo, n = seq.n_past, seq.n_prompt
+        hi = min(n, lo + max(1, min(int(max_positions), self.n_batch)))
+        out = np.zeros(hi - lo, dtype=np.int8)
+        if hi == n:
+            out[-1] = 1
+        rows = seq.pending[lo:hi]  # int32 token ids (merged layout) or float32 embedding rows (speech)
+        ids = rows.dtype == np.int32
+        batch = _Batch(self._lc, np.arange(lo, hi), np.full(hi - lo, seq.seq_id), out,
+                       tokens=rows if ids else None, embd=None if ids else rows)
+        logp = None
+        with self._lock:
+            self._decode(batch)
+            if hi == n:
+                logp = self._logp(hi - lo - 1)
+        seq.n_past = hi
+        if hi == n:
+            seq.pending = None
+        return logp
+
+    def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[LlamaSequence, torch.Tensor]:
+        """Run the prefill of a new sequence; return its handle and the logp (6761,) of the next token."""
+        seq = self.begin(prefill, max_new_tokens)
         try:
             logp = None
-            for lo in range(0, n, self.n_batch):
-                hi = min(n, lo + self.n_batch)
-                out = np.zeros(hi - lo, dtype=np.int8)
-                if hi == n:
-                    out[-1] = 1
-                batch = _Batch(self._lc, np.arange(lo, hi), np.full(hi - lo, seq.seq_id), out,
-                               tokens=None if tokens is None else tokens[lo:hi],
-                               embd=None if embd is None else embd[lo:hi])
-                with self._lock:
-                    self._decode(batch)
-                    if hi == n:
-                        logp = self._logp(hi - lo - 1)
-                seq.n_past = hi
+            while logp is None:
+                logp = self.prefill_step(seq, self.n_batch)
         except BaseException:
             self.release(seq)
             raise
-        assert logp is not None
         return seq, logp
 
     def step(self, batch: Sequence[tuple[LlamaSequence, int]]) -> list[torch.Tensor]:
@@ -297,6 +327,8 @@ class LlamaCppLLM:
                 raise InputError("step() got a released or foreign sequence handle")
             if not 0 <= int(tok) < self.vocab_size:
                 raise InputError(f"speech token {tok} is outside 0..{self.vocab_size - 1}")
+            if s.pending is not None:
+                raise InputError(f"sequence {s.seq_id} is still in its prefill ({s.n_past} of {s.n_prompt} positions)")
             if s.n_past >= s.capacity:
                 raise InputError(f"sequence {s.seq_id} has used all {s.capacity} positions it reserved "
                                  "(prompt + max_new_tokens)")
@@ -317,6 +349,7 @@ class LlamaCppLLM:
                 handle.released = True
                 return
             handle.released = True
+            handle.pending = None
             self._lc.llama_memory_seq_rm(self._mem, handle.seq_id, -1, -1)
             self._active.discard(handle)
             self._reserved -= handle.capacity
@@ -339,7 +372,8 @@ class LlamaCppLLM:
         with self._lock:
             return {"n_seq_max": self.n_seq_max, "active_sequences": len(self._active),
                     "free_sequences": len(self._free_ids), "n_ctx": self.n_ctx,
-                    "reserved_cells": self._reserved, "layout": self.layout, "type": self.info.type,
+                    "reserved_cells": self._reserved, "max_seq_tokens": self.max_seq_tokens,
+                    "layout": self.layout, "type": self.info.type,
                     "kv_type": self.kv_type}
 
     @property

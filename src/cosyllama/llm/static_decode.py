@@ -68,10 +68,11 @@ class _SlotCache(KVCache):
 
 
 class _Slot:
-    __slots__ = ("index", "length", "released")
+    __slots__ = ("index", "length", "released", "pending")
 
     def __init__(self, index: int):
         self.index, self.length, self.released = index, 0, False
+        self.pending: torch.Tensor | None = None  # prompt embeddings while the prefill runs in pieces
 
 
 class StaticTorchLLM:
@@ -173,33 +174,56 @@ class StaticTorchLLM:
 
     # -- the backend protocol ------------------------------------------------------------------
 
-    @on_true_fp32
     @torch.inference_mode()
-    def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[_Slot, torch.Tensor]:
-        with self._lock:
-            return self._start(prefill, max_new_tokens)
-
-    def _start(self, prefill: Prefill, max_new_tokens: int) -> tuple[_Slot, torch.Tensor]:
+    def begin(self, prefill: Prefill, max_new_tokens: int) -> _Slot:
+        """Take a slot for ``prefill`` + ``max_new_tokens``; the prompt runs in :meth:`prefill_step`
+        pieces (the batching scheduler interleaves them with other sequences' decode steps)."""
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         need = len(prefill) + max_new_tokens - 1  # the last new token is emitted, never fed back
         if need > self.ctx - 1:
             raise InputError(f"the request needs up to {need} LLM positions ({len(prefill)} prompt + "
                              f"{max_new_tokens} new tokens); this backend holds {self.ctx - 1} per sequence")
+        with self._lock:
+            try:
+                index = self._owner.index(None)
+            except ValueError:
+                raise BackendBusyError(f"all {self.slots} LLM sequence slots are in use") from None
+            slot = _Slot(index)
+            self._owner[index] = slot
         try:
-            index = self._owner.index(None)
-        except ValueError:
-            raise BackendBusyError(f"all {self.slots} LLM sequence slots are in use") from None
-        slot = _Slot(index)
-        self._owner[index] = slot
-        try:
-            embeds = self.model.prefill_embeddings(prefill.text_ids, prefill.prompt_speech_tokens).to(self.dtype)
-            cache = _SlotCache(self, index)
-            hidden = self.model.forward_hidden(embeds[None], cache)
-            logp = self.model.logp(hidden[0, -1]).cpu()
+            slot.pending = self.model.prefill_embeddings(prefill.text_ids, prefill.prompt_speech_tokens).to(self.dtype)
         except BaseException:
-            self._release(slot)
+            self.release(slot)
             raise
-        slot.length = cache.length
-        return slot, logp
+        return slot
+
+    @on_true_fp32
+    @torch.inference_mode()
+    def prefill_step(self, slot: _Slot, max_positions: int) -> torch.Tensor | None:
+        """Run the next ``max_positions`` prompt positions of ``slot``; the logp of its first new
+        token once the prompt is complete, else None. Pieces equal one pass up to float rounding."""
+        with self._lock:
+            if slot.released or slot.pending is None:
+                raise RuntimeError("prefill_step() on a released sequence or one whose prompt is complete")
+            cache = _SlotCache(self, slot.index)  # the slot's current index: compaction may have moved it
+            cache.length = lo = slot.length
+            hi = min(slot.pending.shape[0], lo + max(1, int(max_positions)))
+            hidden = self.model.forward_hidden(slot.pending[None, lo:hi], cache)
+            slot.length = cache.length
+            if hi < slot.pending.shape[0]:
+                return None
+            slot.pending = None
+            return self.model.logp(hidden[0, -1]).cpu()
+
+    def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[_Slot, torch.Tensor]:
+        """Take a slot and run the whole prompt in one pass; ``(handle, logp)``."""
+        slot = self.begin(prefill, max_new_tokens)
+        try:
+            return slot, self.prefill_step(slot, len(prefill))
+        except BaseException:
+            self.release(slot)
+            raise
 
     @on_true_fp32
     @torch.inference_mode()
@@ -211,8 +235,8 @@ class StaticTorchLLM:
     def _step(self, batch: Sequence[tuple[_Slot, int]]) -> list[torch.Tensor]:
         slots = [s for s, _ in batch]
         for s in slots:
-            if s.released:
-                raise RuntimeError("step() on a released sequence")
+            if s.released or s.pending is not None:
+                raise RuntimeError("step() on a released sequence or one still in its prefill")
         if len({id(s) for s in slots}) != len(slots):
             raise InputError("a sequence may appear only once per step")
         if not batch:

@@ -1,0 +1,274 @@
+"""Per-request limits (cosyllama.limits), the LLM's per-sequence budget and prefill in pieces: both
+backends, and the scheduler interleaving pieces with the other sequences' decode steps."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import MODEL_DIR, load_fixture
+from cosyllama.errors import InputError
+from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_flag
+from cosyllama.llm.backend import PiecewisePrefill, Prefill
+from cosyllama.llm.decode import DecodeOptions, generate
+from cosyllama.llm.torch_backend import TorchLLM
+from cosyllama.scheduler import BatchScheduler, CancelToken, RequestCancelled
+
+
+@pytest.fixture(scope="module")
+def torch_llm():
+    return TorchLLM.from_dir(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    arrays, _ = load_fixture("llm_teacher_forced")
+    text = tuple(int(x) for x in np.concatenate([arrays["prompt_text"][0], arrays["text"][0]]))
+    return Prefill(text, tuple(int(x) for x in arrays["prompt_speech_token"][0])), int(arrays["text"].shape[1])
+
+
+# -- the limits --------------------------------------------------------------------------------
+
+
+def test_limits_name_the_flag_and_the_limit():
+    lim = RequestLimits(input_chars=10, instructions_tokens=5, seq_tokens=100)
+    lim.check_chars("input", "x" * 10)
+    lim.check_chars("instructions", None)
+    with pytest.raises(LimitExceeded, match=r"input is too long: 11 characters, at most 10 allowed "
+                                            r"\(--max-input-chars\)") as e:
+        lim.check_chars("input", "x" * 11)
+    assert (e.value.field, e.value.limit, e.value.flag) == ("input", 10, "--max-input-chars")
+    assert isinstance(e.value, InputError)
+    with pytest.raises(LimitExceeded, match=r"6 text tokens.*at most 5 allowed \(--max-instructions-tokens\)"):
+        lim.check_tokens("instructions", 6)
+    lim.check_sequence(60, 40, "fits")
+    with pytest.raises(LimitExceeded, match=r"needs up to 101 LLM positions \(61 of prompt \+ up to 40 speech "
+                                            r"tokens\), at most 100 allowed \(--max-seq-tokens\)"):
+        lim.check_sequence(61, 40, "over")
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(InputError, match="--max-transcript-chars must be an integer >= 1"):
+            RequestLimits(transcript_chars=bad)
+
+
+def test_limits_from_serve_arguments_and_help(capsys):
+    from cosyllama.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--model-dir", "m", "--max-instructions-chars", "300",
+                                      "--max-seq-tokens", "2048"])
+    assert RequestLimits.from_args(args) == RequestLimits(instructions_chars=300, seq_tokens=2048)
+    assert RequestLimits.from_args(SimpleNamespace()) == RequestLimits()  # absent flags: defaults
+    assert set(LIMIT_HELP) == set(RequestLimits.__dataclass_fields__)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name, field in RequestLimits.__dataclass_fields__.items():
+        assert f"{limit_flag(name)} N" in out and f"(default {field.default})" in out
+    assert "--prefill-chunk N" in out
+    # refused before any model is loaded: one line, exit 2
+    assert main(["serve", "--model-dir", "/nonexistent", "--max-seq-tokens", "0"]) == 2
+    assert "--max-seq-tokens must be an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--model-dir", "/nonexistent", "--prefill-chunk", "0"]) == 2
+    assert "--prefill-chunk must be >= 1" in capsys.readouterr().err
+
+
+def test_tts_checks_tokens_and_the_budget_before_any_llm_work(torch_llm):
+    """A TTS with limits refuses an over-long instruction (in tokens) or a segment whose sequence
+    would not fit, before the LLM runs; the same call passes without limits or with room."""
+    from cosyllama.tts import TTS
+
+    class NoLLM:  # any LLM call would fail the test
+        def generate(self, *a, **kw):
+            raise AssertionError("the LLM ran")
+
+    tts = TTS(MODEL_DIR, llm_backend=torch_llm)
+    tts.token_source = NoLLM()
+    voice = tts.make_voice(str(MODEL_DIR.parent / "wavs" / "prompt_en_16k.wav"), "Hello, this is my voice.")
+    tight = tts.with_limits(RequestLimits(instructions_tokens=8, seq_tokens=200))
+    with pytest.raises(LimitExceeded, match="--max-instructions-tokens"):
+        tight.instruct("Hi.", "Please speak very slowly and softly.", voice=voice)
+    with pytest.raises(LimitExceeded, match="--max-seq-tokens"):
+        tight.cross_lingual("A sentence long enough that twenty speech tokens per text token do not fit.",
+                            voice=voice)
+    with pytest.raises(LimitExceeded, match="--max-transcript-chars"):
+        tts.with_limits(RequestLimits(transcript_chars=5)).make_voice(
+            str(MODEL_DIR.parent / "wavs" / "prompt_en_16k.wav"), "Hello, this is my voice.")
+    assert tts.limits is None  # views leave the original alone
+    with pytest.raises(AssertionError, match="the LLM ran"):  # fits: the LLM is asked
+        list(tts.with_limits(RequestLimits()).cross_lingual("Hi.", voice=voice))
+
+
+# -- the budget in the backends ----------------------------------------------------------------
+
+
+def test_torch_budget(prefill):
+    from cosyllama.config import load_config
+    from cosyllama.weights import load_llm_weights
+
+    cfg = load_config(MODEL_DIR)
+    weights = load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm)
+    p, _ = prefill
+    small = TorchLLM(cfg.llm, weights, max_seq_tokens=len(p) + 10)
+    small.release(small.begin(p, 10))
+    with pytest.raises(InputError, match=f"needs {len(p) + 11} LLM positions.*max_seq_tokens={len(p) + 10}"):
+        small.begin(p, 11)
+    with pytest.raises(InputError, match="must be 1..32768"):
+        TorchLLM(cfg.llm, weights, max_seq_tokens=32769)
+
+
+def test_llamacpp_budget_caps_the_context(tiny_gguf, prefill):
+    pytest.importorskip("llama_cpp")
+    from cosyllama.llm.llamacpp_backend import LlamaCppLLM
+
+    p, _ = prefill
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=2, max_seq_tokens=2000) as b:
+        b.release(b.begin(p, 2000 - len(p)))
+        n_ctx = b.n_ctx
+        with pytest.raises(InputError, match="max_seq_tokens=2000"):
+            b.begin(p, 2001 - len(p))
+        assert b.n_ctx == n_ctx == 2 * 2048 and b.stats()["max_seq_tokens"] == 2000  # never grew past the cap
+
+
+# -- prefill in pieces -------------------------------------------------------------------------
+
+
+def _pieces(backend, p, n_new, size):
+    h = backend.begin(p, n_new)
+    n = 0
+    while (logp := backend.prefill_step(h, size)) is None:
+        n += 1
+    return h, logp, n + 1
+
+
+def test_torch_prefill_in_pieces_equals_one_pass(torch_llm, prefill):
+    p, _ = prefill
+    assert isinstance(torch_llm, PiecewisePrefill)
+    h1, whole = torch_llm.start(p, 30)
+    h2, pieced, n = _pieces(torch_llm, p, 30, 7)
+    assert n == -(-len(p) // 7)
+    torch.testing.assert_close(pieced, whole, atol=2e-5, rtol=0)
+    tok = int(whole.argmax())
+    (a,), (b,) = torch_llm.step([(h1, tok)]), torch_llm.step([(h2, tok)])
+    torch.testing.assert_close(b, a, atol=2e-5, rtol=0)
+    with pytest.raises(RuntimeError, match="complete"):
+        torch_llm.prefill_step(h2, 7)
+    for h in (h1, h2):
+        torch_llm.release(h)
+
+
+def test_llamacpp_prefill_in_pieces_equals_one_pass(tiny_gguf, prefill):
+    pytest.importorskip("llama_cpp")
+    from cosyllama.llm.llamacpp_backend import LlamaCppLLM
+
+    p, _ = prefill
+    for layout in ("speech", "merged"):
+        with LlamaCppLLM(tiny_gguf(layout, "F32"), MODEL_DIR, n_threads=1, n_seq_max=2) as b:
+            h1, whole = b.start(p, 30)
+            h2, pieced, n = _pieces(b, p, 30, 5)
+            assert n == -(-len(p) // 5) and b.cells_used(h2.seq_id) == len(p)
+            torch.testing.assert_close(pieced, whole, atol=1e-4, rtol=0)
+            b.release(h1)
+            b.release(h2)
+            with pytest.raises(InputError, match="still in its prefill"):
+                h3 = b.begin(p, 30)
+                b.prefill_step(h3, 5)
+                b.step([(h3, 1)])
+            b.release(h3)
+            assert b.cells_used(h3.seq_id) == 0
+
+
+class SlowPieces:
+    """The torch backend with ``delay`` seconds per prefill piece of ``chunk`` positions (a whole
+    ``start`` sleeps as long as its pieces would); counts the pieces."""
+
+    def __init__(self, inner, delay: float, chunk: int):
+        self.inner, self.config, self.name, self.delay, self.chunk = inner, inner.config, "slow", delay, chunk
+        self.pieces = 0
+
+    def begin(self, prefill, max_new_tokens):
+        return self.inner.begin(prefill, max_new_tokens)
+
+    def prefill_step(self, handle, max_positions):
+        time.sleep(self.delay)
+        self.pieces += 1
+        return self.inner.prefill_step(handle, max_positions)
+
+    def start(self, prefill, max_new_tokens):
+        time.sleep(self.delay * -(-len(prefill) // self.chunk))
+        return self.inner.start(prefill, max_new_tokens)
+
+    def step(self, batch):
+        return self.inner.step(batch)
+
+    def release(self, handle):
+        self.inner.release(handle)
+
+
+def test_scheduler_pieces_equal_alone(torch_llm, prefill):
+    p, n_text = prefill
+    opts = DecodeOptions(greedy=True, max_len=60)
+    alone = list(generate(torch_llm, p, n_text, opts))
+    with BatchScheduler(torch_llm, prefill_chunk=9) as sched:
+        assert sched.piecewise
+        got = [list(sched.generate(p, n_text, opts)) for _ in range(2)]
+        pieces = sched.stats()["prefill_pieces"]
+    assert got == [alone, alone]
+    assert pieces == 2 * -(-len(p) // 9)
+
+
+def test_long_prefill_interleaves_with_decoding(torch_llm, prefill):
+    """A short request decoding while a long prompt is prefilled in 12 pieces of 0.05 s keeps
+    getting tokens between the pieces; whole, the prefill would stop it for 0.6 s."""
+    p, n_text = prefill
+    long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
+    pieces = -(-len(long) // 32)
+    backend = SlowPieces(torch_llm, delay=0.6 / pieces, chunk=32)
+    with BatchScheduler(backend, prefill_chunk=32) as sched:
+        short = sched.generate(Prefill(p.text_ids[:5]), 1, DecodeOptions(greedy=True, min_len=200, max_len=200))
+        stamps = [time.perf_counter() for _ in [next(short)]]
+        long_tokens = sched.generate(long, n_text, DecodeOptions(greedy=True, max_len=5))
+        t = threading.Thread(target=lambda: list(long_tokens))
+        t.start()
+        for _ in short:
+            stamps.append(time.perf_counter())
+        t.join()
+    gaps = np.diff(stamps)
+    assert gaps.max() < 0.3, f"the short request waited {gaps.max():.3f} s between two tokens"
+    assert backend.pieces >= pieces
+
+
+def test_cancel_between_pieces(torch_llm, prefill):
+    """A request cancelled during its prefill is released after at most one more piece."""
+    p, n_text = prefill
+    long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
+    backend = SlowPieces(torch_llm, delay=0.1, chunk=16)
+    with BatchScheduler(backend, prefill_chunk=16) as sched:
+        token = CancelToken()
+        with token.bound():
+            it = sched.generate(long, n_text, DecodeOptions(greedy=True))
+        got = []
+
+        def consume():
+            try:
+                list(it)
+            except RequestCancelled as e:
+                got.append(e)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        deadline = time.monotonic() + 5
+        while backend.pieces < 2:
+            assert time.monotonic() < deadline, "the prompt is not being prefilled in pieces"
+            time.sleep(0.01)
+        t0 = time.perf_counter()
+        token.cancel()
+        t.join(5)
+        freed = time.perf_counter() - t0
+        stats = sched.stats()
+    assert got and stats["active_sequences"] == 0 and stats["tokens"] == 0
+    assert backend.pieces <= 3 < -(-len(long) // 16)
+    assert freed < 0.25

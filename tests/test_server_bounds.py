@@ -1,0 +1,348 @@
+"""Bounded work per request on the HTTP server (tiny model, llama.cpp F32, loopback): text limits
+refused with 413 naming the limit and its flag, a context that never grows, a long input beside a
+short request, a client leaving during a long prefill; and a soak of `cosyllama serve` (slow)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from helpers import FIXTURES, MODEL_DIR
+
+pytest.importorskip("fastapi")
+pytest.importorskip("llama_cpp")
+httpx = pytest.importorskip("httpx")
+
+from cosyllama.limits import RequestLimits  # noqa: E402
+from cosyllama.server import create_app  # noqa: E402
+from test_server import LoopbackServer  # noqa: E402
+
+PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
+PARALLEL, SEQ_TOKENS = 8, 4096
+PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs away into the "
+         "forest. ")
+
+
+class SlowPrefill:
+    """The llama.cpp backend with a pause per prompt position (``delay`` seconds), in its pieces
+    (``begin``/``prefill_step``) and in a whole ``start`` alike: makes the tiny model's prefill long."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.config = inner, inner.name, inner.config
+        self.n_seq_max, self.max_seq_tokens = inner.n_seq_max, inner.max_seq_tokens
+        self.delay = 0.0
+        self.prefilling = False  # inside a prefill call now
+
+    def begin(self, prefill, max_new_tokens):
+        return self.inner.begin(prefill, max_new_tokens)
+
+    def prefill_step(self, handle, max_positions):
+        self.prefilling = True
+        try:
+            time.sleep(self.delay * min(max_positions, handle.n_prompt - handle.n_past))
+            return self.inner.prefill_step(handle, max_positions)
+        finally:
+            self.prefilling = False
+
+    def start(self, prefill, max_new_tokens):
+        self.prefilling = True
+        try:
+            time.sleep(self.delay * len(prefill))
+            return self.inner.start(prefill, max_new_tokens)
+        finally:
+            self.prefilling = False
+
+    def step(self, batch):
+        return self.inner.step(batch)
+
+    def release(self, handle):
+        self.inner.release(handle)
+
+    def stats(self):
+        return self.inner.stats()
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_gguf):
+    from cosyllama.llm.llamacpp_backend import LlamaCppLLM
+
+    # what `cosyllama serve` makes: the context sized once for PARALLEL sequences of SEQ_TOKENS
+    inner = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=PARALLEL,
+                        max_seq_tokens=SEQ_TOKENS, n_ctx=PARALLEL * SEQ_TOKENS)
+    yield SlowPrefill(inner)
+    inner.close()
+
+
+@pytest.fixture(scope="module")
+def tts(backend):
+    from cosyllama.tts import TTS
+
+    return TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)
+
+
+def _register(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
+                   data={"text": "Hello, this is my voice.", "id": "en", "replace": "true"})
+        assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def server(tts):
+    srv = LoopbackServer(create_app(tts, max_prompt_bytes=1_000_000))
+    _register(srv.url)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def _speech(client, text, **kw):
+    return client.post("/v1/audio/speech", json={"input": text, "voice": "en", "greedy": True, **kw})
+
+
+def _idle(client, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = client.get("/health").json()
+        if h["active_sequences"] == 0 and h["requests_running"] == 0 and h["llm"]["active_sequences"] == 0:
+            return h
+        assert time.monotonic() < deadline, f"server did not go idle: {h}"
+        time.sleep(0.02)
+
+
+def _refused(r, flag: str, limit: int) -> str:
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["type"] == "request_too_large"
+    assert flag in err["message"] and str(limit) in err["message"], err["message"]
+    return err["message"]
+
+
+def test_text_over_a_limit_is_refused_naming_it(client):
+    lim = RequestLimits()
+    _refused(_speech(client, "Hi.", instructions="x" * 20_000), "--max-instructions-chars", lim.instructions_chars)
+    _refused(_speech(client, "Hi.", instructions="x" * 100_000), "--max-instructions-chars", lim.instructions_chars)
+    # under the character limit, over the token limit (digits are one token each)
+    _refused(_speech(client, "Hi.", instructions="1 " * 400), "--max-instructions-tokens", lim.instructions_tokens)
+    _refused(_speech(client, "x" * (lim.input_chars + 1)), "--max-input-chars", lim.input_chars)
+    # one 1,600-token sentence: up to 20 speech tokens per text token do not fit one sequence
+    msg = _refused(_speech(client, "word " * 800), "--max-seq-tokens", SEQ_TOKENS)
+    assert "LLM positions" in msg
+    h = _idle(client)
+    assert h["llm"]["n_ctx"] == PARALLEL * SEQ_TOKENS  # made once at start, never grown
+    assert _speech(client, "Hi.", instructions="Speak slowly.").status_code == 200
+    assert client.get("/health").json()["llm"]["n_ctx"] == PARALLEL * SEQ_TOKENS
+
+
+def test_limits_come_from_create_app(tts):
+    """Tighter limits given to create_app apply to every field (the transcript of a new voice too)."""
+    small = RequestLimits(input_chars=20, instructions_tokens=12, transcript_chars=10)
+    srv = LoopbackServer(create_app(tts, limits=small, max_prompt_bytes=1_000_000))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
+                       data={"text": "A transcript longer than ten characters.", "id": "t"})
+            assert r.status_code // 100 == 4 and "--max-transcript-chars" in r.json()["error"]["message"]
+            _refused(c.post("/v1/audio/speech", json={"input": "A sentence of more than twenty characters.",
+                                                      "voice": "nobody"}), "--max-input-chars", 20)
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="max_seq_tokens"):
+        create_app(tts, limits=RequestLimits(seq_tokens=SEQ_TOKENS + 1))
+
+
+def _time_short(url: str) -> float:
+    with httpx.Client(base_url=url, timeout=120) as c:
+        t0 = time.perf_counter()
+        r = _speech(c, "Hi there.")
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - t0
+
+
+def test_long_input_beside_a_short_request(server, client):
+    """A 4,000-character input (20 segments) running beside a short request delays it by < 1 s."""
+    alone = min(_time_short(server.url) for _ in range(3))
+    long_text = (PROSE * 40)[:4000]
+    stop = threading.Event()
+    statuses = []
+
+    def run_long():
+        with httpx.Client(base_url=server.url, timeout=120) as c:
+            with c.stream("POST", "/v1/audio/speech", json={"input": long_text, "voice": "en", "greedy": True,
+                                                            "stream": True, "response_format": "pcm"}) as r:
+                statuses.append(r.status_code)
+                print(f"long request's first bytes after {time.perf_counter() - t_long:.3f} s")
+                for _ in r.iter_bytes():
+                    if stop.is_set():
+                        return  # leaving the block drops the connection: the server cancels it
+
+    t = threading.Thread(target=run_long)
+    t_long = time.perf_counter()
+    t.start()
+    try:
+        time.sleep(0.05)  # the first short request meets the long one in its frontend (normalization)
+        beside = [_time_short(server.url) for _ in range(3)]
+        assert t.is_alive(), "the long request ended before the short ones were measured"
+    finally:
+        stop.set()
+        t.join(60)
+    print(f"short request alone {alone:.3f} s, beside a 4,000-character input {beside}")
+    assert statuses == [200]
+    assert max(beside) - alone < 1.0
+    _idle(client)
+
+
+def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
+    """A 1,300-position prompt prefilled at 2 ms per position (2.6 s in 128-position pieces of
+    0.26 s): the client leaves after 0.8 s and its sequence is free within 1 s."""
+    app = create_app(tts, limits=RequestLimits(instructions_chars=8000, instructions_tokens=2000))
+    srv = LoopbackServer(app)
+    try:
+        _register(srv.url)
+        backend.delay = 0.002
+        with httpx.Client(base_url=srv.url, timeout=0.8) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                _speech(c, "Hi.", instructions="1" * 1280 + " Speak slowly.")
+        left = time.monotonic()
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            deadline = left + 5
+            while True:
+                h = c.get("/health").json()
+                if h["active_sequences"] == 0 and h["llm"]["active_sequences"] == 0 and not backend.prefilling:
+                    break
+                assert time.monotonic() < deadline, f"the sequence was not freed: {h}"
+                time.sleep(0.01)
+        freed = time.monotonic() - left
+        pieces = app.state.scheduler.stats()["prefill_pieces"]
+    finally:
+        backend.delay = 0.0
+        srv.stop()
+    print(f"sequence freed {freed:.3f} s after the client left; {pieces} prefill pieces ran")
+    assert freed < 1.0
+    assert 1 <= pieces < 10  # it was prefilling in pieces and stopped before the 11th
+
+
+# ----------------------------------------------------------------------------------------------
+# Soak: `cosyllama serve` in its own process, 500 mixed requests
+
+
+SOAK_TEXTS = [f"{w} number {i}." for i, w in enumerate(
+    ["Hello there", "Good morning to you", "How are you today", "See you soon, my friend", "One two three four",
+     "Nice to meet you at last", "It is raining again", "Thank you very much for coming", "Where is the station",
+     "The weather is lovely this week"] * 3)]
+
+
+def _server_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _soak_request(url: str, i: int) -> tuple[str, object]:
+    """Request ``i`` of the soak: (kind, HTTP status or "left")."""
+    body = {"input": SOAK_TEXTS[i % len(SOAK_TEXTS)], "voice": "bare" if i % 3 == 1 else "en", "seed": i,
+            "response_format": ("wav", "pcm", "flac")[i % 3]}
+    kind = ("valid", "valid", "valid", "stream", "stream", "instruct", "invalid", "invalid", "left", "left")[i % 10]
+    if kind == "stream":
+        body.update(stream=True, response_format="pcm")
+    elif kind == "instruct":
+        body["instructions"] = "Speak slowly."
+    elif kind == "invalid":
+        body = ({"input": "Hi.", "voice": "nobody"}, {"input": "Hi.", "voice": "en", "instructions": "x" * 5000},
+                {"input": "Hi.", "voice": "en", "temperature": 1}, {"input": " ", "voice": "en"})[i // 10 % 4]
+    with httpx.Client(base_url=url, timeout=120) as c:
+        if kind == "left":
+            body.update(stream=True, response_format="pcm")
+            with c.stream("POST", "/v1/audio/speech", json=body) as r:
+                if r.status_code == 200:
+                    next(r.iter_bytes())  # one chunk, then the connection is dropped
+                return kind, "left" if r.status_code == 200 else r.status_code
+        return kind, c.post("/v1/audio/speech", json=body).status_code
+
+
+@pytest.mark.slow
+def test_soak_rss_flat_and_no_request_lost(tiny_gguf, tmp_path):
+    """500 mixed requests (valid, invalid, clients leaving mid-stream), 8 at a time, against
+    `cosyllama serve` in its own process: RSS after the last (once the requests in flight are
+    done) is within 5 % of RSS after the 100th, and every request got its expected answer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(Path(__file__).parents[1] / "src"),
+                                                                 os.environ.get("PYTHONPATH", "")] if p))
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cosyllama.cli", "serve", "--model-dir", str(MODEL_DIR),
+                             "--gguf", str(tiny_gguf("speech", "F32")), "--port", str(port), "--threads", "1"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        _register(url)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            assert c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
+                          data={"id": "bare"}).status_code == 200
+        n_ctx = httpx.get(f"{url}/health").json()["llm"]["n_ctx"]
+        rss, outcomes = {}, [None] * 500
+
+        def run(i):
+            outcomes[i] = _soak_request(url, i)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool, httpx.Client(base_url=url, timeout=10) as c:
+            for lo, hi in ((0, 100), (100, 500)):  # RSS once the requests in flight are done
+                list(pool.map(run, range(lo, hi)))
+                h = _idle(c)
+                rss[hi] = _server_rss_mb(proc.pid)
+        wall = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    expected = {"valid": {200}, "stream": {200}, "instruct": {200}, "invalid": {404, 413, 422}, "left": {"left"}}
+    wrong = [(i, o) for i, o in enumerate(outcomes) if o is None or o[1] not in expected[o[0]]]
+    counts = {k: sum(o[0] == k for o in outcomes) for k in expected}
+    print(f"soak: 500 requests {counts} in {wall:.0f} s, 8 concurrent, on {platform.machine()} "
+          f"{os.cpu_count()} CPUs; server RSS after 100: {rss[100]:.0f} MB, after 500: {rss[500]:.0f} MB "
+          f"({100 * (rss[500] / rss[100] - 1):+.1f} %)")
+    assert not wrong, wrong[:10]
+    assert h["llm"]["n_ctx"] == n_ctx and h["decoded_tokens"] > 0
+    assert rss[500] <= 1.05 * rss[100]
+
+
+def test_heap_helpers(monkeypatch):
+    """serve's memory bounds: the two cache sizes go into the environment unless already set;
+    trimming the heap works on glibc (this machine)."""
+    from cosyllama import heap
+
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # so that teardown restores the original
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    heap.bound_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(heap.ONEDNN_CACHE_CAPACITY)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"  # the operator's value wins
+    assert heap.trim_heap() is True
