@@ -85,3 +85,23 @@ def test_unequal_lengths_and_a_shared_cache_are_refused(flow):
     with pytest.raises(InputError, match="one request"):
         flow.decoder(*two, streaming=True, cache=FlowStreamCache(), keep=50)
 
+
+def test_bench_script_runs_on_the_tiny_model(tmp_path, capsys):
+    """scripts/bench_flow_batch.py end to end at a toy size (what the GPU check runs at full size)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "bench_flow_batch.py"
+    spec = importlib.util.spec_from_file_location("bench_flow_batch", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0 and "serialized" in capsys.readouterr().out
+    out = tmp_path / "fb.json"
+    assert mod.main(["--model-dir", str(MODEL_DIR), "--n", "1,2", "--rounds", "1", "--prompt-s", "0.4",
+                     "--out-s", "0.8", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["n"] for r in res["rows"]] == [1, 2] and res["mel_frames_per_request"] == 60
+    assert all(r["max_abs_diff_batched_vs_serial"] <= TOL["fp32"] and r["speedup"] > 0 for r in res["rows"])
