@@ -5,15 +5,21 @@
 #   scripts/gpu_check.sh OUTDIR [WHEELS=.whl]
 #
 # Needs: python3 with a CUDA PyTorch (>= 2.4), nvcc + cmake + ninja for the llama.cpp CUDA build.
-# What it does, in order (each step time-boxed; a failed step is logged and the next one runs):
+# What it does, in order (each step time-boxed, [limit in s]; a failed step is logged and the next one runs):
 #   0. a CUDA build of llama-cpp-python from the carried source, in the background at low priority
 #      (one GPU architecture, CUDA_ARCH, default 90 = Hopper), while the GPU work below runs;
-#   1. pytest -m gpu (every stage on CUDA against the golden fixtures, the CUDA-graph LLM included);
-#   2. cosyllama bench --device cuda: torch LLM rows (fp32 parity, bf16), flow, vocoder, pipeline;
-#   3. aggregate LLM decode of 1, 4 and 16 concurrent streams (scheduler over the CUDA-graph backend);
-#   4. first streamed audio for a registered, warmed voice;
-#   5. the HTTP server under 1 and 16 concurrent streaming requests;
-#   6. once the llama.cpp build is done: its GPU tests and its Q8_0 LLM and pipeline rows.
+#      before step 1: the full-size random model, made once [180];
+#   1. pytest -m gpu (every stage on CUDA against the golden fixtures, the CUDA-graph LLM included) [240];
+#   2. cosyllama bench --device cuda: torch LLM rows (fp32 parity, bf16), flow, vocoder, pipeline [240];
+#   2b. N = 1..16 concurrent non-streaming flows, serialized vs one batch, bf16 then fp32: does
+#      batching concurrent flows pay on this GPU? [100; no new row after 60 s, rows done are kept;
+#      expected ~70 s: at the H200's 0.4 s per 10 s flow solve, the serialized side of one round
+#      for N = 1+2+4+8+16 is ~12 s per precision];
+#   3. aggregate LLM decode of 1, 4 and 16 concurrent streams (scheduler over the CUDA-graph backend) [2 x 120];
+#   4. first streamed audio for a registered, warmed voice [120];
+#   5. the HTTP server under 1 and 16 concurrent streaming requests [180];
+#   6. once the llama.cpp build is done: its GPU tests and its Q8_0 LLM and pipeline rows [120 + 240].
+# The limits are ceilings for a step that hangs, not the expected times; they sum past 8 minutes.
 # OUTDIR ends with at most 6 files: gpu-check.log, gpu-tests.json, bench-cuda.json, bench-llamacpp-cuda.json,
 # gpu-check.json (everything else merged) and llama-build.log.
 set -uo pipefail
@@ -63,6 +69,8 @@ step 240 "1. GPU tests" env COSYLLAMA_GPU_REPORT="$out/gpu-tests.json" \
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpu_llm.py
 step 240 "2. bench --device cuda" python3 -m cosyllama.cli bench --device cuda --model-dir "$model" \
   --parts llm,flow,vocoder,pipeline --llm-types Q8_0 --json "$out/bench-cuda.json"
+step 100 "2b. concurrent flows, serialized vs batched" python3 scripts/bench_flow_batch.py --device cuda \
+  --model-dir "$model" --precision bf16,fp32 --n 1,2,4,8,16 --rounds 2 --time-limit 60 --json "$tmp/flow-batch.json"
 for p in fp32 bf16; do
   step 120 "3. concurrent decode, torch $p" python3 scripts/bench_concurrency.py --model-dir "$model" \
     --device cuda --llm-precision "$p" --streams 1,4,16 --tokens 200 --repeat 1 --json "$tmp/concurrency-$p.json"

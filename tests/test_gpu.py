@@ -171,6 +171,19 @@ def test_flow_stream_cache_equals_recomputing(flows, precision):
     assert cache.rebuilds == 0 and cache.calls == 4
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_flow_batch_rows_equal_single_solves(flows, precision):
+    """Flow.inference_batch on this device: each of 4 equal-length requests' rows equals its own
+    solve (tolerance as in test_flow_batch.py; kernels may block a larger batch differently)."""
+    a, _ = load_fixture("e2e_zero_shot_stream")
+    fp = (t(a["in_flow_prompt_speech_token"]), t(a["in_prompt_speech_feat"]), t(a["in_flow_embedding"]))
+    g = torch.Generator().manual_seed(2)
+    reqs = [(torch.randint(0, 6561, (1, 150), generator=g, dtype=torch.int32), *fp) for _ in range(4)]
+    flow = flows[precision]
+    for req, got in zip(reqs, flow.inference_batch(reqs)):
+        assert diff(f"flow_batch_{precision}", got, flow.inference(*req)) <= CACHE_TOL[precision]
+
+
 # ----------------------------------------------------------------------------------------------
 # Whole pipeline through the public API
 

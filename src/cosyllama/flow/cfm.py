@@ -127,21 +127,31 @@ class CFM(nn.Module):
 
     def forward(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False,
                 cache: FlowStreamCache | None = None, keep: int = 0) -> torch.Tensor:
-        """mu, cond ``(1, 80, N)``, spks ``(1, 80)`` -> ODE state at t=1 ``(1, 80, N)`` float32.
+        """mu, cond ``(B, 80, N)``, spks ``(B, 80)`` -> ODE state at t=1 ``(B, 80, N)`` float32.
 
-        With ``cache`` (from :meth:`forward_cached`, which checks it belongs to these inputs): only
-        frames ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
-        ``0..keep-1`` (see :class:`_StepCache`)."""
-        n = mu.shape[2]
+        B > 1: several requests of equal length N solved together, every row from the same fixed
+        noise; the CFG batch is then ``[B conditional rows, B unconditional rows]``. Each row's
+        maths is that of a B = 1 call (no operation mixes rows), so a row equals its own solve up
+        to float rounding (matrix-product kernels may block a larger batch differently). At int8
+        the rows are solved one after another (its per-call activation scale would mix them).
+
+        With ``cache`` (from :meth:`forward_cached`, which checks it belongs to these inputs; B = 1
+        only): only frames ``cache.frames..N-1`` are computed and returned, and the cache is
+        extended to frames ``0..keep-1`` (see :class:`_StepCache`)."""
+        b, n = mu.shape[0], mu.shape[2]
         self._check_length(n)
+        if cache is not None and b != 1:
+            raise InputError(f"a flow stream cache serves one request; got a batch of {b}")
+        if b > 1 and self.compute_dtype == INT8:  # its activation scale spans the rows of a call: one at a time
+            return torch.cat([self.forward(mu[i:i + 1], spks[i:i + 1], cond[i:i + 1], streaming) for i in range(b)])
         if self.compute_dtype != torch.float32:
             return self._fast_solver().solve_from(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),
                                                   cond.float(), self.time_grid(), self.cfg_rate, streaming,
                                                   cache, keep)
         start = 0 if cache is None else cache.frames
-        x = self.rand_noise[:, :, start:n].to(mu.dtype)
+        x = self.rand_noise[:, :, start:n].to(mu.dtype).expand(b, -1, -1)
         t_span = cosine_t_span(self.n_timesteps).to(mu.device)
-        # Row 1 of the CFG batch is the unconditional branch: mu, spks and cond all zeroed.
+        # Rows B.. of the CFG batch are the unconditional branch: mu, spks and cond all zeroed.
         mu_in = torch.cat([mu, torch.zeros_like(mu)])[:, :, start:]
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])[:, :, start:]
@@ -151,8 +161,8 @@ class CFM(nn.Module):
         dt = t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
             past = None if cache is None else _StepCache(cache, step - 1, keep, streaming)
-            v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2), spks_in, cond_in, streaming, past=past)
-            v_cond, v_uncond = v[0:1], v[1:2]
+            v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2 * b), spks_in, cond_in, streaming, past=past)
+            v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             t = t + dt
             if step < len(t_span) - 1:

@@ -223,21 +223,25 @@ class FastDiT:
     def solve_from(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                    grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool,
                    cache: "FlowStreamCache | None" = None, keep: int = 0) -> torch.Tensor:
-        """noise, mu, cond ``(1, mel, N)``; spks ``(1, mel)``; grid = ``[(t, dt), ...]``. Returns x at
-        t=1, ``(1, mel, N)`` float32. With ``cache`` (streaming only) only frames
+        """noise ``(1, mel, N)``; mu, cond ``(B, mel, N)``; spks ``(B, mel)``; grid = ``[(t, dt), ...]``.
+        Returns x at t=1, ``(B, mel, N)`` float32: B equal-length requests, each row the maths of
+        its own B = 1 solve (the CFG batch is ``[B conditional, B unconditional]`` rows). Except at
+        int8, whose per-call activation scale spans all rows (see :class:`_Int8Linear`): callers
+        solve int8 rows one at a time. With ``cache`` (streaming only, B = 1) only frames
         ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
         ``0..keep-1`` (see :class:`_StepCache`)."""
         dit, dt_, res = self.dit, self.act_dtype, self.residual_dtype
-        n = mu.shape[2]
+        b, n = mu.shape[0], mu.shape[2]
         start = cache.frames if cache is not None else 0
         m = n - start  # frames computed here
         eps = LN_EPS
         dim = self.dim
         mods, (f_scale, f_shift) = self._modulations(torch.cat([t for t, _ in grid]))
-        # Constant part of the input projection; row 1 of the CFG batch (mu, spks, cond zeroed) is the bias.
+        # Constant part of the input projection; rows B.. of the CFG batch (mu, spks, cond zeroed) are the bias.
         rest = torch.cat([cond[:, :, start:].transpose(1, 2), mu[:, :, start:].transpose(1, 2),
                           spks[:, None, :].expand(-1, m, -1)], dim=-1)
-        const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(1, m, -1)])
+        const = torch.cat([F.linear(rest, self.w_in_rest, self.b_in), self.b_in.expand(b, m, -1)])
+        const = const.unflatten(0, (2, b))  # (CFG branch, request, m, dim)
         ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
         cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
@@ -245,7 +249,8 @@ class FastDiT:
         x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
             past = None if cache is None else _StepCache(cache, s, keep, streaming)
-            h = const + F.linear(x.transpose(1, 2), self.w_in_x)  # (2, m, dim) float32
+            # x is the same in both CFG branches: its projection is added to each.
+            h = (const + F.linear(x.transpose(1, 2), self.w_in_x)).flatten(0, 1)  # (2B, m, dim) float32
             cpe = dit.input_embed.conv_pos_embed
             h = (cpe(h) if past is None else past.conv_pos(cpe, h)) + h
             h = h.to(res)  # a fresh tensor: updated in place below
@@ -268,6 +273,6 @@ class FastDiT:
                 n2 = F.layer_norm(h.to(dt_), (dim,), (ones + sc_f[s]).to(dt_), sh_f[s].to(dt_), eps)
                 h.addcmul_(blk["ff2"](blk["ff1"](n2)).to(res), g_f[s].to(res))
             h = F.layer_norm(h.float(), (dim,), ones + f_scale[s], f_shift[s], eps)
-            v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2, mel, m)
-            x = x + dt * ((1.0 + cfg_rate) * v[0:1] - cfg_rate * v[1:2])
+            v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2B, mel, m)
+            x = x + dt * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
         return x.float()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,30 @@ class Flow(nn.Module):
         else:
             feat = self.decoder(inp.mu, inp.spks, inp.cond, streaming)
         return feat[:, :, inp.prompt_frames:]
+
+    @on_true_fp32
+    @torch.inference_mode()
+    def inference_batch(self, requests: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                        streaming: bool = False, finalize: bool = True) -> list[torch.Tensor]:
+        """:meth:`inference` of several requests in one batched ODE solve (no stream cache).
+
+        ``requests``: ``(token, prompt_token, prompt_feat, embedding)`` tuples as :meth:`inference`
+        takes them, all of equal length in mel frames (prompt + tokens; the split between them
+        may differ). Returns each request's mel, in order. The batch rows share no arithmetic (see
+        :meth:`CFM.forward`): each mel equals the request's own :meth:`inference` up to float
+        rounding of differently blocked matrix products (int8: its rows are solved one by one).
+        Whether a batch is faster than the calls one after another depends on the device:
+        ``scripts/bench_flow_batch.py`` measures it."""
+        if not requests:
+            return []
+        inps = [self.prepare(*r, finalize=finalize) for r in requests]
+        lengths = sorted({inp.mu.shape[2] for inp in inps})
+        if len(lengths) > 1:
+            raise InputError(f"a flow batch needs requests of equal length in mel frames (prompt included); "
+                             f"got lengths {lengths}")
+        feat = self.decoder(torch.cat([i.mu for i in inps]), torch.cat([i.spks for i in inps]),
+                            torch.cat([i.cond for i in inps]), streaming)
+        return [feat[k:k + 1, :, inp.prompt_frames:] for k, inp in enumerate(inps)]
 
     def _ids(self, prompt_token: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """Prompt + token ids ``(1, P+T)`` as the token embedding reads them (ids clamped at >= 0)."""
