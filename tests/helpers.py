@@ -21,6 +21,15 @@ def load_fixture(name: str) -> tuple[dict, dict]:
     return arrays, meta
 
 
+def fixture_prefill(a: dict):
+    """The LLM prompt (:class:`~cosyllama.llm.backend.Prefill`) of an LLM fixture's arrays: its
+    prompt transcript + text ids, and its prompt speech tokens."""
+    from cosyllama.llm.backend import Prefill
+
+    return Prefill(tuple(a["prompt_text"][0].tolist() + a["text"][0].tolist()),
+                   tuple(a["prompt_speech_token"][0].tolist()))
+
+
 def recorded_flow_calls(flow, case: str, **kw):
     """Replay each ``flow.inference`` call the upstream wrapper made in the end-to-end run ``case``
     (fixture ``e2e_<case>``); yields ``(k, call, mel, expected_mel)``. ``kw`` goes to every call."""

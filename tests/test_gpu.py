@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, load_fixture, recorded_flow_calls, synthesize_call
+from helpers import FIXTURES, MODEL_DIR, fixture_prefill, load_fixture, recorded_flow_calls, synthesize_call
 from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama import load
 from cosyllama.engine import FlowPrompt
 from cosyllama.flow import Flow, FlowStreamCache
-from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.precision import resolve_precision
@@ -87,14 +86,9 @@ def hift():
 # Stages
 
 
-def _prefill(a) -> Prefill:
-    return Prefill(tuple(a["prompt_text"][0].tolist() + a["text"][0].tolist()),
-                   tuple(a["prompt_speech_token"][0].tolist()))
-
-
 def test_llm_teacher_forced_logp(llm):
     a, _ = load_fixture("llm_teacher_forced")
-    seq, lp = llm.start(_prefill(a), len(a["continuation"]))
+    seq, lp = llm.start(fixture_prefill(a), len(a["continuation"]))
     rows = torch.stack([lp] + [llm.step([(seq, tok)])[0] for tok in a["continuation"].tolist()])
     assert diff("llm_logp", rows, a["logp_cached"]) <= LOGP_ATOL
     np.testing.assert_array_equal(rows.argmax(-1).numpy(), a["argmax_cached"])
@@ -102,7 +96,7 @@ def test_llm_teacher_forced_logp(llm):
 
 def test_llm_greedy_tokens(llm):
     a, _ = load_fixture("llm_greedy")
-    toks = list(generate(llm, _prefill(a), a["text"].shape[1], DecodeOptions(greedy=True)))
+    toks = list(generate(llm, fixture_prefill(a), a["text"].shape[1], DecodeOptions(greedy=True)))
     assert toks == a["tokens"].tolist()
 
 

@@ -12,9 +12,8 @@ import os
 import pytest
 import torch
 
-from helpers import MODEL_DIR, generate_many, load_fixture, mixed_requests
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
-from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.static_decode import StaticTorchLLM
 from cosyllama.llm.torch_backend import TorchLLM
@@ -49,13 +48,8 @@ def dynamic():
     return TorchLLM.from_dir(MODEL_DIR, device=DEVICE)
 
 
-def _prefill(a) -> Prefill:
-    return Prefill(tuple(a["prompt_text"][0].tolist() + a["text"][0].tolist()),
-                   tuple(a["prompt_speech_token"][0].tolist()))
-
-
 def _teacher_forced(backend, a) -> torch.Tensor:
-    seq, lp = backend.start(_prefill(a), len(a["continuation"]))
+    seq, lp = backend.start(fixture_prefill(a), len(a["continuation"]))
     rows = [lp] + [backend.step([(seq, t)])[0] for t in a["continuation"].tolist()]
     backend.release(seq)
     return torch.stack(rows)
@@ -70,12 +64,13 @@ def test_graph_logp_equal_fixture_and_dynamic(graphs, dynamic):
 
 def test_graph_greedy_tokens_equal_fixture(graphs):
     a, _ = load_fixture("llm_greedy")
-    assert list(generate(graphs, _prefill(a), a["text"].shape[1], DecodeOptions(greedy=True))) == a["tokens"].tolist()
+    got = generate(graphs, fixture_prefill(a), a["text"].shape[1], DecodeOptions(greedy=True))
+    assert list(got) == a["tokens"].tolist()
 
 
 def test_graph_batches_with_padding_and_compaction(graphs, dynamic):
     a, _ = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     reqs = mixed_requests(pf)
     assert generate_many(graphs, reqs) == generate_many(dynamic, reqs)
     assert graphs.active == 0
@@ -112,7 +107,7 @@ def test_llamacpp_on_the_gpu_matches_the_fixture(tiny_gguf, type):
         assert (got - torch.from_numpy(a["logp_cached"])).abs().max() <= LLAMA_TOL[type]
         if type == "F32":
             g, _ = load_fixture("llm_greedy")
-            toks = list(generate(llm, _prefill(g), g["text"].shape[1], DecodeOptions(greedy=True)))
+            toks = list(generate(llm, fixture_prefill(g), g["text"].shape[1], DecodeOptions(greedy=True)))
             assert toks == g["tokens"].tolist()
     finally:
         llm.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture
+from helpers import MODEL_DIR, fixture_prefill, load_fixture
 from cosyllama.errors import InputError
 from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_flag
 from cosyllama.llm.backend import PiecewisePrefill, Prefill
@@ -28,8 +28,7 @@ def torch_llm():
 @pytest.fixture(scope="module")
 def prefill():
     arrays, _ = load_fixture("llm_teacher_forced")
-    text = tuple(int(x) for x in np.concatenate([arrays["prompt_text"][0], arrays["text"][0]]))
-    return Prefill(text, tuple(int(x) for x in arrays["prompt_speech_token"][0])), int(arrays["text"].shape[1])
+    return fixture_prefill(arrays), int(arrays["text"].shape[1])
 
 
 # -- the limits --------------------------------------------------------------------------------

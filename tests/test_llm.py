@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, generate_many, load_fixture
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, SilentTokenFilter, TokenDecoder, generate
 from cosyllama.llm.torch_backend import TorchLLM
@@ -20,14 +20,9 @@ def tf():
     return load_fixture("llm_teacher_forced")
 
 
-def _prefill(a) -> Prefill:
-    return Prefill(tuple(a["prompt_text"][0].tolist() + a["text"][0].tolist()),
-                   tuple(a["prompt_speech_token"][0].tolist()))
-
-
 def test_prefill_assembly_equals_fixture(llm, tf):
     a, _ = tf
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     emb = llm.model.prefill_embeddings(pf.text_ids, pf.prompt_speech_tokens)
     assert len(pf) == a["lm_input"].shape[1]
     np.testing.assert_allclose(emb.numpy(), a["lm_input"][0], atol=0, rtol=0)
@@ -35,7 +30,7 @@ def test_prefill_assembly_equals_fixture(llm, tf):
 
 def test_teacher_forced_logp_cached(llm, tf):
     a, _ = tf
-    seq, lp = llm.start(_prefill(a), len(a["continuation"]))
+    seq, lp = llm.start(fixture_prefill(a), len(a["continuation"]))
     rows = [lp] + [llm.step([(seq, t)])[0] for t in a["continuation"].tolist()]
     got = torch.stack(rows).numpy()
     assert np.abs(got - a["logp_cached"]).max() <= 1e-4
@@ -44,7 +39,7 @@ def test_teacher_forced_logp_cached(llm, tf):
 
 def test_cached_decode_equals_full_forward(llm, tf):
     a, _ = tf
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     emb = llm.model.prefill_embeddings(pf.text_ids, pf.prompt_speech_tokens)
     cont = llm.model.speech_embedding.weight[torch.as_tensor(a["continuation"], dtype=torch.long)]
     full = llm.full_forward_logp(torch.cat([emb, cont]))
@@ -58,7 +53,7 @@ def test_cached_decode_equals_full_forward(llm, tf):
 
 def test_greedy_tokens_equal_fixture(llm):
     a, meta = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     n_text = a["text"].shape[1]
     toks = list(generate(llm, pf, n_text, DecodeOptions(greedy=True)))
     assert toks == a["tokens"].tolist()
@@ -67,7 +62,7 @@ def test_greedy_tokens_equal_fixture(llm):
 
 def test_greedy_stop_id_and_scores(llm):
     a, meta = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     dec = TokenDecoder(llm.config, a["text"].shape[1], DecodeOptions(greedy=True))
     seq, lp = llm.start(pf, dec.max_len)
     step = 0
@@ -101,13 +96,13 @@ def test_min_len_masks_every_special_id(llm):
 
 def test_max_len_bounds_output(llm):
     a, _ = load_fixture("llm_greedy")
-    toks = list(generate(llm, _prefill(a), 1, DecodeOptions(greedy=True, ignore_stop=True, max_len=7)))
+    toks = list(generate(llm, fixture_prefill(a), 1, DecodeOptions(greedy=True, ignore_stop=True, max_len=7)))
     assert len(toks) == 7 and all(t < 6561 for t in toks)
 
 
 def test_generate_many_equals_each_alone(llm):
     a, _ = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     pf2 = Prefill(pf.text_ids[:-2], pf.prompt_speech_tokens[:20])
     reqs = [(pf, 9, DecodeOptions(greedy=True)), (pf2, 7, DecodeOptions(greedy=True)),
             (pf, 9, DecodeOptions(seed=3))]
@@ -118,7 +113,7 @@ def test_generate_many_equals_each_alone(llm):
 
 def test_seeded_sampling_reproducible(llm):
     a, _ = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     runs = [list(generate(llm, pf, 9, DecodeOptions(seed=1234))) for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) > 0
     other = list(generate(llm, pf, 9, DecodeOptions(seed=99, ignore_stop=True, max_len=40)))
@@ -134,7 +129,7 @@ def test_batched_step_equals_stepping_each_alone(llm):
     """Sequences at different lengths stepped together (one pass through the body) give each one's
     log-probs as stepping it alone, up to float rounding, and advance each cache by one."""
     a, _ = load_fixture("llm_teacher_forced")
-    base = _prefill(a)
+    base = fixture_prefill(a)
     prefills = [base, Prefill(base.text_ids[:-3], base.prompt_speech_tokens),
                 Prefill(base.text_ids, base.prompt_speech_tokens[:-5])]
     toks = a["continuation"].tolist()
@@ -161,8 +156,8 @@ def test_a_sequence_twice_in_one_step_is_refused(llm):
     from cosyllama.errors import InputError
 
     a, _ = load_fixture("llm_teacher_forced")
-    seq, _ = llm.start(_prefill(a), 4)
+    seq, _ = llm.start(fixture_prefill(a), 4)
     with pytest.raises(InputError, match="only once"):
         llm.step([(seq, 1), (seq, 2)])
-    assert seq.cache.length == len(_prefill(a))  # nothing was fed
+    assert seq.cache.length == len(fixture_prefill(a))  # nothing was fed
     llm.release(seq)

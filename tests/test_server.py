@@ -106,11 +106,12 @@ def _speech(client, text, **kw):
     return client.post("/v1/audio/speech", json={"input": text, "voice": "en", "greedy": True, **kw})
 
 
-def _wait_idle(client, timeout=10.0) -> dict:
+def _wait_idle(client, timeout=10.0, llm: bool = False) -> dict:
+    """/health once no request runs and no sequence is live (``llm``: the backend's own count too)."""
     deadline = time.monotonic() + timeout
     while True:
         h = client.get("/health").json()
-        if h["active_sequences"] == 0 and h["requests_running"] == 0:
+        if h["active_sequences"] == 0 and h["requests_running"] == 0 and (not llm or h["llm"]["active_sequences"] == 0):
             return h
         assert time.monotonic() < deadline, f"server did not go idle: {h}"
         time.sleep(0.02)

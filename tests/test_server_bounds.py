@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR
+from helpers import MODEL_DIR
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
@@ -24,9 +24,8 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server import create_app  # noqa: E402
-from test_server import LoopbackServer  # noqa: E402
+from test_server import PROMPT_WAV, LoopbackServer, _speech, _wait_idle  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 PARALLEL, SEQ_TOKENS = 8, 4096
 PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs away into the "
          "forest. ")
@@ -110,20 +109,6 @@ def client(server):
         yield c
 
 
-def _speech(client, text, **kw):
-    return client.post("/v1/audio/speech", json={"input": text, "voice": "en", "greedy": True, **kw})
-
-
-def _idle(client, timeout=10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        h = client.get("/health").json()
-        if h["active_sequences"] == 0 and h["requests_running"] == 0 and h["llm"]["active_sequences"] == 0:
-            return h
-        assert time.monotonic() < deadline, f"server did not go idle: {h}"
-        time.sleep(0.02)
-
-
 def _refused(r, flag: str, limit: int) -> str:
     assert r.status_code == 413, r.text
     err = r.json()["error"]
@@ -142,7 +127,7 @@ def test_text_over_a_limit_is_refused_naming_it(client):
     # one 1,600-token sentence: up to 20 speech tokens per text token do not fit one sequence
     msg = _refused(_speech(client, "word " * 800), "--max-seq-tokens", SEQ_TOKENS)
     assert "LLM positions" in msg
-    h = _idle(client)
+    h = _wait_idle(client, llm=True)
     assert h["llm"]["n_ctx"] == PARALLEL * SEQ_TOKENS  # made once at start, never grown
     assert _speech(client, "Hi.", instructions="Speak slowly.").status_code == 200
     assert client.get("/health").json()["llm"]["n_ctx"] == PARALLEL * SEQ_TOKENS
@@ -203,7 +188,7 @@ def test_long_input_beside_a_short_request(server, client):
     print(f"short request alone {alone:.3f} s, beside a 4,000-character input {beside}")
     assert statuses == [200]
     assert max(beside) - alone < 1.0
-    _idle(client)
+    _wait_idle(client, llm=True)
 
 
 def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
@@ -316,7 +301,7 @@ def test_soak_rss_flat_and_no_request_lost(tiny_gguf, tmp_path):
         with ThreadPoolExecutor(8) as pool, httpx.Client(base_url=url, timeout=10) as c:
             for lo, hi in ((0, 100), (100, 500)):  # RSS once the requests in flight are done
                 list(pool.map(run, range(lo, hi)))
-                h = _idle(c)
+                h = _wait_idle(c, llm=True)
                 rss[hi] = _server_rss_mb(proc.pid)
         wall = time.perf_counter() - t0
     finally:

@@ -4,7 +4,7 @@ CPU, held to the dynamic-cache backend and the golden fixtures."""
 import pytest
 import torch
 
-from helpers import MODEL_DIR, generate_many, load_fixture, mixed_requests
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
 from cosyllama.errors import BackendBusyError, InputError
 from cosyllama.llm.backend import Prefill
@@ -31,13 +31,8 @@ def static():
     return _static(slots=4, ctx=512)
 
 
-def _prefill(a) -> Prefill:
-    return Prefill(tuple(a["prompt_text"][0].tolist() + a["text"][0].tolist()),
-                   tuple(a["prompt_speech_token"][0].tolist()))
-
-
 def _teacher_forced(backend, a):
-    seq, lp = backend.start(_prefill(a), len(a["continuation"]))
+    seq, lp = backend.start(fixture_prefill(a), len(a["continuation"]))
     rows = [lp] + [backend.step([(seq, t)])[0] for t in a["continuation"].tolist()]
     backend.release(seq)
     return torch.stack(rows)
@@ -60,7 +55,7 @@ def test_teacher_forced_logp_equals_dynamic_and_fixture(static, dynamic):
 def test_a_small_error_in_the_cache_fails_the_bound(static, dynamic):
     """The tolerance can fail: one cached key nudged by 1e-3 moves the log-probs past it."""
     a, _ = load_fixture("llm_teacher_forced")
-    seq, _ = static.start(_prefill(a), len(a["continuation"]))
+    seq, _ = static.start(fixture_prefill(a), len(a["continuation"]))
     static.k[0, seq.index, 0, 1] += 1e-3
     rows = torch.stack([static.step([(seq, t)])[0] for t in a["continuation"].tolist()])
     static.release(seq)
@@ -70,7 +65,7 @@ def test_a_small_error_in_the_cache_fails_the_bound(static, dynamic):
 
 def test_greedy_tokens_equal_fixture(static):
     a, _ = load_fixture("llm_greedy")
-    toks = list(generate(static, _prefill(a), a["text"].shape[1], DecodeOptions(greedy=True)))
+    toks = list(generate(static, fixture_prefill(a), a["text"].shape[1], DecodeOptions(greedy=True)))
     assert toks == a["tokens"].tolist()
     assert static.active == 0
 
@@ -79,7 +74,7 @@ def test_batched_steps_with_padding_and_compaction_equal_each_alone(static, dyna
     """Requests of different lengths decoded together: rows are padded to a bucket, and a request
     that ends moves the highest slot's sequence into its slot. Tokens equal the dynamic backend's."""
     a, _ = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     reqs = mixed_requests(pf)
     assert generate_many(static, reqs) == generate_many(dynamic, reqs)
     assert static.active == 0
@@ -87,7 +82,7 @@ def test_batched_steps_with_padding_and_compaction_equal_each_alone(static, dyna
 
 def test_batched_logp_equal_stepping_each_alone_on_the_dynamic_backend(static, dynamic):
     a, _ = load_fixture("llm_teacher_forced")
-    base = _prefill(a)
+    base = fixture_prefill(a)
     prefills = [base, Prefill(base.text_ids[:-3], base.prompt_speech_tokens),
                 Prefill(base.text_ids, base.prompt_speech_tokens[:-5])]
     toks = a["continuation"].tolist()
@@ -117,7 +112,7 @@ def test_batched_logp_equal_stepping_each_alone_on_the_dynamic_backend(static, d
 def test_full_pool_is_busy_and_a_long_request_is_refused():
     llm = _static(slots=2, ctx=96)
     a, _ = load_fixture("llm_greedy")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     with pytest.raises(InputError, match="positions"):
         llm.start(pf, 64)  # 76 prompt + 63 fed tokens > 95
     s1, _ = llm.start(pf, 4)
@@ -139,7 +134,7 @@ def test_prefill_in_pieces_equals_one_pass_even_when_compaction_moves_it(static,
 
     assert isinstance(static, PiecewisePrefill)
     a, _ = load_fixture("llm_teacher_forced")
-    pf = _prefill(a)
+    pf = fixture_prefill(a)
     ref = _teacher_forced(dynamic, a)
     first = static.begin(pf, 8)
     moving = static.begin(pf, len(a["continuation"]))  # slot 1
