@@ -76,6 +76,10 @@ def test_int8_streaming_cache_equals_recomputing(flow_int8):
     got = flow_int8.inference(tok[:, :m], pt, pf, emb, streaming=True, finalize=False, cache=cache)
     ref = flow_int8.inference(tok[:, :m], pt, pf, emb, streaming=True, finalize=False)
     assert cache.last_start > 0
+    # K/V are computed in float32 and kept in bfloat16: half the memory, and the bound counts that
+    assert {t.dtype for kv in cache.kv.values() for t in kv} == {torch.bfloat16}
+    assert sum(t.nbytes for kv in cache.kv.values() for t in kv) == cache.frames * flow_int8.decoder.kv_bytes_per_frame()
+    assert flow_int8.decoder.kv_bytes_per_frame() * 2 == Flow.from_dir(MODEL_DIR).decoder.kv_bytes_per_frame()
     # activation scales are per call, so cached frames equal recomputed ones within int8's own error
     # (observed max 0.012 here), not bit for bit: held to the fidelity bound
     d = (got - ref).abs()

@@ -17,6 +17,14 @@ CONV_CONTEXT = 2 * (CONV_POS_KERNEL - 1)  # input frames back that one conv posi
 
 DEFAULT_STREAM_CACHE_MB = 2048.0  # MiB per request (how many frames that is: docs/benchmarks.md)
 
+# How the mixed-precision solvers (bf16, int8) keep cached K/V. The int8 solver computes K/V in
+# float32; stored in bfloat16 they take half the memory (1.72 instead of 3.44 MiB per frame at full
+# size), with a rounding (2^-9 relative) far below the int8 products' own error: on the full random
+# model's 3 s + 10 s streaming calls the mel error against float32 stayed at mean 0.0087 / max 0.051
+# (0.0086 / 0.046 with float32 storage), same speed (docs/benchmarks.md#memory-of-the-streaming-caches).
+# bfloat16 rather than float16: it keeps float32's range, whatever magnitudes trained K/V reach.
+LOWP_KV_DTYPE = torch.bfloat16
+
 
 class FlowStreamCache:
     """What one streaming request's flow calls can reuse from its earlier calls.
@@ -36,7 +44,8 @@ class FlowStreamCache:
     the uncached path.
 
     Held (per Euler step): for each DiT block K and V of the cached frames for both CFG rows,
-    each ``(2, frames, inner)`` in the solver's dtype; the last ``CONV_CONTEXT`` (60) input-projection
+    each ``(2, frames, inner)`` in the storage dtype the solver names (float32 for the float32
+    reference solver; bfloat16 for the bf16 and int8 solvers, see :data:`LOWP_KV_DTYPE`); the last ``CONV_CONTEXT`` (60) input-projection
     frames ``(2, 60, dim)`` float32 (what the position convs of the next frames read back); plus the
     finished mel of the cached frames and the prompt/token ids they came from. K/V dominate:
     ``steps x blocks x 2 rows x 2 x inner`` values per frame (:meth:`CFM.kv_bytes_per_frame`;
@@ -179,10 +188,12 @@ class _StepCache:
     Entries are replaced one by one as the solve goes (old and new caches never both exist whole),
     so the caller must :meth:`FlowStreamCache.commit` afterwards, or clear the cache if it fails."""
 
-    def __init__(self, cache: FlowStreamCache, step: int, keep: int, streaming: bool):
+    def __init__(self, cache: FlowStreamCache, step: int, keep: int, streaming: bool,
+                 store_dtype: torch.dtype | None = None):
         if not streaming:
             raise ValueError("the streaming cache needs the block-causal (streaming) mask")
         self.cache, self.step, self.keep = cache, step, keep
+        self.store_dtype = store_dtype  # K/V kept in this dtype (None: as computed)
         self.start = cache.frames
         self.store = keep > self.start
 
@@ -206,11 +217,31 @@ class _StepCache:
         return y
 
     def kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (rotated), V ``(B, m, inner)`` of the new frames -> those of all N frames."""
+        """K (rotated), V ``(B, m, inner)`` of the new frames -> those of all N frames, in the
+        dtype of the new ones (cached frames converted back from the storage dtype)."""
         slot = (self.step, block)
         if self.start:
             k0, v0 = self.cache.kv[slot]
-            k, v = torch.cat([k0, k], dim=1), torch.cat([v0, v], dim=1)
-        if self.store:  # a copy unless k/v already are exactly the frames kept
-            self.cache.kv[slot] = (k[:, :self.keep].contiguous(), v[:, :self.keep].contiguous())
+            k, v = _after(k0, k), _after(v0, v)
+        if self.store:
+            self.cache.kv[slot] = (self._stored(k), self._stored(v))
         return k, v
+
+    def _stored(self, t: torch.Tensor) -> torch.Tensor:
+        """The kept frames of ``t`` as the cache holds them: converted to the storage dtype, or a
+        contiguous copy unless ``t`` already is exactly those frames (never a view of the solver's
+        buffers, which it goes on to overwrite)."""
+        t = t[:, :self.keep]
+        d = self.store_dtype or t.dtype
+        return t.to(d) if t.dtype != d else t.contiguous()
+
+
+def _after(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``cat([cached, new], dim=1)`` in ``new``'s dtype, converting ``cached`` on the way (one pass)."""
+    if cached.dtype == new.dtype:
+        return torch.cat([cached, new], dim=1)
+    c = cached.shape[1]
+    out = new.new_empty(new.shape[0], c + new.shape[1], new.shape[2])
+    out[:, :c].copy_(cached)
+    out[:, c:].copy_(new)
+    return out

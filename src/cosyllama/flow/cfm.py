@@ -10,7 +10,7 @@ from ..config import FlowConfig
 from ..derived import DerivedWeights, weights_key
 from ..errors import InputError
 from ..precision import INT8
-from .cache import FlowStreamCache, _StepCache
+from .cache import LOWP_KV_DTYPE, FlowStreamCache, _StepCache
 from .dit import DiT
 from .fast_dit import FastDiT
 
@@ -89,9 +89,13 @@ class CFM(nn.Module):
         """Bytes a streaming cache holds per mel frame: K and V of both CFG rows, every block and step."""
         blk = self.estimator.transformer_blocks
         inner = blk[0].attn.to_k.out_features if len(blk) else 0
-        act = torch.float32 if self.compute_dtype == INT8 else self.compute_dtype  # int8: float32 K/V
-        item = torch.empty(0, dtype=act).element_size()
+        item = torch.empty(0, dtype=self.kv_cache_dtype()).element_size()
         return self.n_timesteps * len(blk) * 2 * 2 * inner * item
+
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype a streaming cache keeps K/V in: float32 for the reference solver, else
+        :data:`~cosyllama.flow.cache.LOWP_KV_DTYPE` (bfloat16, also for int8)."""
+        return torch.float32 if self.compute_dtype == torch.float32 else LOWP_KV_DTYPE
 
     def forward_cached(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                        cache: FlowStreamCache, key: tuple, ids: torch.Tensor) -> torch.Tensor:

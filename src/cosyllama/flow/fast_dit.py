@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import INT8
-from .cache import FlowStreamCache, _StepCache
+from .cache import LOWP_KV_DTYPE, FlowStreamCache, _StepCache
 from .dit import LN_EPS, DiT, chunk_attention_mask
 
 
@@ -248,7 +248,7 @@ class FastDiT:
         ones = torch.ones(dim, device=mu.device)
         x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
-            past = None if cache is None else _StepCache(cache, s, keep, streaming)
+            past = None if cache is None else _StepCache(cache, s, keep, streaming, LOWP_KV_DTYPE)
             # x is the same in both CFG branches: its projection is added to each.
             h = (const + F.linear(x.transpose(1, 2), self.w_in_x)).flatten(0, 1)  # (2B, m, dim) float32
             cpe = dit.input_embed.conv_pos_embed
