@@ -11,7 +11,7 @@ Each chunk runs the flow over prompt + all tokens so far (block-causal attention
 so far, and emits only the new samples; here the vocoder continues from a per-request
 :class:`~cosyllama.vocoder.VocoderStream` instead (the same new samples up to float rounding, at a cost that
 does not grow with the utterance). The last call uses full attention (see
-docs/reference.md#q4-full-attention-final-call). Unlike the reference, at reduced flow precision (bf16) the
+docs/reference.md#q4-full-attention-final-call). Unlike the reference, at reduced flow precision (bf16, int8) the
 flow does not recompute the attention blocks earlier chunks completed: each request keeps a
 :class:`~cosyllama.flow.FlowStreamCache` (same mel up to float rounding; bounded by ``stream_cache_mb``; freed
 when the request's generator ends or is closed). At fp32, the reference-parity mode, it is off unless asked
