@@ -188,12 +188,11 @@ class _StepCache:
     Entries are replaced one by one as the solve goes (old and new caches never both exist whole),
     so the caller must :meth:`FlowStreamCache.commit` afterwards, or clear the cache if it fails."""
 
-    def __init__(self, cache: FlowStreamCache, step: int, keep: int, streaming: bool,
-                 store_dtype: torch.dtype | None = None):
+    def __init__(self, cache: FlowStreamCache, step: int, keep: int, streaming: bool, store_dtype: torch.dtype):
         if not streaming:
             raise ValueError("the streaming cache needs the block-causal (streaming) mask")
         self.cache, self.step, self.keep = cache, step, keep
-        self.store_dtype = store_dtype  # K/V kept in this dtype (None: as computed)
+        self.store_dtype = store_dtype  # K/V kept in this dtype (CFM.kv_cache_dtype)
         self.start = cache.frames
         self.store = keep > self.start
 
@@ -232,14 +231,11 @@ class _StepCache:
         contiguous copy unless ``t`` already is exactly those frames (never a view of the solver's
         buffers, which it goes on to overwrite)."""
         t = t[:, :self.keep]
-        d = self.store_dtype or t.dtype
-        return t.to(d) if t.dtype != d else t.contiguous()
+        return t.to(self.store_dtype) if t.dtype != self.store_dtype else t.contiguous()
 
 
 def _after(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``cat([cached, new], dim=1)`` in ``new``'s dtype, converting ``cached`` on the way (one pass)."""
-    if cached.dtype == new.dtype:
-        return torch.cat([cached, new], dim=1)
     c = cached.shape[1]
     out = new.new_empty(new.shape[0], c + new.shape[1], new.shape[2])
     out[:, :c].copy_(cached)

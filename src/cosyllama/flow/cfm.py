@@ -151,7 +151,7 @@ class CFM(nn.Module):
         if self.compute_dtype != torch.float32:
             return self._fast_solver().solve_from(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),
                                                   cond.float(), self.time_grid(), self.cfg_rate, streaming,
-                                                  cache, keep)
+                                                  cache, keep, self.kv_cache_dtype())
         start = 0 if cache is None else cache.frames
         x = self.rand_noise[:, :, start:n].to(mu.dtype).expand(b, -1, -1)
         t_span = cosine_t_span(self.n_timesteps).to(mu.device)
@@ -164,7 +164,7 @@ class CFM(nn.Module):
         t = t_span[0:1]
         dt = t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            past = None if cache is None else _StepCache(cache, step - 1, keep, streaming)
+            past = None if cache is None else _StepCache(cache, step - 1, keep, streaming, self.kv_cache_dtype())
             v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2 * b), spks_in, cond_in, streaming, past=past)
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import INT8
-from .cache import LOWP_KV_DTYPE, FlowStreamCache, _StepCache
+from .cache import FlowStreamCache, _StepCache
 from .dit import LN_EPS, DiT, chunk_attention_mask
 
 
@@ -222,14 +222,16 @@ class FastDiT:
 
     def solve_from(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                    grid: list[tuple[torch.Tensor, torch.Tensor]], cfg_rate: float, streaming: bool,
-                   cache: "FlowStreamCache | None" = None, keep: int = 0) -> torch.Tensor:
+                   cache: "FlowStreamCache | None" = None, keep: int = 0,
+                   kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """noise ``(1, mel, N)``; mu, cond ``(B, mel, N)``; spks ``(B, mel)``; grid = ``[(t, dt), ...]``.
         Returns x at t=1, ``(B, mel, N)`` float32: B equal-length requests, each row the maths of
         its own B = 1 solve (the CFG batch is ``[B conditional, B unconditional]`` rows). Except at
         int8, whose per-call activation scale spans all rows (see :class:`_Int8Linear`): callers
         solve int8 rows one at a time. With ``cache`` (streaming only, B = 1) only frames
         ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
-        ``0..keep-1`` (see :class:`_StepCache`)."""
+        ``0..keep-1`` (see :class:`_StepCache`), its K/V kept in ``kv_dtype`` (the caller's
+        :meth:`CFM.kv_cache_dtype`, which also sizes the cache's bound)."""
         dit, dt_, res = self.dit, self.act_dtype, self.residual_dtype
         b, n = mu.shape[0], mu.shape[2]
         start = cache.frames if cache is not None else 0
@@ -248,7 +250,7 @@ class FastDiT:
         ones = torch.ones(dim, device=mu.device)
         x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
-            past = None if cache is None else _StepCache(cache, s, keep, streaming, LOWP_KV_DTYPE)
+            past = None if cache is None else _StepCache(cache, s, keep, streaming, kv_dtype)
             # x is the same in both CFG branches: its projection is added to each.
             h = (const + F.linear(x.transpose(1, 2), self.w_in_x)).flatten(0, 1)  # (2B, m, dim) float32
             cpe = dit.input_embed.conv_pos_embed
