@@ -76,6 +76,51 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
         assert r["rtf"] > 0 and r["first_chunk_s"] > 0 and r["peak_rss_mb"] > 0 and r["flow"]
 
 
+def test_rows_take_turns_so_a_drift_cancels(tiny_model, tmp_path, monkeypatch):
+    """With --repeat 2 the pipeline's configurations run A B C, C B A: a machine that slows down
+    steadily during the run gives every row the same median (run one after another, the last
+    row would look slowest); each row keeps its rounds and its highest peak RSS."""
+    import types
+
+    from cosyllama.tools import bench
+
+    assert bench.rounds(["a", "b", "c"], 3) == list("abccbaabc") and bench.rounds(["a"], 2) == ["a", "a"]
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench, "ensure_gguf", lambda *a, **k: tmp_path / "fake.gguf")
+    monkeypatch.setattr(bench, "llamacpp_gpu_layers", lambda *a, **k: 0)
+    calls = []
+
+    def child(cmd, **kw):  # a child whose times grow by one with every run, whatever it runs
+        spec = json.loads(cmd[-1])
+        calls.append((spec["llm"], spec["precision"]))
+        t = float(len(calls))
+        out = {"flow": spec["precision"], "rtf": t, "first_chunk_s": 10 * t, "peak_rss_mb": 100.0 * t,
+               "llm_s": t, "token2wav_s": t, "stream_llm_s": t, "stream_token2wav_s": t}
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(bench.subprocess, "run", child)
+    rows = bench.run_pipeline(tiny_model, 1, 1.0, 1.0, 2, lambda *_: None)
+    configs = [(c[0], c[3]) for c in bench.PIPELINE_CONFIGS]
+    assert calls == configs + configs[::-1]
+    assert [r["rtf"] for r in rows] == [3.5] * 3 and [r["first_chunk_s"] for r in rows] == [35.0] * 3
+    assert [r["peak_rss_mb"] for r in rows] == [600.0, 500.0, 400.0]
+    assert all(len(r["rounds"]) == 2 for r in rows) and rows[2]["flow"] == "auto"
+
+
+def test_bench_flow_rows_take_turns(tiny_model, tmp_path, monkeypatch):
+    """--repeat 2 times each flow and vocoder precision twice, interleaved, and reports the median."""
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model-dir", str(tiny_model), "--json", str(out), "--parts", "flow,vocoder",
+                 "--repeat", "2", "--flow-precisions", "fp32,bf16", "--prompt-seconds", "1",
+                 "--output-seconds", "1", "--threads", "1"]) == 0
+    res = json.loads(out.read_text())
+    assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] and res["flow"][0]["mel_max_abs_diff_vs_fp32"] == 0
+    for r in res["flow"] + res["vocoder"]:
+        rs = r["rounds_seconds_per_audio_second"]
+        assert len(rs) == 2 and r["seconds_per_audio_second"] == pytest.approx(sum(rs) / 2)
+
+
 def test_bench_rejects_bad_parts(capsys):
     assert main(["bench", "--parts", "llm,gpu"]) == 2
     assert "unknown --parts gpu" in capsys.readouterr().err

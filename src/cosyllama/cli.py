@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model-dir", help="model directory (default: a cached full-size random model)")
     b.add_argument("--json", help="also write the results as JSON")
     b.add_argument("--parts", default="llm,flow,vocoder,pipeline", help="comma list of parts to run")
-    b.add_argument("--repeat", type=int, default=1, help="runs per configuration (median reported)")
+    b.add_argument("--repeat", type=int, default=1,
+                   help="runs per configuration, median reported; the flow, vocoder and pipeline rows take "
+                        "turns round by round (A B C, C B A, ...) so their ratios are side by side")
     b.add_argument("--llm-types", default=None, metavar="T,T",
                    help="GGUF types of the llama.cpp LLM rows (default: F16,Q8_0,Q4_K_M,Q4_0)")
     add_threads_option(b)

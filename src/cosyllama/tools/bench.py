@@ -92,6 +92,11 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def _median_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return _median(xs) if xs else None
+
+
 def peak_rss_mb() -> float:
     import resource
 
@@ -206,16 +211,21 @@ def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
     return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
 
 
-def _time(fn, repeat: int, device: torch.device = torch.device("cpu")) -> tuple[float, object]:
-    """Median wall time of ``fn()`` over ``repeat`` runs (CUDA work waited for), and its last output."""
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return _median(times), out
+def _time_once(fn, device: torch.device = torch.device("cpu")) -> tuple[float, object]:
+    """Wall time of one ``fn()`` (CUDA work waited for), and its output."""
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def rounds(items: list, repeat: int) -> list:
+    """``items`` in ``repeat`` interleaved rounds, every other one reversed (A B C, C B A, ...): each
+    row is timed beside the others, so a machine that slows down or speeds up during the run moves
+    every row alike and the ratios between rows stay readable (the medians of the rounds are
+    reported)."""
+    return [x for r in range(repeat) for x in (items if r % 2 == 0 else items[::-1])]
 
 
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
@@ -236,39 +246,52 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     emb = torch.randn(1, 192, generator=g)
     flow_rows, voc_rows = [], []
     flow = Flow.from_dir(model_dir, device)
-    mel_ref = None
-    variants = variants or flow_variants(None, device)
-    for variant in variants if "flow" in parts else ("fp32",):
+    names = list(variants or flow_variants(None, device)) if "flow" in parts else ["fp32"]
+    ran: dict[str, str] = {}
+    secs: dict[str, list[float]] = {v: [] for v in names}
+    mels: dict[str, torch.Tensor] = {}
+    for variant in rounds(names, repeat):
         t0 = time.perf_counter()
-        flow.set_precision(variant)
-        setup = time.perf_counter() - t0
-        ran = precision_name(flow.precision)
-        if variant == "auto":
-            progress(f"flow auto -> {ran} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
-        flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
-        secs, mel = _time(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), repeat, device)
-        if mel_ref is None:
-            mel_ref = mel
-        diff = (mel - mel_ref).abs()
+        if len(names) > 1 or variant not in ran:
+            flow.set_precision(variant)  # a switch re-packs the weight copies: outside the timing
+            flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
+        if variant not in ran:
+            ran[variant] = precision_name(flow.precision)
+            if variant == "auto":
+                progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; "
+                         f"set-up {time.perf_counter() - t0:.1f} s)")
+        t, mels[variant] = _time_once(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
+        secs[variant].append(t)
         if "flow" in parts:
-            flow_rows.append({"variant": variant if variant != "auto" else f"auto={ran}",
-                              "seconds_per_audio_second": secs / output_s,
+            progress(f"flow {variant}: {t / output_s:.3f} s per audio second")
+    mel_ref = mels["fp32"]
+    if "flow" in parts:
+        for variant in names:
+            diff = (mels[variant] - mel_ref).abs()
+            flow_rows.append({"variant": variant if variant != "auto" else f"auto={ran[variant]}",
+                              "seconds_per_audio_second": _median(secs[variant]) / output_s,
+                              "rounds_seconds_per_audio_second": [t / output_s for t in secs[variant]],
                               "mel_mean_abs_diff_vs_fp32": float(diff.mean()),
                               "mel_max_abs_diff_vs_fp32": float(diff.max())})
-            progress(f"flow {variant}: {secs / output_s:.3f} s per audio second "
+            progress(f"flow {variant}: median {_median(secs[variant]) / output_s:.3f} s per audio second "
                      f"(mel vs fp32: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f})")
     del flow
     if "vocoder" in parts:
         hift = HiFT.from_dir(model_dir, device)
-        wav_ref = None
-        for variant in ("fp32", "bf16"):
+        vnames = ["fp32", "bf16"]
+        vsecs: dict[str, list[float]] = {v: [] for v in vnames}
+        wavs: dict[str, torch.Tensor] = {}
+        for variant in rounds(vnames, repeat):
             hift.set_precision(variant)
             hift.inference(mel_ref[:, :, :20])
-            secs, wav = _time(lambda: hift.inference(mel_ref), repeat, device)
-            wav_ref = wav if wav_ref is None else wav_ref
-            voc_rows.append({"variant": variant, "seconds_per_audio_second": secs / output_s,
-                             "wav_max_abs_diff_vs_fp32": float((wav - wav_ref).abs().max())})
-            progress(f"vocoder {variant}: {secs / output_s:.3f} s per audio second")
+            t, wavs[variant] = _time_once(lambda: hift.inference(mel_ref), device)
+            vsecs[variant].append(t)
+        for variant in vnames:
+            sps = _median(vsecs[variant]) / output_s
+            voc_rows.append({"variant": variant, "seconds_per_audio_second": sps,
+                             "rounds_seconds_per_audio_second": [t / output_s for t in vsecs[variant]],
+                             "wav_max_abs_diff_vs_fp32": float((wavs[variant] - wavs["fp32"]).abs().max())})
+            progress(f"vocoder {variant}: {sps:.3f} s per audio second")
     return flow_rows, voc_rows
 
 
@@ -277,7 +300,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
 
 
 def pipeline_worker(spec: dict) -> dict:
-    """Run in a child process: load a TTS, synthesize non-streaming then streaming; report."""
+    """Run in a child process: load a TTS, synthesize non-streaming then streaming once; report."""
     from ..tts import TTS, SynthesisOptions
 
     torch.set_num_threads(spec["threads"])
@@ -289,50 +312,61 @@ def pipeline_worker(spec: dict) -> dict:
     voice = tts.make_voice(wav)
     tts.cross_lingual("Warm up.", voice=voice, options=SynthesisOptions(greedy=True, max_tokens=5,
                                                                         ignore_stop=True)).audio()
-    rtfs, firsts = [], []
-    for _ in range(spec["repeat"]):
-        t0 = time.perf_counter()
-        syn = tts.cross_lingual(BENCH_TEXT, wav, options=opts)
-        audio = syn.audio()
-        rtfs.append((time.perf_counter() - t0) / (audio.size / tts.sample_rate))
-        t0 = time.perf_counter()
-        syn = tts.cross_lingual(BENCH_TEXT, wav, options=SynthesisOptions(greedy=True, ignore_stop=True,
-                                                                         max_tokens=n, stream=True))
-        first = None
-        for chunk in syn:
-            if first is None and chunk.samples.size:
-                first = time.perf_counter() - t0
-        firsts.append(first)
+    t0 = time.perf_counter()
+    syn = tts.cross_lingual(BENCH_TEXT, wav, options=opts)
+    audio = syn.audio()
+    rtf = (time.perf_counter() - t0) / (audio.size / tts.sample_rate)
+    llm_s, token2wav_s = syn.timings.llm, syn.timings.token2wav
+    t0 = time.perf_counter()
+    syn = tts.cross_lingual(BENCH_TEXT, wav, options=SynthesisOptions(greedy=True, ignore_stop=True,
+                                                                     max_tokens=n, stream=True))
+    first = None
+    for chunk in syn:
+        if first is None and chunk.samples.size:
+            first = time.perf_counter() - t0
     from ..precision import precision_name
 
     flow = precision_name(tts.token2wav.flow.precision)
-    return {"flow": flow, "rtf": _median(rtfs), "first_chunk_s": _median(firsts), "peak_rss_mb": peak_rss_mb(),
-            "llm_s": syn.timings.llm, "token2wav_s": syn.timings.token2wav}
+    return {"flow": flow, "rtf": rtf, "first_chunk_s": first, "peak_rss_mb": peak_rss_mb(),
+            "llm_s": llm_s, "token2wav_s": token2wav_s,  # of the non-streaming run (the RTF's)
+            "stream_llm_s": syn.timings.llm, "stream_token2wav_s": syn.timings.token2wav}
 
 
 def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float, repeat: int,
                  progress: Progress, device: torch.device = torch.device("cpu")) -> list[dict]:
-    rows = []
+    """One child process per configuration and round (so each peak RSS is its own); with ``repeat``
+    > 1 the configurations take turns (:func:`rounds`) and each row reports the medians."""
     wav = prompt_wav(prompt_s)
     gpu_layers = None
+    configs = []
     for backend_name, layout, type_name, precision in PIPELINE_CONFIGS:
         spec = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "prompt_wav": str(wav),
-                "decode_tokens": round(output_s * TOKEN_RATE), "repeat": repeat, "precision": precision,
-                "device": str(device)}
+                "decode_tokens": round(output_s * TOKEN_RATE), "precision": precision, "device": str(device)}
         label = "torch fp32" if backend_name == "torch" else f"llamacpp {layout} {type_name}"
         if layout:
             spec["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
             if gpu_layers is None:
                 gpu_layers = llamacpp_gpu_layers(device, progress)
             spec["n_gpu_layers"] = gpu_layers
-        progress(f"pipeline: {label} (child process)")
+        configs.append((len(configs), label, spec))
+    runs: list[list[dict]] = [[] for _ in configs]
+    for i, label, spec in rounds(configs, repeat):
+        turn = f", round {len(runs[i]) + 1} of {repeat}" if repeat > 1 else ""
+        progress(f"pipeline: {label}, flow {spec['precision']} (child process{turn})")
         proc = subprocess.run([sys.executable, "-m", "cosyllama.tools.bench", "--pipeline-worker", json.dumps(spec)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"pipeline worker for {label} failed:\n{proc.stderr[-4000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append({"llm": label, "device": str(device), **r})
-        progress(f"  RTF {r['rtf']:.3f}, first chunk {r['first_chunk_s']:.2f} s, peak RSS {r['peak_rss_mb']:.0f} MB")
+        runs[i].append(r)
+        fc = "-" if r["first_chunk_s"] is None else f"{r['first_chunk_s']:.2f} s"
+        progress(f"  RTF {r['rtf']:.3f}, first chunk {fc}, peak RSS {r['peak_rss_mb']:.0f} MB")
+    rows = []
+    for (i, label, spec), rs in zip(configs, runs):
+        med = {k: _median_or_none([r[k] for r in rs]) for k in ("rtf", "first_chunk_s", "llm_s", "token2wav_s",
+                                                                "stream_llm_s", "stream_token2wav_s")}
+        rows.append({"llm": label, "device": str(device), "flow": rs[-1]["flow"], **med,
+                     "peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "rounds": rs})
     return rows
 
 
