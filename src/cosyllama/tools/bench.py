@@ -251,15 +251,15 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     secs: dict[str, list[float]] = {v: [] for v in names}
     mels: dict[str, torch.Tensor] = {}
     for variant in rounds(names, repeat):
-        t0 = time.perf_counter()
         if len(names) > 1 or variant not in ran:
+            t0 = time.perf_counter()
             flow.set_precision(variant)  # a switch re-packs the weight copies: outside the timing
-            flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up (weight packing)
+            setup = time.perf_counter() - t0
+            flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up
         if variant not in ran:
             ran[variant] = precision_name(flow.precision)
             if variant == "auto":
-                progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; "
-                         f"set-up {time.perf_counter() - t0:.1f} s)")
+                progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
         t, mels[variant] = _time_once(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
         secs[variant].append(t)
         if "flow" in parts:
