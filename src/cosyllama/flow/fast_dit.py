@@ -255,7 +255,9 @@ class FastDiT:
             h = (const + F.linear(x.transpose(1, 2), self.w_in_x)).flatten(0, 1)  # (2B, m, dim) float32
             cpe = dit.input_embed.conv_pos_embed
             h = (cpe(h) if past is None else past.conv_pos(cpe, h)) + h
-            h = h.to(res)  # a fresh tensor: updated in place below
+            # a fresh tensor, updated in place below; row-major: the position convs leave the sum
+            # channel-major, and every residual update and LayerNorm then ran on strided memory
+            h = h.to(res).contiguous()  # (.to alone keeps the layout, and returns h itself at float32)
             blocks = self.tail_blocks if s >= len(grid) - self.tail_steps else self.blocks
             for i, (blk, (sh_a, sc_a, g_a, sh_f, sc_f, g_f)) in enumerate(zip(blocks, mods)):
                 # LayerNorm on the residual rounded to the compute dtype, modulation as its affine
