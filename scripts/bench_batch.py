@@ -38,6 +38,7 @@ except ImportError:
 from cosyllama.batch.engine import BatchEngine, EngineOptions, RowSynthesizer, load_tts
 from cosyllama.batch.manifest import read_manifest
 from cosyllama.batch.progress import STAGES
+from cosyllama.precision import precision_name
 
 TEXTS = ["Hello there.", "Good morning.", "See you soon.", "Thank you.", "Turn left here.", "It is raining.",
          "Open the door.", "What time is it?", "Not today.", "Let us go.", "Well done.", "Come back later.",
@@ -97,7 +98,7 @@ def main() -> int:
         t0 = time.perf_counter()
         tts = load_tts(opts)
         load_s = time.perf_counter() - t0
-        log(f"loaded in {load_s:.1f} s (flow {tts.token2wav.flow.precision})")
+        log(f"loaded in {load_s:.1f} s (flow {precision_name(tts.token2wav.flow.precision)})")
         synth = RowSynthesizer(tts, work, "wav")
         synth.run(rows[0])  # warm-up (first-call allocations, the prompt clip's features)
     for where in [m for m in modes if m in ("loop", "loop-thread")]:

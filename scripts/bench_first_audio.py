@@ -15,6 +15,7 @@ import json
 import time
 
 import cosyllama
+from cosyllama.precision import precision_name
 from cosyllama.tools.bench import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
 from cosyllama.tts import SynthesisOptions
 
@@ -33,6 +34,7 @@ def first_audio_s(tts, voice, seed: int) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--type", default="Q8_0", help="GGUF type of the speech-layout LLM (default Q8_0)")
     p.add_argument("--prompt-seconds", type=float, default=3.0)
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="auto", help="flow precision")
     p.add_argument("--json", help="append one JSON line per setting here")
     args = p.parse_args(argv)
-    model = ensure_full_model(print)
+    model = args.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
     for mb in (float(x) for x in args.prompt_cache_mb.split(",")):
         tts = cosyllama.load(model, llm=args.llm, gguf=gguf, threads=args.threads, prompt_cache_mb=mb,
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
               flush=True)
         if args.json:
             row = {"llm": args.llm, "type": args.type if gguf else args.llm_precision, "device": args.device,
-                   "flow": tts.token2wav.flow.precision, "prompt_cache_mb": mb, "warm": args.warm,
+                   "flow": precision_name(tts.token2wav.flow.precision), "prompt_cache_mb": mb, "warm": args.warm,
                    "first_audio_s": times}
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -38,6 +38,12 @@ def _teacher_forced(backend, a):
     return torch.stack(rows)
 
 
+def test_backends_say_what_they_are(static, dynamic):
+    # the benchmark scripts print the backend: its settings, not an object address
+    assert repr(static) == "StaticTorchLLM(device='cpu', precision='fp32', slots=4, ctx=512, graphs=False)"
+    assert repr(dynamic).startswith("TorchLLM(device='cpu', precision='fp32', max_seq_tokens=")
+
+
 def test_buckets():
     assert buckets_for(1) == (1,)
     assert buckets_for(16) == (1, 2, 4, 8, 16)

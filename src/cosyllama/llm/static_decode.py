@@ -122,6 +122,10 @@ class StaticTorchLLM:
                 raise InputError("CUDA graphs need device='cuda'")
             self._capture()
 
+    def __repr__(self) -> str:
+        return (f"StaticTorchLLM(device={str(self.device)!r}, precision={self.precision!r}, slots={self.slots}, "
+                f"ctx={self.ctx}, graphs={self.graphs})")
+
     # -- the fixed-shape step ------------------------------------------------------------------
 
     def _step_rows(self, b: int) -> torch.Tensor:

@@ -42,6 +42,9 @@ class TorchLLM:
         model.load_state_dict(weights, strict=True, assign=True)
         self.model = model.to(self.device).eval().requires_grad_(False)
 
+    def __repr__(self) -> str:
+        return f"TorchLLM(device={str(self.device)!r}, precision='fp32', max_seq_tokens={self.max_seq_tokens})"
+
     @classmethod
     def from_dir(cls, model_dir: str | Path, device="cpu") -> "TorchLLM":
         cfg = load_config(model_dir)
