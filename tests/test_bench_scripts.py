@@ -1,0 +1,47 @@
+"""The benchmark scripts that scripts/gpu_check.sh runs, end to end on the tiny fixture model: each
+runs and writes JSON that loads. A GPU window is short; a script that fails there (a value JSON
+cannot hold once cost bench_first_audio.py its rows) loses its measurement."""
+
+import json
+import runpy
+from pathlib import Path
+
+from helpers import MODEL_DIR
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def test_first_audio(tmp_path, capsys):
+    out = tmp_path / "first-audio.jsonl"
+    main = runpy.run_path(str(SCRIPTS / "bench_first_audio.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--prompt-cache-mb", "0,512",
+                 "--warm", "--requests", "1", "--prompt-seconds", "1", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_cache_mb"] for r in rows] == [0, 512]
+    for r in rows:
+        assert r["llm"] == "torch" and r["warm"] is True and r["flow"] in ("fp32", "bf16", "int8")
+        assert len(r["first_audio_s"]) == 1 and r["first_audio_s"][0] > 0
+    assert "first audio" in capsys.readouterr().out
+
+
+def test_concurrency(tmp_path, capsys):
+    out = tmp_path / "concurrency.json"
+    main = runpy.run_path(str(SCRIPTS / "bench_concurrency.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--streams", "1,2", "--tokens", "4", "--repeat", "1", "--threads", "1",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["backend"].startswith("TorchLLM(") and res["backend"] in capsys.readouterr().out
+    assert [lv["streams"] for lv in res["levels"]] == [1, 2]
+    assert all(lv["tokens"] == 4 * lv["streams"] and lv["tokens_per_s"] > 0 for lv in res["levels"])
+
+
+def test_load_test_against_a_server_it_starts(tmp_path):
+    out = tmp_path / "load.json"
+    main = runpy.run_path(str(SCRIPTS / "load_test.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--threads", "1", "--parallel", "2", "--concurrency", "1,2",
+                 "--requests", "2", "--time-limit", "30", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in res["levels"]] == [1, 2]
+    for lv in res["levels"]:
+        assert lv["ok"] == lv["requests"] >= 1 and not lv["errors"] and lv["first_chunk_p50"] > 0
+    assert res["health"]["status"] == "ok"
