@@ -141,8 +141,8 @@ def test_tts_reads_the_config_once(monkeypatch):
     monkeypatch.setattr(config, "read_qwen_config", lambda *a, **k: reads.append(a[0]) or real_qwen(*a, **k))
     tts = TTS(MODEL_DIR, precision="fp32")
     assert [Path(p).name for p in reads] == ["cosyvoice3.yaml", "config.json"], reads
-    assert tts.token2wav.token_hop == tts.config.chunk_size  # values the config holds come from it
-    assert tts.token2wav.lookahead == tts.config.flow.pre_lookahead_len
+    assert tts.token2wav.token_hop == 25  # the reference's constant, not the yaml's chunk_size
+    assert tts.token2wav.lookahead == tts.config.flow.pre_lookahead_len  # the yaml's, as the reference reads it
 
 
 def test_tts_with_llamacpp_reads_the_config_once(monkeypatch, tiny_gguf):

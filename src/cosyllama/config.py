@@ -40,6 +40,10 @@ REQUIRED_FILES = {
 # sos, eos, task, fill and 196 reserved ids after the speech codes; see docs/reference.md#special-ids
 N_SPECIAL_SPEECH_IDS = 200
 FLOW_N_TIMESTEPS = 10  # Euler steps; fixed by the reference's flow.inference, not in the yaml
+# The reference's frontend trims a prompt to 2 mel frames per speech token at a 24 kHz sample rate,
+# whatever the yaml's token_mel_ratio (see docs/reference.md#yaml-values-the-reference-ignores).
+PROMPT_MEL_PER_TOKEN = 2
+PROMPT_ALIGN_RATE = 24000
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,6 +401,8 @@ def _build_config(d: Path, doc: dict, qwen: QwenConfig, w: str) -> ModelConfig:
         t_scheduler=str(cfm.get("t_scheduler", "cosine")),
     )
 
+    _check_reference_constants(doc, flow_cfg, pre, w)
+
     hift = _args(_get(doc, "hift", w), w)
     f0 = _args(_get(hift, "f0_predictor", w), w)
     istft = _args(_get(hift, "istft_params", w), w)
@@ -432,3 +438,23 @@ def _build_config(d: Path, doc: dict, qwen: QwenConfig, w: str) -> ModelConfig:
         token_mel_ratio=int(doc["token_mel_ratio"]), chunk_size=int(doc["chunk_size"]),
         llm=llm_cfg, flow=flow_cfg, hift=hift_cfg, feat=feat_cfg,
     )
+
+
+def _check_reference_constants(doc: dict, flow: FlowConfig, pre: dict, w: str) -> None:
+    """Refuse a yaml whose values the reference would combine in a way cosyllama does not reproduce.
+
+    The reference reads some values from the yaml and fixes others in code
+    (docs/reference.md#yaml-values-the-reference-ignores). Where a yaml value disagrees with such a constant, the reference runs with a mismatch
+    (a prompt trimmed 2:1 fed to a flow of another ratio, a look-ahead layer of another length than the
+    wrapper's) that cosyllama would not compute alike: it says so instead of producing other audio.
+    """
+    layer_look = int(pre.get("pre_lookahead_len", flow.pre_lookahead_len))
+    if layer_look != flow.pre_lookahead_len:
+        raise ModelDirError(f"{w}: flow.pre_lookahead_layer.pre_lookahead_len ({layer_look}) differs from "
+                            f"flow.pre_lookahead_len ({flow.pre_lookahead_len}); the reference's flow and its "
+                            "look-ahead layer would disagree, which cosyllama does not reproduce")
+    if flow.token_mel_ratio != PROMPT_MEL_PER_TOKEN or int(doc["sample_rate"]) != PROMPT_ALIGN_RATE:
+        raise ModelDirError(f"{w}: token_mel_ratio {flow.token_mel_ratio} at sample_rate {doc['sample_rate']}: "
+                            f"the reference's frontend aligns prompts at {PROMPT_MEL_PER_TOKEN} mel frames per "
+                            f"token at {PROMPT_ALIGN_RATE} Hz whatever the yaml says, so only token_mel_ratio "
+                            f"{PROMPT_MEL_PER_TOKEN} and sample_rate {PROMPT_ALIGN_RATE} give the reference's audio")

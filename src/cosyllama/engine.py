@@ -37,7 +37,10 @@ from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
 
 DEFAULT_PROMPT_CACHE_MB = 512.0  # frames shared between streaming requests of one prompt (see Token2Wav)
-MAX_HOP_CHUNKS = 4  # the hop doubles up to this many first hops (100 tokens for the official config)
+# The reference's streaming hops, fixed in its model wrapper whatever the yaml's chunk_size says (only the
+# DiT's attention blocks follow the yaml): see docs/reference.md#chunk-schedule and #yaml-values-the-reference-ignores.
+TOKEN_HOP = 25  # first hop, tokens; the prompt pad rounds the prompt up to a multiple of it
+TOKEN_MAX_HOP = 100  # the hop doubles up to this
 HOP_GROWTH = 2
 
 
@@ -111,7 +114,7 @@ class Token2Wav:
 
     def __init__(self, flow, hift, sample_rate: int, lookahead: int | None = None,
                  token_mel_ratio: int | None = None, stream_cache_mb: float | None = None,
-                 prompt_cache_mb: float | None = None, token_hop: int | None = None):
+                 prompt_cache_mb: float | None = None, token_hop: int = TOKEN_HOP):
         for name, v in (("stream_cache_mb", stream_cache_mb), ("prompt_cache_mb", prompt_cache_mb)):
             if v is not None and not v >= 0:
                 raise InputError(f"{name} must be >= 0, got {v!r}")
@@ -120,8 +123,9 @@ class Token2Wav:
         # What the flow was built with, unless the caller says otherwise (see from_config).
         self.lookahead = flow.cfg.pre_lookahead_len if lookahead is None else lookahead
         self.token_mel_ratio = flow.cfg.token_mel_ratio if token_mel_ratio is None else token_mel_ratio
-        # First streaming hop: one attention block of tokens, so that chunks end on block borders.
-        self.token_hop = flow.cfg.static_chunk_size // self.token_mel_ratio if token_hop is None else token_hop
+        # First streaming hop: the reference's constant, not the yaml's chunk_size (a parameter only so that
+        # tests can show a wrong hop fails them).
+        self.token_hop = int(token_hop)
         if self.token_hop < 1:
             raise InputError(f"the streaming hop must be >= 1 token, got {self.token_hop}")
         self.stream_cache_mb = stream_cache_mb
@@ -133,9 +137,11 @@ class Token2Wav:
     def from_config(cls, config, flow, hift, *, stream_cache_mb: float | None = None,
                     prompt_cache_mb: float | None = None) -> Token2Wav:
         """The driver for a model's ``config`` (a :class:`~cosyllama.config.ModelConfig`): its
-        sample rate, look-ahead, mel frames per token and streaming chunk size."""
+        sample rate, and the flow's look-ahead and mel frames per token, which the reference's wrapper
+        reads from its flow module (built from the yaml). The streaming hop is the reference's
+        constant :data:`TOKEN_HOP`: its wrapper ignores the yaml's ``chunk_size``."""
         return cls(flow, hift, config.sample_rate, lookahead=config.flow.pre_lookahead_len,
-                   token_mel_ratio=config.token_mel_ratio, token_hop=config.chunk_size,
+                   token_mel_ratio=config.flow.token_mel_ratio,
                    stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
 
     def _stream_cache_mb(self) -> float:
@@ -263,7 +269,7 @@ class Token2Wav:
                         keep_key = None
                     samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
-                    st.hop = min(MAX_HOP_CHUNKS * first_hop, HOP_GROWTH * st.hop)
+                    st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
                     if samples.size:
                         yield AudioChunk(samples, self.sample_rate, segment, False)
             # The final call uses full attention (see docs/reference.md#q4-full-attention-final-call): nothing cached

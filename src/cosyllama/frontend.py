@@ -22,7 +22,7 @@ import torch
 
 from .audio import (MAX_PROMPT_SECONDS, TOKENIZER_SAMPLE_RATE, AudioSource, check_prompt_audio, describe,
                     load_prompt_audio, mel_spectrogram, read_audio, resample)
-from .config import ModelConfig, load_config
+from .config import PROMPT_MEL_PER_TOKEN, ModelConfig, load_config
 from .errors import InputError
 from .prompt import PromptEncoder
 from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextTokenizer, instruct_prompt_text,
@@ -160,12 +160,13 @@ class Frontend:
         the default system prefix is prepended. Not normalized (reference behaviour).
         """
         tokens, feat, embedding = self._extract(prompt_wav, "prompt audio")
-        n = min(feat.shape[0] // self.config.token_mel_ratio, tokens.shape[0])
+        # The reference's frontend trims to its fixed 2:1 ratio (config.load_config refuses a yaml that differs).
+        n = min(feat.shape[0] // PROMPT_MEL_PER_TOKEN, tokens.shape[0])
         full_text = None if prompt_text is None else zero_shot_prompt_text(prompt_text)
         return PromptFeatures(
             speech_tokens=tokens[:n].contiguous(),
             speaker_embedding=embedding,
-            prompt_feat=feat[:n * self.config.token_mel_ratio].contiguous(),
+            prompt_feat=feat[:n * PROMPT_MEL_PER_TOKEN].contiguous(),
             prompt_text=full_text,
             prompt_text_ids=() if full_text is None else self.tokenize(full_text),
             token_rate=self.config.token_frame_rate,
