@@ -30,27 +30,47 @@ ATOL = 1e-3  # flow mel and vocoder waveform, as in test_flow.py / test_vocoder.
 # The whole-waveform bounds (module docstring; the numbers are in docs/benchmarks.md, section
 # "End-to-end waveform drift"). max_abs: worst sample; rel_rms: RMS of the difference over RMS of the
 # recording; logmel: mean abs difference of the natural-log mel spectra (phase-blind: drift moves it
-# little, a wrong stage a lot). "cpu": about twice the worst measured over every case with the flow
-# mel perturbed by 1e-6 (covers AVX2, AVX-512 and DEFAULT kernels, 1 and 2 threads: 0.091, 0.019,
-# 0.014). "cuda": the flow's mel on CUDA is up to ~4e-6 from the CPU's, measured here as a 4e-6
-# perturbation (0.29, 0.051, 0.037). A wrong token, a wrong DiT sign or a wrong hop gives at least
-# 1.0, 0.49, 0.19 (test_stage_checks.py).
+# little, a wrong stage a lot).
+#
+# Error model: the vocoder turns a deviation of the mel it gets into waveform drift that grows with that
+# deviation (measured with `python tests/stage_checks.py --perturb SIGMA --seeds 4`, Gaussian noise of SIGMA
+# on every flow-mel element, every recorded case, worst of the seeds); the bound is about twice the worst
+# drift at the deviation the run's inputs can carry:
+# - "cpu": inputs recorded from the reference (no frontend). The flow's own float32 rounding across kernels,
+#   vendors and thread counts moves its mel by ~1e-6 (SIGMA 1e-6: 0.091, 0.019, 0.014).
+# - "cpu-frontend": inputs computed by our frontend from the prompt audio. Its float32 log-spectra round
+#   differently per CPU vendor (tests/helpers.py, log-spectrum error model), and the flow carries that into
+#   its mel: 1.9e-5 at most on Intel AMX (0 to 1e-6 on AMD), which a Gaussian field reaches at SIGMA 5e-6
+#   (its maximum over the ~10^4 elements is ~4 SIGMA): 0.44, 0.063, 0.045.
+# - "cuda": the flow's mel on CUDA is up to ~4e-6 from the CPU's, measured as a 4e-6 perturbation (0.29,
+#   0.051, 0.037).
+# A wrong token, a wrong DiT sign or a wrong hop gives at least 1.0, 0.49, 0.19 (test_stage_checks.py, which
+# also runs the wrong token against the "cpu-frontend" bounds).
 WAVE_TOLERANCES = {"cpu": {"max_abs": 0.15, "rel_rms": 0.04, "logmel": 0.03},
+                   "cpu-frontend": {"max_abs": 0.9, "rel_rms": 0.13, "logmel": 0.09},
                    "cuda": {"max_abs": 0.5, "rel_rms": 0.1, "logmel": 0.08}}
+
+
+EMBEDDING_ROUNDING = 1e-6  # speaker embedding: 4-7e-7 from the recording on Intel AMX, 0 on AMD (campplus averages)
+
+
+PROMPT_ROUNDING_K = 0.1  # prompt mel: |dL| = K * eps * A_max / A_band; Intel AMX's worst element needed 0.07
 
 
 class StageRecorder:
     """Records what a Token2Wav's flow and vocoder receive and return during one synthesis."""
 
     def __init__(self, t2w):
-        self.t2w, self.flow_mels, self.vocoder_calls = t2w, [], []
+        self.t2w, self.flow_mels, self.flow_calls, self.vocoder_calls = t2w, [], [], []
 
     def __enter__(self):
         flow, hift = self.t2w.flow, self.t2w.hift
         real_flow, real_step, real_inf = flow.inference, hift.stream_step, hift.inference
 
-        def flow_inference(*args, **kw):
-            mel = real_flow(*args, **kw)
+        def flow_inference(tokens, *args, **kw):
+            mel = real_flow(tokens, *args, **kw)
+            self.flow_calls.append({"n_tokens": int(tokens.shape[1]), "streaming": bool(kw.get("streaming", False)),
+                                    "finalize": bool(kw.get("finalize", True))})
             self.flow_mels.append(mel.detach().cpu())
             return mel
 
@@ -74,16 +94,22 @@ class StageRecorder:
 
 
 def check_stages(rec: StageRecorder, ref_hift, case: str, tokens: list[int], chunk_lengths: list[int] | None,
-                 report: dict | None = None) -> None:
+                 report: dict | None = None, frontend: bool = False, device: str = "cpu") -> None:
     """Assert that a recorded run of fixture ``e2e_<case>`` matches the reference stage by stage
     (module docstring). ``ref_hift`` is a CPU :class:`HiFT`; its reference path is used.
-    ``chunk_lengths``: the streamed chunk sizes (None for a run that was not chunked)."""
+    ``chunk_lengths``: the streamed chunk sizes (None for a run that was not chunked); each streamed
+    chunk is also held to the recording's chunk at the whole-waveform bounds (``frontend``: see
+    :func:`check_whole_waveform`)."""
     a, meta = load_fixture(f"e2e_{case}")
     m = meta["meta"]
     assert tokens == a["flow_tokens"][0].tolist(), "speech tokens differ from the recording"
     if chunk_lengths is not None:
         assert chunk_lengths == m["chunk_lengths"], "chunk sizes differ from the recording"
     assert len(rec.flow_mels) == len(m["flow_calls"]), "number of flow calls differs from the recording"
+    # The schedule, call by call: tokens in, streaming or not, mel frames out.
+    got = [(c["n_tokens"], c["streaming"], c["finalize"], int(mel.shape[2])) for c, mel in zip(rec.flow_calls, rec.flow_mels)]
+    want = [(c["n_tokens"], c["streaming"], c["finalize"], c["n_mel_out"]) for c in m["flow_calls"]]
+    assert got == want, f"flow calls differ from the recording: {got} != {want}"
     for k, mel in enumerate(rec.flow_mels):
         d = maxdiff(mel, a[f"flow_call{k}_mel"])
         if report is not None:
@@ -111,6 +137,28 @@ def check_stages(rec: StageRecorder, ref_hift, case: str, tokens: list[int], chu
             assert d <= ATOL, f"{kind}: waveform differs from the reference vocoder by {d:.2e} > {ATOL}"
     finally:
         ref_hift.fast = saved
+    # Last, so that a wrong stage is named by the checks above.
+    if chunk_lengths is not None and m["call"]["stream"]:
+        _check_chunks_against_recording(rec, a["speech"][0], m["chunk_lengths"], _bounds(device, frontend))
+
+
+def _bounds(device: str, frontend: bool) -> dict:
+    return WAVE_TOLERANCES["cuda" if str(device).startswith("cuda") else "cpu-frontend" if frontend else "cpu"]
+
+
+def _check_chunks_against_recording(rec: StageRecorder, speech: np.ndarray, lengths: list[int], bounds: dict) -> None:
+    """Each streamed vocoder call's samples against the reference's samples of that call (the recording's
+    chunks), not only against our reference vocoder run on the same mel: a schedule that re-vocodes
+    consistently but chunks otherwise than the reference fails here."""
+    outs = [out[0].numpy() for kind, _, _, _, out in rec.vocoder_calls if kind == "stream_step"]
+    outs = [o for o in outs if o.size]  # a call that emits nothing yields no chunk
+    assert [o.size for o in outs] == lengths, "streamed vocoder calls differ in length from the recording's chunks"
+    start = 0
+    for k, (o, n) in enumerate(zip(outs, lengths)):
+        err = waveform_errors(o, speech[start:start + n])
+        start += n
+        for name in ("rel_rms", "logmel"):  # phase-blind enough for a piece; max_abs is the whole check's
+            assert err[name] <= bounds[name], f"streamed chunk {k}: {name} {err[name]:.3g} > {bounds[name]} ({err})"
 
 
 def logmel(wav: np.ndarray) -> np.ndarray:
@@ -134,12 +182,13 @@ def waveform_errors(speech: np.ndarray, want: np.ndarray) -> dict:
             "logmel": float(np.abs(logmel(speech) - logmel(want)).mean())}
 
 
-def check_whole_waveform(speech: np.ndarray, case: str, device: str = "cpu") -> dict:
+def check_whole_waveform(speech: np.ndarray, case: str, device: str = "cpu", frontend: bool = False) -> dict:
     """Assert the whole waveform is the recording's within the bounds for ``device``'s kind
-    (WAVE_TOLERANCES); returns the errors."""
+    (WAVE_TOLERANCES); ``frontend``: the run computed its inputs from the prompt audio rather than
+    taking the recorded ones. Returns the errors."""
     want = load_fixture(f"e2e_{case}")[0]["speech"][0]
     err = waveform_errors(speech, want)
-    for k, tol in WAVE_TOLERANCES["cuda" if str(device).startswith("cuda") else "cpu"].items():
+    for k, tol in _bounds(device, frontend).items():
         assert err[k] <= tol, f"whole waveform: {k} {err[k]:.3g} > {tol} ({err})"
     return err
 
@@ -149,14 +198,22 @@ def check_whole_waveform(speech: np.ndarray, case: str, device: str = "cpu") -> 
 # run once per kernel set (e.g. with ATEN_CPU_CAPABILITY=avx2 / default, and on an AVX-512 CPU).
 
 
-def run_case(t2w, case: str, tokens: list[int] | None = None) -> tuple[np.ndarray, list | None]:
-    """Flow + vocoder of recorded case ``e2e_<case>`` from its recorded model inputs and tokens."""
+def run_case(t2w, case: str, tokens: list[int] | None = None,
+             prompt_noise: torch.Generator | None = None,
+             prompt_k: float = PROMPT_ROUNDING_K) -> tuple[np.ndarray, list | None]:
+    """Flow + vocoder of recorded case ``e2e_<case>`` from its recorded model inputs and tokens.
+    ``prompt_noise``: perturb the prompt mel and the speaker embedding at the rounding level of another
+    CPU's frontend (:func:`frontend_rounding`), drawing from this generator."""
     from cosyllama.engine import FlowPrompt
 
     a, meta = load_fixture(f"e2e_{case}")
     call = meta["meta"]["call"]
-    fp = FlowPrompt(torch.from_numpy(a["in_flow_prompt_speech_token"]), torch.from_numpy(a["in_prompt_speech_feat"]),
-                    torch.from_numpy(a["in_flow_embedding"]))
+    feat, emb = torch.from_numpy(a["in_prompt_speech_feat"]), torch.from_numpy(a["in_flow_embedding"])
+    if prompt_noise is not None:
+        feat_sd, emb_sd = frontend_rounding(a["in_prompt_speech_feat"], prompt_k)
+        feat = feat + torch.from_numpy(feat_sd).float() * torch.randn(feat.shape, generator=prompt_noise)
+        emb = emb + emb_sd * torch.randn(emb.shape, generator=prompt_noise)
+    fp = FlowPrompt(torch.from_numpy(a["in_flow_prompt_speech_token"]), feat, emb)
     toks = a["flow_tokens"][0].tolist() if tokens is None else tokens
     if call["stream"]:
         chunks = list(t2w.stream(iter(toks), fp, 0))
@@ -164,7 +221,20 @@ def run_case(t2w, case: str, tokens: list[int] | None = None) -> tuple[np.ndarra
     return t2w.full(toks, fp, speed=call["speed"]), None
 
 
-def _measure(perturb: float, seeds: int) -> dict:
+def frontend_rounding(prompt_mel: np.ndarray, k: float = PROMPT_ROUNDING_K) -> tuple[np.ndarray, float]:
+    """Standard deviations of what another CPU's float32 frontend changes in a recorded prompt mel
+    ``(1, T, 80)`` and in the speaker embedding, on the shape of the log-spectrum error model in
+    ``helpers`` (``eps * A_max / A_band``) at ``k`` times its unit: every element drawn at about the size
+    of the worst one Intel AMX showed, where most of its elements were equal to the recording."""
+    from helpers import FEATURE_ATOL, log_spectrum_tolerance
+    from cosyllama.audio import slaney_mel_filterbank
+
+    banks = slaney_mel_filterbank(24_000, 1920, 80, 0.0, None)
+    unit = (log_spectrum_tolerance(prompt_mel, banks, 1920, power=False) - FEATURE_ATOL) / (2 * np.sqrt(np.log2(1920)))
+    return k * unit, EMBEDDING_ROUNDING
+
+
+def _measure(perturb: float, seeds: int, prompt_k: float = 0.0) -> dict:
     from helpers import FIXTURES, MODEL_DIR
     from cosyllama.cpu import CpuPath
     from cosyllama.engine import Token2Wav
@@ -187,7 +257,7 @@ def _measure(perturb: float, seeds: int) -> dict:
 
             flow.inference = noisy
             try:
-                rows.append(waveform_errors(run_case(t2w, case)[0], want))
+                rows.append(waveform_errors(run_case(t2w, case, prompt_noise=g if prompt_k else None, prompt_k=prompt_k)[0], want))
             finally:
                 del flow.__dict__["inference"]
         out["cases"][case] = {k: max(r[k] for r in rows) for k in rows[0]}
@@ -206,12 +276,14 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--perturb", type=float, default=1e-6)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--prompt-k", type=float, default=0.0, help="also perturb the prompt mel and embedding at "
+                    f"this multiple of the frontend's rounding unit (frontend_rounding; {PROMPT_ROUNDING_K} for the bound)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = _measure(args.perturb, args.seeds)
+    res = _measure(args.perturb, args.seeds, args.prompt_k)
     print("worst:", res["worst"])
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

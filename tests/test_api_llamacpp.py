@@ -38,8 +38,9 @@ def test_e2e_llamacpp_f32_tokens_identical(tts_llama, ref_hift, case):
         syn = synthesize_call(tts_llama, meta["meta"]["call"])
         chunks = list(syn)
     assert len(syn.timings.tokens) == 1
-    check_stages(rec, ref_hift, case[len("e2e_"):], syn.timings.tokens[0], [c.samples.size for c in chunks])
-    check_whole_waveform(np.concatenate([c.samples for c in chunks]), case[len("e2e_"):])
+    check_stages(rec, ref_hift, case[len("e2e_"):], syn.timings.tokens[0], [c.samples.size for c in chunks],
+                 frontend=True)
+    check_whole_waveform(np.concatenate([c.samples for c in chunks]), case[len("e2e_"):], frontend=True)
 
 
 def test_cli_gguf_of_another_model_is_refused(tmp_path, capsys):

@@ -1,13 +1,14 @@
 """Audio reading, resampling and the three feature extractors against the reference (frontend.npz)."""
 
 import io
+import os
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, load_fixture
+from helpers import FIXTURES, MODEL_DIR, assert_log_spectrum_close, load_fixture, log_spectrum_tolerance
 from cosyllama import audio as A
 from cosyllama.config import load_config
 from cosyllama.errors import InputError
@@ -38,10 +39,55 @@ def test_features(k):
     w16 = torch.from_numpy(ARR[f"w{k}_speech_16k"])
     w24 = torch.from_numpy(ARR[f"w{k}_speech_24k"])
     _close(f"w{k}_whisper_log_mel", A.whisper_log_mel(w16), ARR[f"w{k}_whisper_log_mel"])
-    _close(f"w{k}_kaldi_fbank", A.kaldi_fbank(w16), ARR[f"w{k}_kaldi_fbank"])
-    fb = A.kaldi_fbank(w16)
-    _close(f"w{k}_kaldi_fbank_cmn", fb - fb.mean(0, keepdim=True), ARR[f"w{k}_kaldi_fbank_cmn"])
-    _close(f"w{k}_feat_extractor_mel", A.mel_spectrogram(w24, feat), ARR[f"w{k}_feat_extractor_mel"])
+    _check_fbank(k, A.kaldi_fbank(w16))
+    assert_log_spectrum_close(f"w{k}_feat_extractor_mel", A.mel_spectrogram(w24, feat), ARR[f"w{k}_feat_extractor_mel"],
+                              MATCHA_BANKS, 1920, power=False, band_axis=1)
+
+
+KALDI_BANKS = A._kaldi_mel_banks(80, 512, 16_000, A.KALDI_LOW_HZ).numpy()
+MATCHA_BANKS = A.slaney_mel_filterbank(24_000, 1920, 80, 0.0, None)
+
+
+def _check_fbank(k, fb):
+    """The Kaldi fbank and its mean-normalised form (campplus's input) within the log-spectrum error model
+    (tests/helpers.py); the normalised form also carries the error of the mean over frames."""
+    ref = ARR[f"w{k}_kaldi_fbank"]
+    assert_log_spectrum_close(f"w{k}_kaldi_fbank", fb, ref, KALDI_BANKS, 512, power=True)
+    tol = log_spectrum_tolerance(ref, KALDI_BANKS, 512, power=True)
+    cmn = (fb - fb.mean(0, keepdim=True)).numpy()
+    excess = np.abs(cmn - ARR[f"w{k}_kaldi_fbank_cmn"]) - (tol + tol.mean(0, keepdims=True))
+    assert excess.max() <= 0, f"w{k}_kaldi_fbank_cmn: beyond the bound by {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("what", ["pre-emphasis 0.971", "Povey power 0.86", "mel filters from 21 Hz", "gain 1.001"])
+def test_fbank_bound_fails_small_errors(what, monkeypatch):
+    """The error model's bound still fails an implementation that is slightly wrong."""
+    w16 = torch.from_numpy(ARR["w0_speech_16k"])
+    if what.startswith("pre-emphasis"):
+        monkeypatch.setattr(A, "KALDI_PREEMPH", 0.971)
+    elif what.startswith("Povey"):
+        monkeypatch.setattr(A, "KALDI_POVEY_POWER", 0.86)
+    elif what.startswith("mel filters"):
+        monkeypatch.setattr(A, "KALDI_LOW_HZ", 21.0)
+    else:
+        w16 = w16 * 1.001
+    with pytest.raises(AssertionError, match="w0_kaldi_fbank"):
+        _check_fbank(0, A.kaldi_fbank(w16))
+
+
+@pytest.mark.parametrize("what", ["gain 1.001", "fmax 11990 Hz"])
+def test_prompt_mel_bound_fails_small_errors(what):
+    from dataclasses import replace
+
+    feat = load_config(MODEL_DIR).feat
+    w24 = torch.from_numpy(ARR["w0_speech_24k"])
+    if what.startswith("gain"):
+        w24 = w24 * 1.001
+    else:
+        feat = replace(feat, fmax=11990.0)
+    with pytest.raises(AssertionError, match="w0_feat_extractor_mel"):
+        assert_log_spectrum_close("w0_feat_extractor_mel", A.mel_spectrogram(w24, feat), ARR["w0_feat_extractor_mel"],
+                                  MATCHA_BANKS, 1920, power=False, band_axis=1)
 
 
 def test_filterbanks():
@@ -146,3 +192,14 @@ def test_load_wav_refuses_low_rate(tmp_path):
     path = _write(tmp_path / "8k.wav", 0.1 * np.ones(8_000), 8_000)
     with pytest.raises(InputError, match="8000 Hz"):
         A.load_wav(path, 24_000)
+
+
+@pytest.mark.skipif(not os.environ.get("MKL_CBWR", "").upper().startswith("COMPATIBLE"),
+                    reason="only with MKL_CBWR=COMPATIBLE (.ci/run's third pass)")
+@pytest.mark.parametrize("k", range(len(WAVS)), ids=[w["name"] for w in WAVS])
+def test_mkl_compatible_branch_gives_the_recordings_fbank(k):
+    """The recording was made on AMD, where MKL runs its vendor-neutral FFT code. MKL's COMPATIBLE branch runs
+    that code on any CPU: with it, Intel's Kaldi fbank (6.2e-4 from the recording in its weakest bands on its own
+    AVX-512 branch) is the recording's to float32 rounding, so the vendor difference is MKL's branch choice."""
+    w16 = torch.from_numpy(ARR[f"w{k}_speech_16k"])
+    _close(f"w{k}_kaldi_fbank", A.kaldi_fbank(w16), ARR[f"w{k}_kaldi_fbank"], atol=1e-5)

@@ -206,7 +206,8 @@ def test_e2e_every_recorded_mode(tts, cpu_hift, case):
     with StageRecorder(tts.token2wav) as rec:
         syn = synthesize_call(tts, m["call"])
         chunks = list(syn)
-    check_stages(rec, cpu_hift, case, syn.timings.tokens[0], [c.samples.size for c in chunks], report=REPORT)
+    check_stages(rec, cpu_hift, case, syn.timings.tokens[0], [c.samples.size for c in chunks], report=REPORT,
+                 device=DEVICE)
     speech = np.concatenate([c.samples for c in chunks])
     REPORT["e2e_speech_vs_cpu_fixture"] = max(REPORT.get("e2e_speech_vs_cpu_fixture", 0.0),
                                               float(np.abs(speech - a["speech"][0]).max()))

@@ -65,6 +65,8 @@ def test_a_wrong_token_fails(t2w, ref_hift, pos):
         check_stages(rec, ref_hift, case, tokens, sizes)
     with pytest.raises(AssertionError, match="whole waveform"):  # the loosened check alone catches it too
         check_whole_waveform(speech, case)
+    with pytest.raises(AssertionError, match="whole waveform"):  # and so do the bounds of frontend-computed inputs
+        check_whole_waveform(speech, case, frontend=True)
 
 
 @pytest.mark.parametrize("case", ["zero_shot_stream", "cross_lingual_nonstream"])
@@ -96,3 +98,22 @@ def test_a_vocoder_one_percent_off_fails_the_per_call_check(tmp_path, ref_hift, 
     rec, _, sizes, tokens = _run(bad, case)
     with pytest.raises(AssertionError, match="differs from the reference vocoder"):
         check_stages(rec, ref_hift, case, tokens, sizes)
+
+
+def test_streamed_chunks_are_held_to_the_recorded_chunks(t2w):
+    """Each streamed vocoder call is compared with the reference's own samples of that call, so audio that
+    agrees with our re-vocoding but not with what the reference emitted there fails (here: two chunks
+    swapped in time, same lengths as recorded)."""
+    from stage_checks import WAVE_TOLERANCES, _check_chunks_against_recording
+
+    rec, _, _, _ = _run(t2w, "zero_shot_stream")
+    a, meta = load_fixture("e2e_zero_shot_stream")
+    lengths = meta["meta"]["chunk_lengths"]
+    _check_chunks_against_recording(rec, a["speech"][0], lengths, WAVE_TOLERANCES["cpu"])
+    calls = [c for c in rec.vocoder_calls if c[0] == "stream_step"]
+    first, last = calls[0][4], calls[-1][4]
+    n = min(first.shape[1], last.shape[1])
+    swapped = torch.cat([last[:, :n], first[:, n:]], dim=1)
+    rec.vocoder_calls[rec.vocoder_calls.index(calls[0])] = calls[0][:4] + (swapped,)
+    with pytest.raises(AssertionError, match="streamed chunk 0"):
+        _check_chunks_against_recording(rec, a["speech"][0], lengths, WAVE_TOLERANCES["cpu"])
