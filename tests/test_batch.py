@@ -191,38 +191,71 @@ def test_interrupted_run_resumes_without_redoing_finished_rows(job, tmp_path, mo
     assert f"{len(GOOD)} ok (1 now, {len(GOOD) - 1} before)" in capsys.readouterr().out
 
 
-def test_ctrl_c_keeps_finished_rows_and_leaves_no_partial_file(job, tmp_path):
+def test_ctrl_c_keeps_finished_rows_and_leaves_no_partial_file(job, tmp_path, monkeypatch, capsys):
     """A real SIGINT to a running `cosyllama batch`: exit 130, every file on disk complete and
-    recorded (resuming is tested above)."""
+    recorded (resuming is tested above). Deterministic whatever the machine's speed: one row waits
+    at a gate until the interrupt has been seen, so the run cannot finish before the signal lands."""
     import signal
-    import subprocess
-    import sys
-    import time
+    import threading
 
-    import cosyllama
+    from cosyllama.batch import engine as batch_engine
 
-    rows = [dict(r, id=f"{r['id']}-{k}") for k in range(2) for r in GOOD]  # long enough to interrupt
+    rows = [dict(r, id=f"{r['id']}-{k}") for k in range(2) for r in GOOD]
+    gate_id = rows[3]["id"]  # with 2 rows at a time, at least one other row finishes before it is taken
     m = write_manifest(job["dir"] / "long.jsonl", rows)
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=str(Path(cosyllama.__file__).parents[1]))
-    cmd = [sys.executable, "-m", "cosyllama.cli", "batch", str(m), "--out", str(out), "--model-dir", str(MODEL_DIR),
-           "--precision", "fp32", "--voices", str(job["voices"]), "--concurrency", "2", "--no-progress"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (out / "results.jsonl").exists() and len((out / "results.jsonl").read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    at_gate, interrupted, release = threading.Event(), threading.Event(), threading.Event()
+    real_synth_run, real_engine_run = batch_engine.RowSynthesizer.run, batch_engine.BatchEngine.run
+
+    def synth_run(self, row, cancel=None):
+        if row.id == gate_id:
+            at_gate.set()
+            assert release.wait(120), "the test never opened the gate"
+        return real_synth_run(self, row, cancel)
+
+    def engine_run(self, todo, on_result, on_interrupt=None):
+        def seen(n):
+            interrupted.set()
+            if on_interrupt is not None:
+                on_interrupt(n)
+        return real_engine_run(self, todo, on_result, seen)
+
+    def interrupter():
+        try:
+            # The main thread is inside the engine's loop while the gated row is in flight.
+            if at_gate.wait(120) and _wait_for(lambda: (out / "results.jsonl").exists()
+                                               and (out / "results.jsonl").read_text().strip()):
+                os.kill(os.getpid(), signal.SIGINT)
+                interrupted.wait(120)
+        finally:
+            release.set()
+
+    monkeypatch.setattr(batch_engine.RowSynthesizer, "run", synth_run)
+    monkeypatch.setattr(batch_engine.BatchEngine, "run", engine_run)
+    th = threading.Thread(target=interrupter, daemon=True)
+    th.start()
+    code = batch(m, out, job["voices"], "--concurrency", "2")
+    th.join(30)
+    err = capsys.readouterr().err
+    assert interrupted.is_set() and code == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert not list(out.glob(".*.part"))
     ok = {r["id"]: r for r in results(out) if r["status"] == "ok"}
-    assert 1 <= len(ok) < len(rows)
+    assert 1 <= len(ok) < len(rows) and gate_id not in ok
     for p in out.glob("*.wav"):  # every file is whole and accounted for
         assert p.stem in ok and p.stat().st_size == ok[p.stem]["bytes"]
         assert sf.info(p).frames > 0
+
+
+def _wait_for(cond, timeout: float = 120.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def test_failed_rows_are_kept_and_retried_on_request(job, tmp_path, capsys):
