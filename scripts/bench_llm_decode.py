@@ -178,7 +178,10 @@ def child_decode(v: dict, tokens: int, prompt: int, repeat: int) -> dict:
     mp = lc.llama_model_default_params()
     mp.n_gpu_layers = 0
     mp.load_mode = getattr(lc, f"LLAMA_LOAD_MODE_{v['load'].upper()}")
-    mp.use_extra_bufts = v["repack"] == "1"
+    from cosyllama.cpu import llama_extra_buffer_types
+
+    # repack=1 asks for extra buffer types, except the AMX one where its kernels crash (cosyllama.cpu)
+    mp.use_extra_bufts = v["repack"] == "1" and llama_extra_buffer_types()[0]
     path = gguf_path(v)
     t0 = time.perf_counter()
     model = lc.llama_model_load_from_file(str(path).encode(), mp)

@@ -101,6 +101,35 @@ def torch_kernels() -> str:
     return cap + (f" (forced: {', '.join(forced)})" if forced else "")
 
 
+# llama.cpp's AMX buffer type (its int8 tile kernels) traps on AMX CPUs here: SIGILL on tileloadd / tilezero in
+# libggml-cpu.so, on the main and the worker threads, for any full-size Q8_0 model (llama-cpp-python 0.3.36; an open
+# upstream pull request on ggml's AMX code says the tile-data permission is requested on the main thread only and
+# the tile configuration can be optimised away). The buffer type exists only where the CPU has AMX-INT8 and the
+# build compiled the kernels in, so models load without extra buffer types exactly there
+# (docs/benchmarks.md#llamacpp-on-amx). The environment variable overrides the choice: 1 keeps them (once llama.cpp
+# is fixed), 0 drops them.
+LLAMA_EXTRA_BUFTS_ENV = "COSYLLAMA_LLAMA_EXTRA_BUFTS"
+
+
+def llama_extra_buffer_types(features: str | None = None, flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """Whether llama.cpp models load with extra buffer types (repacked weights, AMX tiles), and why.
+
+    ``features``: the build's features as :func:`llama_cpp_features` gives them (read when None);
+    ``flags``: the CPU's (:func:`cpu_flags` when None)."""
+    forced = os.environ.get(LLAMA_EXTRA_BUFTS_ENV, "").strip().lower()
+    if forced in ("1", "on", "true", "yes"):
+        return True, f"extra buffer types on ({LLAMA_EXTRA_BUFTS_ENV}={forced})"
+    if forced in ("0", "off", "false", "no"):
+        return False, f"extra buffer types off ({LLAMA_EXTRA_BUFTS_ENV}={forced})"
+    flags = cpu_flags() if flags is None else flags
+    features = llama_cpp_features() if features is None else features
+    built = {f.strip() for f in (features or "").split(",")}
+    if "amx_int8" in flags and "AMX_INT8" in built:
+        return False, ("extra buffer types off: this build's AMX int8 kernels crash on this CPU "
+                       "(docs/benchmarks.md#llamacpp-on-amx)")
+    return True, "extra buffer types on (repacked weights)"
+
+
 def llama_cpp_features() -> str | None:
     """The llama.cpp build's CPU features as it reports them (``AVX2 = 1 | F16C = 1 | ...`` reduced to
     the features that are on), or None when llama-cpp-python is not installed. Imports llama_cpp only
@@ -108,7 +137,7 @@ def llama_cpp_features() -> str | None:
     mod = sys.modules.get("llama_cpp")
     if mod is None:
         try:
-            from .llm.llamacpp_backend import import_llama_cpp
+            from .llm.llamacpp_lib import import_llama_cpp
 
             mod = import_llama_cpp()
         except Exception:  # not installed, or a broken build: the report says so rather than failing
@@ -156,6 +185,7 @@ class CpuPath:
     device: str = "cpu"
     llm: str | None = None  # "torch" / "llamacpp"
     flow_why: str | None = None  # why the flow runs at ``flow`` (the flow's own record; else derived)
+    llama_bufts: str | None = None  # what the llama.cpp backend chose for extra buffer types, and why
 
     def as_dict(self) -> dict:
         d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "native_bf16": has_native_bf16(),
@@ -168,6 +198,7 @@ class CpuPath:
             d["vocoder_precision_why"] = precision_reason(self.requested, self.vocoder, self.device, "vocoder")
         if self.llm != "torch":
             d["llama_cpp"] = llama_cpp_features()
+            d["llama_cpp_buffers"] = self.llama_bufts or llama_extra_buffer_types(d["llama_cpp"])[1]
         return d
 
     def lines(self) -> list[str]:
@@ -182,7 +213,8 @@ class CpuPath:
                 parts.append(f"vocoder {self.vocoder} ({d['vocoder_precision_why']})")
             out.append(f"precision on {self.device}: " + "; ".join(parts))
         if "llama_cpp" in d:
-            out.append(f"llama.cpp build: {d['llama_cpp'] or 'llama-cpp-python not installed'}")
+            out.append(f"llama.cpp build: {d['llama_cpp'] or 'llama-cpp-python not installed'}"
+                       + (f" | {d['llama_cpp_buffers']}" if d["llama_cpp"] else ""))
         return out
 
 
@@ -196,4 +228,5 @@ def tts_path(tts, requested: str, threads: int | None = None) -> CpuPath:
     choice = getattr(t2w.flow, "precision_choice", None)
     return CpuPath(threads=threads or torch.get_num_threads(), flow=names.get(t2w.flow.precision),
                    vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device),
-                   llm=llm, flow_why=choice.reason if choice is not None else None)
+                   llm=llm, flow_why=choice.reason if choice is not None else None,
+                   llama_bufts=getattr(tts.llm, "extra_buffer_types_why", None))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, load_config
+from ..cpu import llama_extra_buffer_types
 from ..defaults import LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
 from ..weights import load_llm_weights
@@ -154,6 +155,9 @@ class LlamaCppLLM:
                               "no GPU support; use n_gpu_layers=0 or reinstall llama-cpp-python with CUDA")
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
+        # Never the AMX buffer type where its kernels crash (cpu.llama_extra_buffer_types says why).
+        self.extra_buffer_types, self.extra_buffer_types_why = llama_extra_buffer_types()
+        mparams.use_extra_bufts = self.extra_buffer_types
         self._model = lc.llama_model_load_from_file(str(self.info.path).encode(), mparams)
         if not self._model:
             raise CheckpointError(f"llama.cpp could not load {self.info.path} (run with verbose=True for its log)")
