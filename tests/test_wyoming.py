@@ -336,3 +336,19 @@ def test_wyoming_command_refuses_bad_options_before_loading(capsys, monkeypatch,
     assert main([*base, "--max-input-chars", "0"]) == 2
     assert main(["serve", "--model-dir", str(MODEL_DIR), "--wyoming", "tcp://nohost"]) == 2
     assert "needs a host and a port" in capsys.readouterr().err
+
+
+def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
+    """scripts/bench_wyoming.py end to end on the tiny model (a run that works, not a timing)."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    out = tmp_path / "wyoming.jsonl"
+    main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_wyoming.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--requests", "2",
+                 "--max-tokens", "60", "--prompt-seconds", "1", "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["llm"] == "torch" and row["flow"] in ("fp32", "bf16", "int8") and row["max_tokens"] == 60
+    assert len(row["first_audio_s"]) == 2 and all(t > 0 for t in row["first_audio_s"])
+    assert "wyoming first audio" in capsys.readouterr().out
