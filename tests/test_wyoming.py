@@ -294,6 +294,7 @@ def test_bad_requests_get_error_events(server):
     e = error(SynthesizeStart(voice=SynthesizeVoice(name="nobody")))
     assert e.code == "voice_not_found"
     assert error(Synthesize(text="   ")).code == "empty_text"
+    assert error(Synthesize(text=" ... ")).code == "empty_text"
     assert error(SynthesizeStart(), SynthesizeChunk(text=" "), SynthesizeStop()).code == "empty_text"
     e = error(Synthesize(text="x" * 5000))
     assert e.code == "limit_exceeded" and "--max-input-chars" in e.text
@@ -352,3 +353,15 @@ def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
     assert row["llm"] == "torch" and row["flow"] in ("fp32", "bf16", "int8") and row["max_tokens"] == 60
     assert len(row["first_audio_s"]) == 2 and all(t > 0 for t in row["first_audio_s"])
     assert "wyoming first audio" in capsys.readouterr().out
+
+
+def test_a_taken_port_is_a_clear_error(server):
+    from types import SimpleNamespace
+
+    from cosyllama.errors import InputError
+    from cosyllama.wyoming_server import start_wyoming
+
+    state = server.app.state
+    serving = SimpleNamespace(tts=state.tts, max_concurrent=2, max_queue=0, limits=state.limits.request)
+    with pytest.raises(InputError, match=f"cannot listen at tcp://127.0.0.1:{server.port}"):
+        _run(start_wyoming(f"tcp://127.0.0.1:{server.port}", serving))

@@ -315,7 +315,7 @@ class _Connection(AsyncEventHandler):
                 stream.finish()
             elif Synthesize.is_type(event.type) and self.stream is None:  # inside a stream: its copy for old servers
                 request = Synthesize.from_event(event)
-                if not request.text.strip():
+                if is_only_punctuation(request.text.strip()):  # empty, blank or nothing to say
                     raise RequestRefused("text is empty; give some text to speak", "empty_text")
                 self.service.serving.limits.check_chars("input", request.text)
                 session = await self._open(request.voice, streaming=False)
@@ -392,9 +392,10 @@ class WyomingServer:
 
     async def stop(self) -> None:
         """Stop listening and end every connection (their sessions are cancelled)."""
-        await self.server.stop()
-        for task in list(self.server._handlers):
-            await asyncio.wait([task])
+        await self.server.stop()  # each connection's reader ends, so its handler cancels its sessions
+        handlers = list(getattr(self.server, "_handlers", ()))
+        if handlers:
+            await asyncio.wait(handlers)
         self.service.close()
 
 
@@ -408,7 +409,11 @@ async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_
     gate = gate if gate is not None else Gate(serving.max_concurrent, serving.max_queue)
     service = WyomingService(serving, gate, default_voice=default_voice, options=options)
     server = AsyncServer.from_uri(uri)
-    await server.start(lambda reader, writer: _Connection(service, reader, writer))
+    try:
+        await server.start(lambda reader, writer: _Connection(service, reader, writer))
+    except OSError as e:  # e.g. the port is taken
+        service.close()
+        raise InputError(f"cannot listen at {uri}: {e.strerror or e}") from e
     sockets = server._server.sockets if getattr(server, "_server", None) is not None else ()
     address = sockets[0].getsockname() if sockets else uri
     return WyomingServer(server, service, address)
