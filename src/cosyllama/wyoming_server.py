@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -436,10 +437,14 @@ def run_wyoming(args) -> None:
     async def main():
         server = await start_wyoming(uri, serving, **wyoming_options)
         log.warning("Wyoming server listening on %s (%d voices)", uri, len(tts.voices))
+        stopped = asyncio.Event()
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
         try:
-            await asyncio.Event().wait()
+            await stopped.wait()
         finally:
             await server.stop()
+        log.warning("Wyoming server stopped")
 
     try:
         asyncio.run(main())
