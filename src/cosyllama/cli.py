@@ -117,7 +117,7 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
     from .limits import LIMIT_HELP, RequestLimits, limit_flag
 
-    g = p.add_argument_group("per-request limits (a request over one gets 413 naming it)")
+    g = p.add_argument_group("per-request limits (a request over one is refused naming it: 413 over HTTP, an error event over Wyoming)")
     for f in fields(RequestLimits):
         g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")
