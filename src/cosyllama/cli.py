@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, PRECISION,
-                       PREFILL_CHUNK, SERVE_PARALLEL, SPEED_RANGE)
+                       PREFILL_CHUNK, SERVE_PARALLEL, SPEED_RANGE, WYOMING_URI)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -69,6 +69,16 @@ def cmd_batch(args) -> int:
     return run_batch(args)
 
 
+def cmd_wyoming(args) -> int:
+    from .heap import bound_onednn_cache
+
+    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
+    from .wyoming_server import run_wyoming
+
+    run_wyoming(args)
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .heap import bound_onednn_cache
 
@@ -107,7 +117,7 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
     from .limits import LIMIT_HELP, RequestLimits, limit_flag
 
-    g = p.add_argument_group("per-request limits (a request over one gets 413 naming it)")
+    g = p.add_argument_group("per-request limits (a request over one is refused naming it: 413 over HTTP, an error event over Wyoming)")
     for f in fields(RequestLimits):
         g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")
@@ -115,6 +125,41 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_serving_options(v: argparse.ArgumentParser) -> None:
+    """The model, precision, concurrency, limits and voices options of ``serve`` and ``wyoming``."""
+    v.add_argument("--model-dir", required=True)
+    v.add_argument("--gguf", help="serve the LLM from this GGUF through llama.cpp")
+    v.add_argument("--parallel", type=int, default=SERVE_PARALLEL,
+                   help=f"llama.cpp sequences decoded together in one batch (default {SERVE_PARALLEL})")
+    add_threads_option(v)
+    v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
+    add_gpu_options(v)
+    add_precision_option(v, f"flow compute precision (default {PRECISION})")
+    add_llm_weights_option(v)
+    v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"requests that may wait; more are refused as busy (default {MAX_QUEUE})")
+    add_limit_options(v)
+    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
+                        f"prompt does not stall them (default {PREFILL_CHUNK})")
+    v.add_argument("--voices", metavar="DIR|FILE",
+                   help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
+                        "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
+                        "(VoiceStore.save) served read-only; default: voices in memory only")
+    v.add_argument("--stream-cache-mb", type=float, default=None,
+                   help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
+                        "off at fp32; 0 = off)")
+    v.add_argument("--prompt-cache-mb", type=float, default=None,
+                   help="bound of the flow blocks shared between requests of one voice in MiB "
+                        "(default 512 when the streaming cache is on; 0 = off)")
+
+
+def add_wyoming_voice_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--default-voice", metavar="ID",
+                   help="Wyoming: the registered voice a request that names none (or names 'default') speaks "
+                        "with (default: the first registered voice in alphabetical order)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,40 +249,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     v = sub.add_parser("serve", help="HTTP server with an OpenAI-style /v1/audio/speech endpoint")
-    v.add_argument("--model-dir", required=True)
-    v.add_argument("--gguf", help="serve the LLM from this GGUF through llama.cpp")
+    add_serving_options(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
-    v.add_argument("--parallel", type=int, default=SERVE_PARALLEL,
-                   help=f"llama.cpp sequences decoded together in one batch (default {SERVE_PARALLEL})")
-    add_threads_option(v)
-    v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
-    add_gpu_options(v)
-    add_precision_option(v, f"flow compute precision (default {PRECISION})")
-    add_llm_weights_option(v)
-    v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
-                   help=f"requests that may wait; more get 503 (default {MAX_QUEUE})")
-    add_limit_options(v)
-    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                   help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
-                        f"prompt does not stall them (default {PREFILL_CHUNK})")
-    v.add_argument("--voices", metavar="DIR|FILE",
-                   help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
-                        "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
-                        "(VoiceStore.save) served read-only; default: voices in memory only")
     v.add_argument("--api-key", metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every request but GET /health (default: "
                         f"${API_KEY_ENV}, else no key; the variable keeps the key out of the process list)")
     v.add_argument("--allow-origin", action="append", metavar="ORIGIN",
                    help="a browser origin (scheme://host[:port]) allowed to POST and DELETE, with CORS; "
                         "repeatable (default none: requests carrying an Origin header may only GET)")
-    v.add_argument("--stream-cache-mb", type=float, default=None,
-                   help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
-                        "off at fp32; 0 = off)")
-    v.add_argument("--prompt-cache-mb", type=float, default=None,
-                   help="bound of the flow blocks shared between requests of one voice in MiB "
-                        "(default 512 when the streaming cache is on; 0 = off)")
+    v.add_argument("--wyoming", metavar="URI",
+                   help=f"also answer the Wyoming protocol (Home Assistant) at URI, e.g. {WYOMING_URI}, from the "
+                        "same model, voices and request slots (needs the wyoming extra)")
+    add_wyoming_voice_option(v)
     v.set_defaults(func=cmd_serve)
+
+    w = sub.add_parser("wyoming", help="Wyoming protocol server (Home Assistant's voice pipeline), streaming")
+    add_serving_options(w)
+    w.add_argument("--uri", default=WYOMING_URI,
+                   help=f"where to listen: tcp://HOST:PORT or unix://PATH (default {WYOMING_URI}; "
+                        "tcp://0.0.0.0:10200 for Home Assistant on another machine)")
+    add_wyoming_voice_option(w)
+    w.set_defaults(func=cmd_wyoming)
     return p
 
 

@@ -11,6 +11,7 @@ N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot
 PREFILL_CHUNK = 128  # prompt positions the server's scheduler prefills between two decode steps
+WYOMING_URI = "tcp://127.0.0.1:10200"  # where `cosyllama wyoming` listens (10200: Wyoming's usual TTS port)
 API_KEY_ENV = "COSYLLAMA_API_KEY"  # the server's API key when --api-key is not given
 LLM_PRECISIONS = ("fp32", "bf16", "fp16")  # the torch LLM's weights and KV cache (fp32: the parity mode)
 LLM_PRECISION = "fp32"

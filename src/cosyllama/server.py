@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
-from .errors import InputError, MissingDependencyError
+from .defaults import MAX_QUEUE
+from .errors import MissingDependencyError
 from .heap import bound_onednn_cache
 from .limits import RequestLimits
-from .llm.factory import choose_llm, make_token_source
-from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
+from .scheduler import BatchScheduler
+from .serving import check_options, load_tts, open_voice_store, openmp_hint, pcm16, prepare, warm_voices
 
 try:
     from fastapi import APIRouter, FastAPI, Request
@@ -42,9 +42,8 @@ from .server_errors import add_error_handlers  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
 from .server_speech import SpeechRequest  # noqa: E402
 from .server_speech import router as speech_router  # noqa: E402
-from .server_voices import open_voice_store, warm_voices  # noqa: E402
 from .server_voices import router as voices_router  # noqa: E402
-from .server_wire import BodyLimit, encode, pcm16, wav_header  # noqa: E402
+from .server_wire import BodyLimit, encode, wav_header  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
@@ -100,7 +99,8 @@ async def health(request: Request):
 def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, limits: RequestLimits | None = None,
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
-               api_key: str | None = None, allow_origins: Sequence[str] = ()) -> FastAPI:
+               api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
+               wyoming_options: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -115,45 +115,42 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
     here runs between two decode steps. ``api_key`` and ``allow_origins``: see
     :mod:`cosyllama.server_security`. Voices are registered in ``tts.voices`` (``serve`` sets it
-    with :func:`cosyllama.server_voices.open_voice_store`).
+    with :func:`cosyllama.serving.open_voice_store`). ``wyoming``: a URI (``tcp://HOST:PORT``) where
+    the app, while it runs, also answers the Wyoming protocol (:mod:`cosyllama.wyoming_server`, with
+    ``wyoming_options``) from the same TTS, scheduler, voices and admission gate.
     """
-    limits = RequestLimits() if limits is None else limits
-    if scheduler is None and isinstance(tts.token_source, BatchScheduler):
-        scheduler = tts.token_source
-    owns_scheduler = scheduler is None
-    if max_concurrent is None:
-        max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
-                              else scheduler.max_active)
-    if min(max_concurrent, max_prompt_bytes) < 1 or max_queue < 0:
-        raise ValueError("max_concurrent and max_prompt_bytes must be >= 1 and max_queue >= 0")
-    llm_budget = getattr(tts.llm, "max_seq_tokens", None)
-    if llm_budget is not None and llm_budget < limits.seq_tokens:
-        raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
-                         f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
-    if owns_scheduler:
-        scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
-                                      prefill_chunk=prefill_chunk)
-    elif scheduler.max_waiting < max_concurrent:
-        raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
-                         f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
+    if max_prompt_bytes < 1:
+        raise ValueError("max_prompt_bytes must be >= 1")
+    serving = prepare(tts, max_concurrent=max_concurrent, max_queue=max_queue, limits=limits, scheduler=scheduler,
+                      prefill_chunk=prefill_chunk)
+    limits = serving.limits
 
     @asynccontextmanager
     async def lifespan(app):
-        yield
-        app.state.tts.frontend.normalizer.close_worker()
-        if owns_scheduler:
-            await run_in_threadpool(scheduler.close)
+        wyoming_server = None
+        if wyoming is not None:  # the same TTS view, scheduler and gate as the HTTP routes
+            from .wyoming_server import start_wyoming
+
+            wyoming_server = await start_wyoming(wyoming, serving, gate=_gate(app), **(wyoming_options or {}))
+            log.warning("Wyoming server listening on %s", wyoming)
+        app.state.wyoming = wyoming_server
+        try:
+            yield
+        finally:
+            if wyoming_server is not None:
+                await wyoming_server.stop()
+            await run_in_threadpool(serving.close)
 
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
     text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
     app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
     add_guard(app, api_key, allow_origins)  # in front: refusals come before any body is read
-    view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
-    app.state.tts = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the loop
-    app.state.scheduler = scheduler
-    app.state.limits = ServerLimits(max_concurrent, max_queue, max_prompt_bytes, limits)
+    app.state.tts = serving.tts
+    app.state.scheduler = serving.scheduler
+    app.state.limits = ServerLimits(serving.max_concurrent, serving.max_queue, max_prompt_bytes, limits)
     app.state.gate = None
+    app.state.wyoming = None  # the WyomingServer while the app runs, with ``wyoming``
     add_error_handlers(app)
     app.include_router(router)
     app.include_router(speech_router)
@@ -165,26 +162,6 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
 # Running it
 
 
-def load_tts(args):
-    """The TTS the ``serve`` command asks for (llama.cpp when ``--gguf`` is given); its LLM holds
-    ``--parallel`` sequences of ``--max-seq-tokens`` positions."""
-    from .tts import TTS
-
-    for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
-        v = getattr(args, name, None)
-        if v is not None and not v >= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    limits = RequestLimits.from_args(args)
-    gguf = getattr(args, "gguf", None)
-    return TTS(args.model_dir, llm=choose_llm(None, gguf), gguf=gguf, device=getattr(args, "device", "cpu"),
-               threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
-               precision=getattr(args, "precision", PRECISION), parallel=getattr(args, "parallel", SERVE_PARALLEL),
-               llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
-               llm_precision=getattr(args, "llm_precision", "fp32"),
-               stream_cache_mb=getattr(args, "stream_cache_mb", None),
-               prompt_cache_mb=getattr(args, "prompt_cache_mb", None), max_seq_tokens=limits.seq_tokens)
-
-
 def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
@@ -192,22 +169,22 @@ def serve(args) -> None:
     bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.heap)
     # the options are checked before the minutes of loading a model
     api_key, origins = guard_options(args)
-    limits = RequestLimits.from_args(args)
-    chunk = getattr(args, "prefill_chunk", None)
-    if chunk is not None and chunk < 1:
-        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
+    limits, chunk = check_options(args)
+    wyoming = getattr(args, "wyoming", None)
+    wyoming_options = None
+    if wyoming is not None:
+        from .wyoming_server import check_uri, wyoming_options_from_args
+
+        check_uri(wyoming)
+        wyoming_options = wyoming_options_from_args(args)  # checks the URI and the extra before loading
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
     tts.voices = voices
     warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
-                     prefill_chunk=chunk, api_key=api_key, allow_origins=origins)
-    if getattr(tts.llm, "name", None) == "llamacpp":
-        from .llm.llamacpp_backend import openmp_serving_hint
-
-        hint = openmp_serving_hint()
-        if hint:
-            log.warning("%s", hint)
+                     prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
+                     wyoming_options=wyoming_options)
+    openmp_hint(tts)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     args.host, API_KEY_ENV)

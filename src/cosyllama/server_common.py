@@ -4,9 +4,10 @@ admission gate, one per app on ``app.state.gate``. Needs the ``server`` extra.""
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import FastAPI
+
+from .serving import Gate as _Gate
+from .serving import ServerBusyError
 
 RETRY_AFTER_S = 1  # seconds, sent with 503
 
@@ -34,29 +35,14 @@ def busy(message: str) -> ApiError:
     return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
 
 
-class Gate:
-    """At most ``limit`` requests run; up to ``queue`` more wait (FIFO); the rest get 503."""
-
-    def __init__(self, limit: int, queue: int):
-        self.limit, self.queue = limit, queue
-        self.running = 0
-        self.waiting = 0
-        self._sem = asyncio.Semaphore(limit)
+class Gate(_Gate):
+    """The app's :class:`~cosyllama.serving.Gate`: a refusal is answered 503 with ``Retry-After``."""
 
     async def acquire(self) -> None:
-        if self._sem.locked() and self.waiting >= self.queue:
-            raise busy(f"the server is busy ({self.running} requests running, {self.waiting} waiting); "
-                       f"retry in {RETRY_AFTER_S} s")
-        self.waiting += 1
         try:
-            await self._sem.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._sem.release()
+            await self.admit()
+        except ServerBusyError as e:
+            raise busy(f"{e}; retry in {RETRY_AFTER_S} s") from None
 
 
 def gate(app: FastAPI) -> Gate:

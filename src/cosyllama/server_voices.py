@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
-from pathlib import Path
 
 from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
@@ -17,7 +15,8 @@ from .errors import CosyllamaError, InputError
 from .limits import LimitExceeded, RequestLimits
 from .server_common import ApiError, gate
 from .server_errors import limit_error
-from .voices import VoiceDirectory, VoiceExistsError, VoiceStore, check_voice_id
+from .serving import open_voice_store, warm_voices  # noqa: F401  (their home before serving.py)
+from .voices import VoiceExistsError, check_voice_id
 
 log = logging.getLogger("cosyllama.server")
 
@@ -121,45 +120,3 @@ async def delete_voice(voice_id: str, request: Request):
     except InputError as e:
         raise ApiError(404, str(e), "not_found_error") from e
     return {"id": voice_id, "deleted": True}
-
-
-def open_voice_store(path: str | None) -> VoiceStore:
-    """The voice store ``cosyllama serve --voices PATH`` asks for, read and checked (before the
-    model loads, so a bad one is reported at once):
-
-    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
-      registered or deleted over HTTP are kept there and seen by every server sharing it;
-    * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
-    * None: an empty store in memory; registered voices last until the server stops.
-    """
-    if path is None:
-        log.warning("voices: kept in memory only (registered voices are lost when the server stops; "
-                    "--voices DIR keeps them)")
-        return VoiceStore()
-    if Path(path).is_file():
-        store = VoiceStore()
-        store.load(path)
-        store.read_only = True
-        log.warning("voices: %d from the read-only file %s", len(store), path)
-        return store
-    if Path(path).suffix == ".pt":
-        raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
-                         "without the .pt suffix)")
-    store = VoiceDirectory(path)
-    log.warning("voices: %d in the directory %s, where registrations are kept", len(store), path)
-    return store
-
-
-def warm_voices(tts) -> None:
-    """Warm every voice of ``tts`` in a background thread, beside the first requests (each
-    voice's first stream gets a head start)."""
-    if len(tts.voices):
-        threading.Thread(target=_warm_all, args=(tts,), name="cosyllama-warm-voices", daemon=True).start()
-
-
-def _warm_all(tts) -> None:
-    for vid in tts.voices.ids():
-        try:
-            tts.warm_voice(vid)
-        except Exception as e:
-            log.warning("warming voice %s failed: %s", vid, e)

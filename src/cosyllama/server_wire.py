@@ -26,6 +26,7 @@ import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .server_common import error_body
+from .serving import pcm16
 
 PCM_BYTES = 2  # 16-bit samples on the wire
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
@@ -39,11 +40,6 @@ _SOUNDFILE = {
     "mp3": {"format": "MP3", "subtype": "MPEG_LAYER_III", "bitrate_mode": "CONSTANT", "compression_level": 0.5},
     "opus": {"format": "OGG", "subtype": "OPUS"},
 }
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float32 samples in [-1, 1] -> 16-bit little-endian PCM (clipped)."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
 def wav_header(sample_rate: int, n_data_bytes: int | None) -> bytes:

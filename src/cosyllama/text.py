@@ -283,6 +283,49 @@ def split_paragraph(text: str, length, lang: str, max_len: int = SPLIT_MAX_TOKEN
     return segments
 
 
+# Where a sentence of text that arrives piece by piece is complete: end punctuation (the splitter's)
+# followed by whitespace; full-width end punctuation at once; a line break.
+_FULLWIDTH_ENDS = "。？！；："
+
+
+def take_sentences(text: str) -> tuple[list[str], str]:
+    """The complete sentences at the front of ``text`` (which grows as pieces arrive, e.g. an LLM's
+    answer), and the rest, which waits for more text.
+
+    A sentence ends at the splitter's end punctuation (``.?!;:``) once whitespace follows it (so
+    ``3.5`` or a piece ending in ``.`` waits for the next character), with any closing quotes; at
+    full-width ``。？！；：`` at once; and at a line break. The sentences are stripped and never
+    empty; they are then normalized and split one by one, like any text.
+    """
+    out: list[str] = []
+    start = i = 0
+    n = len(text)
+    while i < n:
+        c = text[i]
+        end = None
+        if c == "\n" or c in _FULLWIDTH_ENDS:
+            end = i + 1
+        elif c in EN_PUNCT:
+            j = i + 1
+            while j < n and text[j] in _CLOSING_QUOTES:
+                j += 1
+            if j < n and text[j].isspace():
+                end = j
+            elif j >= n:
+                break  # the next piece decides
+            i = j - 1
+        if end is not None:
+            while end < n and text[end] in _CLOSING_QUOTES:
+                end += 1
+            sentence = text[start:end].strip()
+            if sentence:
+                out.append(sentence)
+            start = i = end
+            continue
+        i += 1
+    return out, text[start:]
+
+
 class TextNormalizer:
     """The reference's ``text_normalize`` (wetext backend) with Russian numbers spelled in Russian.
 

@@ -1,0 +1,108 @@
+"""Time from the first text piece to the first audio chunk over the Wyoming protocol, as Home
+Assistant streams an LLM's answer: ``synthesize-start``, three sentence pieces, and the clock runs
+from the first piece to the first ``audio-chunk``.
+
+Starts the Wyoming server in this process on a free loopback port (the same code as
+``cosyllama wyoming``: scheduler, admission, threads), registers one voice from the bench's prompt
+clip (cross-lingual, no transcript), warms it (``TTS.warm_voice``) and runs one request untimed,
+then ``--requests`` timed ones, each disconnecting after its first audio chunk. Every sentence
+decodes a forced ``--max-tokens`` (random weights have no natural stop), as
+``bench_first_audio.py`` does, so the rows compare with its "first audio of a warmed voice":
+
+    python scripts/bench_wyoming.py --threads 2                 # full-size random model, Q8_0 GGUF
+    python scripts/bench_wyoming.py --model-dir DIR --llm torch --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+PIECES = ("The quick brown fox jumps over the lazy dog. ", "The evening sun sets slowly behind the quiet hills. ",
+          "The old town falls asleep.")
+VOICE = "bench"
+
+
+async def first_audio_s(port: int, timeout: float) -> float:
+    """Seconds from sending the first text piece to receiving the first audio chunk."""
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import SynthesizeChunk, SynthesizeStart, SynthesizeVoice
+
+    client = AsyncTcpClient("127.0.0.1", port, read_timeout=timeout)
+    await client.connect()
+    try:
+        await client.write_event(SynthesizeStart(voice=SynthesizeVoice(name=VOICE)).event())
+        t0 = time.perf_counter()
+        for piece in PIECES:  # an LLM writes faster than speech is made: all of it at once
+            await client.write_event(SynthesizeChunk(text=piece).event())
+        while (event := await client.read_event()) is not None:
+            if event.type == "audio-chunk" and event.payload:
+                return time.perf_counter() - t0
+            if event.type == "error":
+                raise RuntimeError(f"the server answered {event.data}")
+        raise RuntimeError("the server closed the connection before any audio")
+    finally:
+        await client.disconnect()  # cancels the rest of the session
+
+
+def main(argv=None) -> int:
+    import cosyllama
+    from cosyllama.precision import precision_name
+    from cosyllama.serving import load_tts, prepare
+    from cosyllama.tools.bench import ensure_full_model, ensure_gguf, prompt_wav
+    from cosyllama.tts import SynthesisOptions
+    from cosyllama.wyoming_server import start_wyoming
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")
+    p.add_argument("--llm", choices=["llamacpp", "torch"], default="llamacpp")
+    p.add_argument("--type", default="Q8_0", help="GGUF type of the speech-layout LLM (default Q8_0)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--precision", default="auto", help="flow precision")
+    p.add_argument("--prompt-seconds", type=float, default=3.0)
+    p.add_argument("--max-tokens", type=int, default=250, help="speech tokens each sentence decodes (forced)")
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one event")
+    p.add_argument("--json", help="append one JSON line with the result here")
+    args = p.parse_args(argv)
+    model = args.model_dir or ensure_full_model(print)
+    gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
+    tts = load_tts(SimpleNamespace(model_dir=model, gguf=gguf, threads=args.threads, precision=args.precision))
+    tts.add_voice(VOICE, prompt_wav(args.prompt_seconds))
+    t0 = time.perf_counter()
+    kept = tts.warm_voice(VOICE)
+    warm_s = time.perf_counter() - t0
+    serving = prepare(tts)
+    options = SynthesisOptions(ignore_stop=True, max_tokens=args.max_tokens)
+
+    async def run() -> list[float]:
+        server = await start_wyoming("tcp://127.0.0.1:0", serving, options=options)
+        try:
+            port = server.address[1]
+            await first_audio_s(port, args.timeout)  # untimed: first-call costs
+            return [await first_audio_s(port, args.timeout) for _ in range(args.requests)]
+        finally:
+            await server.stop()
+
+    try:
+        times = asyncio.run(run())
+    finally:
+        serving.close()
+    flow = precision_name(tts.token2wav.flow.precision)
+    print(f"wyoming first audio ({args.llm} {args.type if gguf else 'fp32'}, flow {flow}, voice warmed in "
+          f"{warm_s:.2f} s, {'kept' if kept else 'nothing kept'}): " + ", ".join(f"{t:.2f}" for t in times) + " s",
+          flush=True)
+    if args.json:
+        row = {"llm": args.llm, "type": args.type if gguf else "fp32", "flow": flow, "threads": args.threads,
+               "warm_kept": kept, "max_tokens": args.max_tokens, "first_audio_s": times,
+               "version": cosyllama.__version__}
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

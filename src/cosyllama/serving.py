@@ -1,0 +1,223 @@
+"""What the HTTP server (:mod:`cosyllama.server`) and the Wyoming server
+(:mod:`cosyllama.wyoming_server`) share, with neither's dependencies:
+
+* :func:`load_tts` and :func:`check_options`: the model and the per-request limits that the
+  ``serve`` / ``wyoming`` options ask for, checked before the minutes of loading a model;
+* :func:`open_voice_store` and :func:`warm_voices`: the voices of ``--voices``;
+* :func:`prepare`: the served view of a TTS (its tokens from one batching scheduler, its calls
+  checked against the limits, long texts normalized in a helper process), as a :class:`Serving`;
+* :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
+* :func:`pcm16`: the 16-bit samples both protocols send.
+
+One process serving both protocols (``serve --wyoming``) shares one :class:`Serving` and one gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .errors import CosyllamaError, InputError
+from .limits import RequestLimits
+from .llm.factory import choose_llm, make_token_source
+from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
+from .voices import VoiceDirectory, VoiceStore
+
+log = logging.getLogger("cosyllama.server")
+
+
+def pcm16(samples: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> 16-bit little-endian PCM (clipped)."""
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+# ----------------------------------------------------------------------------------------------
+# Admission
+
+
+class ServerBusyError(CosyllamaError, RuntimeError):
+    """Every running slot of the server is taken and its queue is full; retry later."""
+
+
+class Gate:
+    """At most ``limit`` requests run; up to ``queue`` more wait (FIFO); the rest are refused with
+    :class:`ServerBusyError`. Made inside the event loop that uses it."""
+
+    def __init__(self, limit: int, queue: int):
+        self.limit, self.queue = limit, queue
+        self.running = 0
+        self.waiting = 0
+        self._sem = asyncio.Semaphore(limit)
+
+    async def admit(self) -> None:
+        """Wait for a running slot; :class:`ServerBusyError` when none is free and the queue is full."""
+        if self._sem.locked() and self.waiting >= self.queue:
+            raise ServerBusyError(f"the server is busy ({self.running} requests running, {self.waiting} waiting)")
+        self.waiting += 1
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+    async def acquire(self) -> None:
+        await self.admit()
+
+    def release(self) -> None:
+        self.running -= 1
+        self._sem.release()
+
+
+# ----------------------------------------------------------------------------------------------
+# The served view of a TTS
+
+
+@dataclass
+class Serving:
+    """A TTS as a server runs it. ``tts``: the view requests use; ``scheduler``: the
+    :class:`BatchScheduler` all of them decode through; ``max_concurrent`` running plus
+    ``max_queue`` waiting requests (the gate's bounds); ``limits``: each request's bounds."""
+
+    tts: object
+    scheduler: BatchScheduler
+    max_concurrent: int
+    max_queue: int
+    limits: RequestLimits
+    owns_scheduler: bool
+
+    def close(self) -> None:
+        """Stop the text helper process, and the scheduler when :func:`prepare` made it."""
+        self.tts.frontend.normalizer.close_worker()
+        if self.owns_scheduler:
+            self.scheduler.close()
+
+
+def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEUE,
+            limits: RequestLimits | None = None, scheduler: BatchScheduler | None = None,
+            prefill_chunk: int | None = None) -> Serving:
+    """Serve ``tts`` (a :class:`cosyllama.TTS`, left as it is): requests decode through
+    ``scheduler``, else ``tts.token_source`` when that is a :class:`BatchScheduler`, else one made
+    here over ``tts.llm`` (prefilling ``prefill_chunk`` positions between two decode steps; closed
+    by :meth:`Serving.close`). ``max_concurrent`` defaults to twice the scheduler's sequence slots,
+    so the LLM stays busy while other requests are in the flow and vocoder."""
+    limits = RequestLimits() if limits is None else limits
+    if scheduler is None and isinstance(tts.token_source, BatchScheduler):
+        scheduler = tts.token_source
+    owns_scheduler = scheduler is None
+    if max_concurrent is None:
+        max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
+                              else scheduler.max_active)
+    if max_concurrent < 1 or max_queue < 0:
+        raise ValueError("max_concurrent must be >= 1 and max_queue >= 0")
+    llm_budget = getattr(tts.llm, "max_seq_tokens", None)
+    if llm_budget is not None and llm_budget < limits.seq_tokens:
+        raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
+                         f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
+    if owns_scheduler:
+        scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
+                                      prefill_chunk=prefill_chunk)
+    elif scheduler.max_waiting < max_concurrent:
+        raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
+                         f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
+    view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
+    view = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the event loop
+    return Serving(view, scheduler, max_concurrent, max_queue, limits, owns_scheduler)
+
+
+# ----------------------------------------------------------------------------------------------
+# Options and loading
+
+
+def check_options(args) -> tuple[RequestLimits, int | None]:
+    """The per-request limits and the prefill chunk of parsed ``serve`` / ``wyoming`` options, checked."""
+    limits = RequestLimits.from_args(args)
+    chunk = getattr(args, "prefill_chunk", None)
+    if chunk is not None and chunk < 1:
+        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
+    return limits, chunk
+
+
+def load_tts(args):
+    """The TTS the ``serve`` / ``wyoming`` command asks for (llama.cpp when ``--gguf`` is given); its
+    LLM holds ``--parallel`` sequences of ``--max-seq-tokens`` positions."""
+    from .tts import TTS
+
+    for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
+        v = getattr(args, name, None)
+        if v is not None and not v >= 0:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+    limits = RequestLimits.from_args(args)
+    gguf = getattr(args, "gguf", None)
+    return TTS(args.model_dir, llm=choose_llm(None, gguf), gguf=gguf, device=getattr(args, "device", "cpu"),
+               threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
+               precision=getattr(args, "precision", PRECISION), parallel=getattr(args, "parallel", SERVE_PARALLEL),
+               llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
+               llm_precision=getattr(args, "llm_precision", "fp32"),
+               stream_cache_mb=getattr(args, "stream_cache_mb", None),
+               prompt_cache_mb=getattr(args, "prompt_cache_mb", None), max_seq_tokens=limits.seq_tokens)
+
+
+def openmp_hint(tts) -> None:
+    """Log, once at start, when the llama.cpp build threads with OpenMP (slower beside flow work)."""
+    if getattr(tts.llm, "name", None) == "llamacpp":
+        from .llm.llamacpp_backend import openmp_serving_hint
+
+        hint = openmp_serving_hint()
+        if hint:
+            log.warning("%s", hint)
+
+
+# ----------------------------------------------------------------------------------------------
+# Voices
+
+
+def open_voice_store(path: str | None) -> VoiceStore:
+    """The voice store ``--voices PATH`` asks for, read and checked (before the model loads, so a
+    bad one is reported at once):
+
+    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
+      registered or deleted over HTTP are kept there and seen by every server sharing it;
+    * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
+    * None: an empty store in memory; registered voices last until the server stops.
+    """
+    if path is None:
+        log.warning("voices: kept in memory only (registered voices are lost when the server stops; "
+                    "--voices DIR keeps them)")
+        return VoiceStore()
+    if Path(path).is_file():
+        store = VoiceStore()
+        store.load(path)
+        store.read_only = True
+        log.warning("voices: %d from the read-only file %s", len(store), path)
+        return store
+    if Path(path).suffix == ".pt":
+        raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
+                         "without the .pt suffix)")
+    store = VoiceDirectory(path)
+    log.warning("voices: %d in the directory %s, where registrations are kept", len(store), path)
+    return store
+
+
+def warm_voices(tts) -> None:
+    """Warm every voice of ``tts`` in a background thread, beside the first requests (each
+    voice's first stream gets a head start)."""
+    if len(tts.voices):
+        threading.Thread(target=_warm_all, args=(tts,), name="cosyllama-warm-voices", daemon=True).start()
+
+
+def _warm_all(tts) -> None:
+    for vid in tts.voices.ids():
+        try:
+            tts.warm_voice(vid)
+        except Exception as e:
+            log.warning("warming voice %s failed: %s", vid, e)
+
+
+__all__ = ["Gate", "ServerBusyError", "Serving", "check_options", "load_tts", "open_voice_store", "pcm16",
+           "prepare", "warm_voices"]
