@@ -5,16 +5,20 @@ Measures, in one run:
 * memory read bandwidth (sum over a 1 GiB float32 tensor, 1 and all threads, best of ``--repeats``);
 * matrix-product throughput at the DiT's real shapes (2 CFG rows x 650 frames against the block
   matrices of Fun-CosyVoice3-0.5B), float32 and bfloat16, through the same pre-packed oneDNN
-  linear that the flow's bf16 solver uses, and int8 through the int8 flow's kernel (fbgemm's
-  dynamic linear: activations quantized on each call, included) and through fbgemm's int8 product
-  with the activations quantized beforehand (the int8 peak the flow's products can approach);
+  linear that the flow's bf16 solver uses (AMX tiles on an AMX CPU), and int8 through the int8 flow's
+  kernel (the dynamic linear: activations quantized on each call, included) and through the int8
+  product with the activations quantized beforehand (the int8 peak the flow's products can approach),
+  on each of PyTorch's int8 engines (fbgemm; oneDNN, AMX-INT8 on an AMX CPU);
+* the DiT's attention (SDPA over 650 frames, 16 heads of 64, both CFG rows), float32 and bfloat16,
+  full and with the streaming block mask;
 
 and turns them into lower bounds:
 
 * LLM decode: every weight of every layer is read once per token (the token table only one row),
   so ``tokens/s <= bandwidth / bytes per token``; bytes per token come from each GGUF's tensors;
 * flow: the DiT's matrix products for 3 s prompt + 10 s output (10 Euler steps, batch of 2 for
-  classifier-free guidance) at the measured bf16 throughput; attention, norms and glue come on top.
+  classifier-free guidance) at each measured throughput, plus its attention at the measured SDPA
+  throughput (bf16 for the bf16 solver, float32 for the others): the floor; norms and glue come on top.
 
     python scripts/roofline.py                                  # GGUFs from `cosyllama bench`'s cache
     python scripts/roofline.py --gguf a.gguf --gguf b.gguf --json roofline.json
@@ -92,7 +96,21 @@ def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> tu
     return flops / best_time(run, repeats) / 1e9, kernel
 
 
-def int8_gemm_gops(rows: int, threads: int, repeats: int) -> dict[str, float]:
+def attention_tflops(dtype: torch.dtype, frames: int, threads: int, repeats: int, block: int = 0) -> float:
+    """Throughput of the DiT's attention (SDPA, both CFG rows, all heads) over ``frames`` frames in ``dtype``,
+    in TFLOP/s counting QK^T and PV; ``block``: the streaming block-causal mask of that many frames."""
+    from cosyllama.flow.dit import chunk_attention_mask
+
+    torch.set_num_threads(threads)
+    s = SIZES["full"]
+    heads, dh = s.dit_heads, s.dit_dim // s.dit_heads
+    q, k, v = (torch.randn(2, heads, frames, dh).to(dtype) for _ in range(3))
+    mask = chunk_attention_mask(frames, block, q.device) if block else None
+    t = best_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+    return 2 * 2 * 2 * heads * frames * frames * dh / t / 1e12
+
+
+def int8_gemm_gops(rows: int, threads: int, repeats: int, engine: str = "fbgemm") -> dict[str, float]:
     """int8 throughput (GOP/s, one multiply-add = 2 ops) of one DiT block's products on ``rows`` rows:
     ``dynamic`` = what the int8 flow runs (:class:`cosyllama.flow.fast_dit._Int8Linear`: quantizing
     the float32 activations, the int8 product, float32 out); ``prequantized`` = fbgemm's product on
@@ -104,7 +122,7 @@ def int8_gemm_gops(rows: int, threads: int, repeats: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     layers, flops = [], 0
     for k, n in dit_shapes():
-        lin = fast_dit._Int8Linear(torch.randn(n, k) / k ** 0.5, torch.zeros(n))
+        lin = fast_dit._Int8Linear(torch.randn(n, k) / k ** 0.5, torch.zeros(n), engine=engine)
         layers.append((torch.randn(rows, k), lin))
         flops += 2 * rows * k * n
     with warnings.catch_warnings():
@@ -173,20 +191,40 @@ def main() -> int:
     from cosyllama.precision import int8_available
 
     if int8_available():
-        for name, g in int8_gemm_gops(rows, args.threads, args.repeats).items():
-            res["gemm_gflops"][f"int8-{name}"] = round(g, 1)
-            res["gemm_kernel"][f"int8-{name}"] = "fbgemm " + ("dynamic linear (the int8 flow's)" if name == "dynamic"
-                                                              else "static linear on pre-quantized u8")
+        for engine in ("fbgemm", "onednn"):
+            if engine not in torch.backends.quantized.supported_engines:
+                continue
+            for name, g in int8_gemm_gops(rows, args.threads, args.repeats, engine).items():
+                label = f"int8-{engine}-{name}" if engine != "fbgemm" else f"int8-{name}"
+                res["gemm_gflops"][label] = round(g, 1)
+                res["gemm_kernel"][label] = engine + (" dynamic linear (the int8 flow's)" if name == "dynamic"
+                                                      else " static linear on pre-quantized u8")
     if not has_native_bf16():
         print("bf16: this CPU has no native bf16 (AVX512-BF16/AMX): the bf16 figure is emulation, "
               "which is why --precision auto does not pick it here (int8 if it passes its check, else fp32)")
     res["flow"] = {name: flow_gemm_seconds_per_audio_s(g, args.prompt_s, args.output_s)
                    for name, g in res["gemm_gflops"].items()}
+    frames = rows // 2
+    res["attention_tflops"] = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for mask, block in (("full", 0), ("block-causal", 50)):  # the official DiT's 50-frame blocks
+            res["attention_tflops"][f"{name}-{mask}"] = round(attention_tflops(dt, frames, args.threads, args.repeats, block), 3)
+    # The flow's floor at each solver's products and attention: bf16 (products and attention bf16), int8 (its
+    # products, float32 attention), fp32.
+    for name, attn in (("fp32", "fp32-full"), ("bf16", "bf16-full"), ("int8-dynamic", "fp32-full"),
+                       ("int8-onednn-dynamic", "fp32-full")):
+        if name in res["flow"]:
+            f = res["flow"][name]
+            f["attention_s_per_audio_s"] = f["attention_tflop"] / res["attention_tflops"][attn] / args.output_s
+            f["floor_s_per_audio_s"] = f["gemm_bound_s_per_audio_s"] + f["attention_s_per_audio_s"]
     print(f"memory read: {res['read_gb_s']} GB/s (by threads)")
     print(f"DiT matrix products ({rows} rows): {res['gemm_gflops']} GFLOP/s (int8: GOP/s)")
+    print(f"attention (SDPA, {frames} frames, both CFG rows): {res['attention_tflops']} TFLOP/s")
     for name, f in res["flow"].items():
+        floor = (f" + attention {f['attention_s_per_audio_s']:.2f} = floor {f['floor_s_per_audio_s']:.2f}"
+                 if "floor_s_per_audio_s" in f else "")
         print(f"flow {name}: {f['gemm_tflop']:.2f} TFLOP of matrix products (+{f['attention_tflop']:.2f} attention) "
-              f"for {args.output_s:g} s -> >= {f['gemm_bound_s_per_audio_s']:.2f} s per audio second")
+              f"for {args.output_s:g} s -> >= {f['gemm_bound_s_per_audio_s']:.2f} s per audio second{floor}")
     res["llm"] = {}
     for path in args.gguf or default_ggufs():
         b = gguf_bytes_per_token(path)

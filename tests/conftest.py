@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import pytest
 
 from helpers import MODEL_DIR
+
+# `--precision auto` times its candidates on the CPU and keeps the fastest; which one wins on the tiny fixture
+# model depends on the machine, so the suite (and the CLIs it starts) use the class rule for reproducible paths.
+# tests/test_auto_timing.py measures, with the timings mocked where a choice is asserted.
+os.environ.setdefault("COSYLLAMA_AUTO", "rule")
 
 
 @pytest.fixture(scope="session")

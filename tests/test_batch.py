@@ -4,7 +4,6 @@ resume after an interruption, retries, and the same job on a local Ray instance.
 import json
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -69,7 +69,9 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
         assert res[part] and all(r["variant"] and r["seconds_per_audio_second"] > 0 for r in res[part])
     from cosyllama.precision import int8_available
 
-    assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] + (["int8"] if int8_available() else [])
+    engines = torch.backends.quantized.supported_engines
+    assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] + (["int8"] if int8_available() else []) + (
+        ["int8-onednn"] if "onednn" in engines else [])
     assert res["flow"][0]["mel_max_abs_diff_vs_fp32"] == 0
     assert [(r["llm"], r["flow"]) for r in res["pipeline"]][:2] == [("torch fp32", "fp32"), ("llamacpp speech Q8_0", "fp32")]
     for r in res["pipeline"]:

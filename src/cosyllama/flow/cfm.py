@@ -12,7 +12,7 @@ from ..errors import InputError
 from ..precision import INT8
 from .cache import LOWP_KV_DTYPE, FlowStreamCache, _StepCache
 from .dit import DiT
-from .fast_dit import FastDiT
+from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT
 
 
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
@@ -50,15 +50,23 @@ class CFM(nn.Module):
         self.register_buffer("rand_noise", flow_noise(cfg.mel_dim), persistent=False)
         # float32: the reference solver below. bfloat16 / INT8: the mixed-precision solver (FastDiT).
         self.compute_dtype = torch.float32
+        self.int8_engine = INT8_ENGINE  # PyTorch's int8 kernel library at INT8 (fast_dit.INT8_ENGINES)
         self._fast: DerivedWeights[FastDiT] = DerivedWeights(FastDiT)  # the fast solver's weight copies
 
-    def set_compute_dtype(self, dtype: torch.dtype) -> None:
-        """float32: the reference solver; else :class:`FastDiT` in ``dtype``, its weight copies made now
-        (not inside the first, timed, request)."""
-        self.compute_dtype = dtype
+    def set_compute_dtype(self, dtype: torch.dtype, int8_engine: str | None = None) -> None:
+        """float32: the reference solver; else :class:`FastDiT` in ``dtype`` (at INT8 on ``int8_engine``,
+        default :data:`~cosyllama.flow.fast_dit.INT8_ENGINE`), its weight copies made now (not inside the
+        first, timed, request)."""
+        engine = int8_engine or INT8_ENGINE
+        if engine not in INT8_ENGINES:
+            raise InputError(f"unknown int8 engine {engine!r}; allowed: {', '.join(INT8_ENGINES)}")
+        if dtype == INT8 and engine not in torch.backends.quantized.supported_engines:
+            raise InputError(f"int8 engine {engine!r} is not in this PyTorch build "
+                             f"(engines: {', '.join(torch.backends.quantized.supported_engines)})")
+        self.compute_dtype, self.int8_engine = dtype, engine
         self._fast.drop()
         if dtype != torch.float32:
-            self._fast.get(self.estimator, dtype)
+            self._fast.get(self.estimator, dtype, engine)
 
     def weights_key(self) -> tuple:
         """Changes whenever a weight of the estimator changes (see :mod:`cosyllama.derived`)."""
@@ -83,7 +91,7 @@ class CFM(nn.Module):
                              f"{self.rand_noise.shape[2]}-frame noise buffer (300 s)")
 
     def _fast_solver(self) -> FastDiT:
-        return self._fast.get(self.estimator, self.compute_dtype)
+        return self._fast.get(self.estimator, self.compute_dtype, self.int8_engine)
 
     def kv_bytes_per_frame(self) -> int:
         """Bytes a streaming cache holds per mel frame: K and V of both CFG rows, every block and step."""
@@ -105,7 +113,8 @@ class CFM(nn.Module):
         n = mu.shape[2]
         self._check_length(n)
         chunk = self.estimator.static_chunk_size
-        key = (self, self.weights_key(), self.compute_dtype, self.n_timesteps, self.cfg_rate, chunk) + tuple(key)
+        key = (self, self.weights_key(), self.compute_dtype, self.int8_engine, self.n_timesteps, self.cfg_rate,
+               chunk) + tuple(key)
         start = keep = 0
         if chunk > 0 and len(self.estimator.transformer_blocks):
             start = cache.start(key, ids, n, chunk)

@@ -1,4 +1,4 @@
-"""The fidelity check behind ``--precision auto``: a lossy flow path (bf16, int8) is kept only if,
+"""The fidelity check and the timing behind ``--precision auto``: a lossy flow path (bf16, int8) is kept only if,
 on the weights actually loaded, it solves a short synthetic input within the bound of the float32
 solve (mel mean abs <= :data:`MEAN_BOUND`, max abs <= :data:`MAX_BOUND`, natural-log mel units).
 
@@ -10,6 +10,15 @@ memory and in ``<cache dir>/precision-checks.json`` (cache dir: ``$COSYLLAMA_CAC
 ``$XDG_CACHE_HOME/cosyllama`` or ``~/.cache/cosyllama``), keyed by the weight file's path, size and
 mtime, the candidate, the CPU class, PyTorch's version and :data:`CHECK_VERSION`. A flow built
 without a file (or whose weights were changed after loading) is checked every time it asks.
+
+Then ``auto`` measures instead of assuming (:func:`choose_fastest`): on the CPU it times every candidate
+that passed (float32, bf16 where the CPU computes it natively, int8 on each of PyTorch's int8 engines) on
+a solve of :data:`TIME_PROMPT_TOKENS` + :data:`TIME_TOKENS` tokens and keeps the fastest, so each CPU class
+gets the path that is fastest there without anyone having that class at hand. Timings are cached beside
+the checks, keyed as they are but by the CPU's model name rather than its class. Emulated bf16 (a CPU
+without AVX512-BF16/AMX) is not timed: it ran 5x slower than float32 on AVX2 (docs/benchmarks.md), and
+one timed solve would cost half a minute there. ``COSYLLAMA_AUTO=rule`` skips the timing and keeps the
+class rule (:func:`cosyllama.precision.auto_candidate`), as the test suite does for reproducible paths.
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ CHECK_TOKENS = 20
 CHECK_PROMPT_TOKENS = 5
 CHECK_SEED = 1234
 CHECK_VERSION = 2  # bump when a path's arithmetic changes: older cached outcomes are then ignored
+
+TIME_TOKENS = 50  # the timed solve: 2 s after a 1 s prompt (150 frames: attention's share is not negligible)
+TIME_PROMPT_TOKENS = 25
+AUTO_ENV = "COSYLLAMA_AUTO"  # "measure" (default) or "rule"
 
 _memory: dict[str, dict] = {}
 
@@ -58,8 +71,24 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def _file_key(flow: "Flow", candidate: torch.dtype) -> str | None:
-    from ..cpu import cpu_class
+@dataclass(frozen=True)
+class Candidate:
+    """A flow path ``auto`` can choose: a compute dtype and, at int8, PyTorch's int8 engine."""
+
+    dtype: torch.dtype
+    int8_engine: str | None = None
+
+    @property
+    def name(self) -> str:
+        n = precision_name(self.dtype)
+        return f"{n}/{self.int8_engine}" if self.int8_engine else n
+
+    def apply(self, flow: "Flow") -> None:
+        flow.decoder.set_compute_dtype(self.dtype, self.int8_engine)
+
+
+def _file_key(flow: "Flow", candidate: torch.dtype | Candidate, what: str = "check") -> str | None:
+    from ..cpu import cpu_class, cpu_model
 
     path = getattr(flow, "weights_file", None)
     if path is None or getattr(flow, "weights_file_key", None) != flow.decoder.weights_key():
@@ -71,11 +100,14 @@ def _file_key(flow: "Flow", candidate: torch.dtype) -> str | None:
     dev = flow.device.type
     from . import fast_dit
 
-    scheme = (fast_dit.INT8_ENGINE, fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX, fast_dit.INT8_FP32_LAST_STEPS)
-    return "|".join(str(x) for x in (Path(path).resolve(), st.st_size, st.st_mtime_ns, precision_name(candidate),
-                                     scheme if precision_name(candidate) == "int8" else "",
-                                     dev, cpu_class() if dev == "cpu" else torch.cuda.get_device_name(flow.device),
-                                     torch.__version__, flow.decoder.n_timesteps, CHECK_VERSION))
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(candidate, flow.decoder.int8_engine)
+    name = precision_name(cand.dtype)
+    scheme = (cand.int8_engine or fast_dit.INT8_ENGINE, fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX,
+              fast_dit.INT8_FP32_LAST_STEPS)
+    where = (cpu_class() if what == "check" else cpu_model()) if dev == "cpu" else torch.cuda.get_device_name(flow.device)
+    return "|".join(str(x) for x in (what if what != "check" else "", Path(path).resolve(), st.st_size, st.st_mtime_ns,
+                                     name, scheme if name == "int8" else "", dev, where,
+                                     torch.__version__, flow.decoder.n_timesteps, CHECK_VERSION)).lstrip("|")
 
 
 def _load_disk() -> dict:
@@ -109,26 +141,132 @@ def synthetic_input(flow: "Flow") -> tuple[torch.Tensor, ...]:
     return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
 
 
-def check_candidate(flow: "Flow", candidate: torch.dtype) -> CheckResult:
+def _cached(key: str | None) -> dict | None:
+    if key is None:
+        return None
+    hit = _memory.get(key) or _load_disk().get(key)
+    if hit is not None:
+        _memory[key] = hit
+    return hit
+
+
+def check_candidate(flow: "Flow", candidate: torch.dtype | Candidate) -> CheckResult:
     """Solve :func:`synthetic_input` at float32 and at ``candidate``; leaves the flow's solver at
     ``candidate``. Uses (and fills) the per-file cache described in the module docstring."""
-    key = _file_key(flow, candidate)
-    if key is not None:
-        hit = _memory.get(key) or _load_disk().get(key)
-        if hit is not None:
-            _memory[key] = hit
-            flow.decoder.set_compute_dtype(candidate)
-            return CheckResult(**{**hit, "cached": True})
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(candidate)
+    key = _file_key(flow, cand)
+    hit = _cached(key)
+    if hit is not None:
+        cand.apply(flow)
+        return CheckResult(**{**hit, "cached": True})
     inp = synthetic_input(flow)
     flow.decoder.set_compute_dtype(torch.float32)
     ref = flow.inference(*inp)
-    flow.decoder.set_compute_dtype(candidate)
+    cand.apply(flow)
     got = flow.inference(*inp)
     d = (got.double() - ref.double()).abs()
     mean, mx = float(d.mean()), float(d.max())
-    res = CheckResult(precision_name(candidate), mean, mx, bool(mean <= MEAN_BOUND and mx <= MAX_BOUND))
+    res = CheckResult(cand.name if cand.int8_engine else precision_name(cand.dtype), mean, mx,
+                      bool(mean <= MEAN_BOUND and mx <= MAX_BOUND))
     if key is not None:
         value = {k: v for k, v in asdict(res).items() if k != "cached"}
         _memory[key] = value
         _save_disk(key, value)
     return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing: auto keeps the fastest path that passed
+
+
+def candidates(flow: "Flow") -> list[Candidate]:
+    """What ``auto`` times on this flow's device, float32 first (docstring: emulated bf16 is left out)."""
+    from ..precision import INT8, cpu_has_native_bf16
+    from .fast_dit import INT8_ENGINES
+
+    out = [Candidate(torch.float32)]
+    if flow.device.type != "cpu":
+        return out
+    if cpu_has_native_bf16():
+        out.append(Candidate(torch.bfloat16))
+    engines = torch.backends.quantized.supported_engines
+    out += [Candidate(INT8, e) for e in INT8_ENGINES if e in engines]
+    return out
+
+
+def timing_input(flow: "Flow") -> tuple[torch.Tensor, ...]:
+    """The timed solve's input: like :func:`synthetic_input`, :data:`TIME_PROMPT_TOKENS` + :data:`TIME_TOKENS`."""
+    c = flow.cfg
+    g = torch.Generator().manual_seed(CHECK_SEED + 1)
+    token = torch.randint(0, c.vocab_size, (1, TIME_TOKENS), generator=g)
+    prompt = torch.randint(0, c.vocab_size, (1, TIME_PROMPT_TOKENS), generator=g)
+    feat = torch.randn(1, c.token_mel_ratio * TIME_PROMPT_TOKENS, c.output_size, generator=g) - 5
+    return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
+
+
+def time_candidate(flow: "Flow", cand: Candidate) -> tuple[float, bool]:
+    """Seconds of one warm solve of :func:`timing_input` on ``cand`` (leaves the flow's solver on it), and
+    whether the number came from the cache."""
+    import time
+
+    key = _file_key(flow, cand, what="time")
+    cand.apply(flow)
+    hit = _cached(key)
+    if hit is not None:
+        return float(hit["seconds"]), True
+    inp = timing_input(flow)
+    flow.inference(*inp)  # warm: kernels chosen, buffers sized
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        flow.inference(*inp)
+        if flow.device.type == "cuda":
+            torch.cuda.synchronize(flow.device)
+        best = min(best, time.perf_counter() - t0)
+    if key is not None:
+        _memory[key] = {"seconds": best}
+        _save_disk(key, {"seconds": best})
+    return best, False
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``auto`` chose: the candidate, its fidelity check (None for float32), the timings of every
+    candidate that passed (name -> seconds), and the candidates that failed the check."""
+
+    chosen: Candidate
+    check: CheckResult | None
+    seconds: dict[str, float]
+    failed: tuple[CheckResult, ...] = ()
+    cached: bool = False
+
+    def summary(self) -> str:
+        t = ", ".join(f"{n} {s:.2f} s" for n, s in sorted(self.seconds.items(), key=lambda kv: kv[1]))
+        out = f"measured on {TIME_PROMPT_TOKENS}+{TIME_TOKENS} tokens: {t}{' (cached)' if self.cached else ''}"
+        if self.failed:
+            out += "; failed the fidelity check: " + ", ".join(f.summary() for f in self.failed)
+        if self.check is not None:
+            out += f"; {self.check.summary()}"
+        return out
+
+
+def choose_fastest(flow: "Flow") -> AutoChoice:
+    """Check every :func:`candidates` entry's fidelity, time those that pass and float32, and leave the
+    flow on the fastest."""
+    checks: dict[str, CheckResult] = {}
+    failed = []
+    timed: dict[str, tuple[Candidate, float]] = {}
+    all_cached = True
+    for cand in candidates(flow):
+        if cand.dtype != torch.float32:
+            res = check_candidate(flow, cand)
+            if not res.passed:
+                failed.append(res)
+                continue
+            checks[cand.name] = res
+        seconds, cached = time_candidate(flow, cand)
+        all_cached = all_cached and cached
+        timed[cand.name] = (cand, seconds)
+    best = min(timed.values(), key=lambda cs: cs[1])[0]
+    best.apply(flow)
+    return AutoChoice(best, checks.get(best.name), {n: s for n, (_, s) in timed.items()}, tuple(failed), all_cached)

@@ -50,9 +50,11 @@ class _LowpLinear:
         return F.gelu(y, approximate="tanh") if self.gelu else y
 
 
-# PyTorch's int8 kernel library for the dynamic linear. fbgemm and oneDNN ("onednn") ran at the same
-# speed at the DiT's shapes on an AVX2 CPU (docs/benchmarks.md, "int8 flow"); fbgemm is PyTorch's x86 default.
+# PyTorch's int8 kernel library for the dynamic linear: the default one. fbgemm and oneDNN ("onednn") ran at the
+# same speed at the DiT's shapes on an AVX2 CPU; on Intel AMX oneDNN runs AMX-INT8 (2.3x fbgemm's products). `auto`
+# times both where both exist (cosyllama.flow.check); an explicit "int8" uses this one.
 INT8_ENGINE = "fbgemm"
+INT8_ENGINES = ("fbgemm", "onednn")
 # Activations are quantized to 8 bits (u8), weights to 8 (+-127). On CPUs without VNNI the 8-bit
 # dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which can saturate (2 * 255 *
 # 127 > 32767); 7-bit activations (True) avoid that. Measured on an AVX2 CPU: the tiny fixture model
@@ -92,7 +94,7 @@ class _Int8Linear:
     the quantization step; the streaming cache's frames then equal recomputed ones within that
     error, as at bf16, not bit for bit."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False, engine: str = INT8_ENGINE):
         self.gelu = gelu
         w = weight.detach().float().cpu()
         n = w.shape[0]
@@ -100,7 +102,7 @@ class _Int8Linear:
         self.bias = bias.detach().float().contiguous()
         # PyTorch deprecates its quantized tensor type (the packing below takes one); the pinned
         # release has it, and the fidelity check falls back to fp32 if the path ever misbehaves.
-        with warnings.catch_warnings(), _quant_engine(INT8_ENGINE):
+        with warnings.catch_warnings(), _quant_engine(engine):
             warnings.filterwarnings("ignore", category=UserWarning)
             qw = torch.quantize_per_channel(w, scale, torch.zeros(n, dtype=torch.long), 0, torch.qint8)
             self.packed = torch.ops.quantized.linear_prepack(qw, self.bias)
@@ -154,13 +156,14 @@ class FastDiT:
     # instance of its own to measure what keeping it in float32 costs.
     residual_dtype = torch.float32
 
-    def __init__(self, dit: DiT, dtype: torch.dtype):
+    def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE):
         self.dtype = dtype
+        self.int8_engine = int8_engine
         # dtype of the activations between the products: float32 on the int8 path
         self.act_dtype = torch.float32 if dtype == INT8 else dtype
         if dtype == INT8:
             def lin(w, b, gelu=False):
-                return _Int8Linear(w, b, gelu)
+                return _Int8Linear(w, b, gelu, int8_engine)
         else:
             def lin(w, b, gelu=False):
                 return _LowpLinear(w, b, dtype, gelu)

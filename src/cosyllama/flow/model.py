@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from ..errors import InputError
 from ..precision import is_auto, precision_name, resolve_precision
 from .cache import FlowStreamCache
 from .cfm import CFM
-from .check import CheckResult, check_candidate
+from .check import AUTO_ENV, AutoChoice, CheckResult, check_candidate, choose_fastest
 from .dit import PreLookaheadLayer
 
 
@@ -34,6 +35,7 @@ class PrecisionChoice:
     chosen: str
     reason: str
     check: CheckResult | None = None
+    auto: AutoChoice | None = None  # the timings behind a measured ``auto``
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class Flow(nn.Module):
         """What a solve's frames depend on besides its inputs: this solver, its weights, precision
         and step count. Equal keys give equal frames for equal inputs."""
         dec = self.decoder
-        return (id(dec), dec.weights_key(), str(self.precision), dec.n_timesteps)
+        return (id(dec), dec.weights_key(), str(self.precision), dec.int8_engine, dec.n_timesteps)
 
     @property
     def device(self) -> torch.device:
@@ -128,6 +130,9 @@ class Flow(nn.Module):
         dtype = resolve_precision(precision, self.device)
         requested = "auto" if is_auto(precision) else precision_name(dtype)
         check = None
+        if requested == "auto" and self.device.type == "cpu" and \
+                os.environ.get(AUTO_ENV, "measure").strip().lower() != "rule":
+            return self._choose_by_timing()
         if requested != "auto":
             reason = "asked for"
         elif dtype == torch.float32:
@@ -144,6 +149,15 @@ class Flow(nn.Module):
         self.decoder.set_compute_dtype(dtype)
         self.precision_choice = PrecisionChoice(requested, precision_name(dtype), reason, check)
         log.info("flow precision %s (%s)", precision_name(dtype), reason)
+        return dtype
+
+    def _choose_by_timing(self) -> torch.dtype:
+        """``auto`` on the CPU: the fastest path that passes the fidelity check (:func:`choose_fastest`)."""
+        auto = choose_fastest(self)
+        dtype = auto.chosen.dtype
+        reason = f"auto: fastest here, {auto.summary()}"
+        self.precision_choice = PrecisionChoice("auto", precision_name(dtype), reason, auto.check, auto)
+        log.info("flow precision %s (%s)", auto.chosen.name, reason)
         return dtype
 
     def set_n_timesteps(self, n: int) -> None:

@@ -193,7 +193,28 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 # Flow and vocoder
 
 
-FLOW_VARIANTS = ("fp32", "bf16", "int8")  # on the CPU; a GPU has no int8 path
+FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # on the CPU; a GPU has no int8 path
+# Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).
+ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm"}
+
+
+def set_flow_variant(flow, variant: str) -> None:
+    """``flow.set_precision(variant)``, with the int8 engine of an ``int8-<engine>`` variant."""
+    from ..precision import INT8
+
+    if variant in ENGINE_VARIANTS:
+        flow.set_precision("int8")
+        flow.decoder.set_compute_dtype(INT8, ENGINE_VARIANTS[variant])
+    else:
+        flow.set_precision(variant)
+
+
+def _variant_ran(flow) -> str:
+    """What the flow runs, its int8 engine included (``int8/onednn``)."""
+    from ..precision import INT8, precision_name
+
+    name = precision_name(flow.precision)
+    return f"{name}/{flow.decoder.int8_engine}" if flow.precision == INT8 else name
 
 
 def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
@@ -201,13 +222,17 @@ def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
     always timed first, because every row's fidelity is measured against it."""
     from ..precision import PRECISIONS
 
+    engines = torch.backends.quantized.supported_engines
     if spec is None:
-        names = [v for v in FLOW_VARIANTS if device.type == "cpu" or v != "int8"]
+        names = [v for v in FLOW_VARIANTS if device.type == "cpu" or not v.startswith("int8")]
+        names = [v for v in names if ENGINE_VARIANTS.get(v, "fbgemm") in engines]
     else:
         names = [v.strip().lower() for v in spec.split(",") if v.strip()]
-        bad = [v for v in names if v not in PRECISIONS]
+        allowed = tuple(PRECISIONS) + tuple(ENGINE_VARIANTS)
+        bad = [v for v in names if v not in allowed or ENGINE_VARIANTS.get(v, "fbgemm") not in engines]
         if bad or not names:
-            raise InputError(f"--flow-precisions {spec!r}: choose from {', '.join(PRECISIONS)}")
+            raise InputError(f"--flow-precisions {spec!r}: choose from {', '.join(allowed)} "
+                             f"(int8 engines in this PyTorch: {', '.join(engines)})")
     return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
 
 
@@ -233,8 +258,6 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
                      variants: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
     """Flow per precision (fidelity vs fp32 on the same inputs; ``auto`` runs its fidelity check
     first and says what it chose), then the vocoder, fp32 and bf16."""
-    from ..precision import precision_name
-
     from ..flow import Flow
     from ..vocoder import HiFT
 
@@ -253,11 +276,11 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     for variant in rounds(names, repeat):
         if len(names) > 1 or variant not in ran:
             t0 = time.perf_counter()
-            flow.set_precision(variant)  # a switch re-packs the weight copies: outside the timing
+            set_flow_variant(flow, variant)  # a switch re-packs the weight copies: outside the timing
             setup = time.perf_counter() - t0
             flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up
         if variant not in ran:
-            ran[variant] = precision_name(flow.precision)
+            ran[variant] = _variant_ran(flow)
             if variant == "auto":
                 progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
         t, mels[variant] = _time_once(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
