@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from .defaults import LLM_WEIGHTS, MAX_QUEUE, MAX_VOICES, PRECISION, SERVE_PARALLEL
 from .errors import InputError, MissingDependencyError
 from .heap import bound_onednn_cache
 from .limits import RequestLimits
@@ -37,6 +37,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
 from .server_common import ApiError  # noqa: E402
+from .server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
 from .server_errors import add_error_handlers  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
@@ -50,6 +51,7 @@ log = logging.getLogger("cosyllama.server")
 
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
+DEFAULT_MAX_VOICES = MAX_VOICES
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 
 
@@ -66,7 +68,8 @@ class ServerLimits:
     max_concurrent: int
     max_queue: int
     max_prompt_bytes: int
-    request: RequestLimits  # characters and tokens of the text fields, LLM positions per sequence
+    request: RequestLimits
+    max_voices: int | None = DEFAULT_MAX_VOICES  # registered voices; None: no bound  # characters and tokens of the text fields, LLM positions per sequence
 
 
 router = APIRouter()
@@ -75,7 +78,7 @@ router = APIRouter()
 # -- health -----------------------------------------------------------------------------------
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request):
     state = request.app.state
     s = state.scheduler.stats()
@@ -91,6 +94,8 @@ async def health(request: Request):
     prompt_cache = getattr(getattr(state.tts, "token2wav", None), "prompt_cache_info", None)
     if callable(prompt_cache):
         out["prompt_cache"] = prompt_cache()
+    skipped = state.tts.voices.skipped  # voice files that could not be read: the operator should look
+    out["voices"] = {"skipped": [{"file": name, "error": why} for name, why in sorted(skipped.items())]}
     return out
 
 
@@ -100,7 +105,8 @@ async def health(request: Request):
 def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, limits: RequestLimits | None = None,
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
-               api_key: str | None = None, allow_origins: Sequence[str] = ()) -> FastAPI:
+               api_key: str | None = None, allow_origins: Sequence[str] = (),
+               max_voices: int | None = DEFAULT_MAX_VOICES) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -115,7 +121,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
     here runs between two decode steps. ``api_key`` and ``allow_origins``: see
     :mod:`cosyllama.server_security`. Voices are registered in ``tts.voices`` (``serve`` sets it
-    with :func:`cosyllama.server_voices.open_voice_store`).
+    with :func:`cosyllama.server_voices.open_voice_store`), at most ``max_voices`` of them (a new
+    id past it gets 409; None: no bound).
     """
     limits = RequestLimits() if limits is None else limits
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
@@ -124,8 +131,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     if max_concurrent is None:
         max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
                               else scheduler.max_active)
-    if min(max_concurrent, max_prompt_bytes) < 1 or max_queue < 0:
-        raise ValueError("max_concurrent and max_prompt_bytes must be >= 1 and max_queue >= 0")
+    if min(max_concurrent, max_prompt_bytes, 1 if max_voices is None else max_voices) < 1 or max_queue < 0:
+        raise ValueError("max_concurrent, max_prompt_bytes and max_voices must be >= 1 and max_queue >= 0")
     llm_budget = getattr(tts.llm, "max_seq_tokens", None)
     if llm_budget is not None and llm_budget < limits.seq_tokens:
         raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
@@ -152,7 +159,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
     app.state.tts = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the loop
     app.state.scheduler = scheduler
-    app.state.limits = ServerLimits(max_concurrent, max_queue, max_prompt_bytes, limits)
+    app.state.limits = ServerLimits(max_concurrent, max_queue, max_prompt_bytes, limits, max_voices)
     app.state.gate = None
     add_error_handlers(app)
     app.include_router(router)
@@ -193,6 +200,10 @@ def serve(args) -> None:
     # the options are checked before the minutes of loading a model
     api_key, origins = guard_options(args)
     limits = RequestLimits.from_args(args)
+    conn_limits = ConnectionLimits.from_args(args)
+    max_voices = getattr(args, "max_voices", DEFAULT_MAX_VOICES)
+    if max_voices is not None and max_voices < 1:
+        raise InputError(f"--max-voices must be >= 1, got {max_voices}")
     chunk = getattr(args, "prefill_chunk", None)
     if chunk is not None and chunk < 1:
         raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
@@ -201,7 +212,7 @@ def serve(args) -> None:
     tts.voices = voices
     warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
-                     prefill_chunk=chunk, api_key=api_key, allow_origins=origins)
+                     prefill_chunk=chunk, api_key=api_key, allow_origins=origins, max_voices=max_voices)
     if getattr(tts.llm, "name", None) == "llamacpp":
         from .llm.llamacpp_backend import openmp_serving_hint
 
@@ -211,7 +222,10 @@ def serve(args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     args.host, API_KEY_ENV)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    skipped = tts.voices.skipped
+    if skipped:
+        log.warning("voices: %d file(s) skipped, listed in /health: %s", len(skipped), ", ".join(sorted(skipped)))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits))
 
 
 __all__ = ["create_app", "serve", "load_tts", "SpeechRequest", "ApiError", "encode", "pcm16", "wav_header"]
