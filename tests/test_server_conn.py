@@ -111,3 +111,34 @@ def test_connection_limits_are_checked():
         ConnectionLimits(header_timeout=0)
     with pytest.raises(InputError, match="--max-connections"):
         ConnectionLimits(max_connections=1.5)
+
+
+def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
+    """`serve --help` lists the connection limits; bad values are refused before the model loads;
+    given ones reach uvicorn as its HTTP protocol."""
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from cosyllama import server
+    from cosyllama.cli import build_parser, main
+
+    from helpers import MODEL_DIR
+
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for flag in ("--header-timeout S", "--body-timeout S", "--max-connections N", "--max-voices N"):
+        assert flag in text
+    monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))
+    base = ["serve", "--model-dir", str(MODEL_DIR)]
+    assert main([*base, "--header-timeout", "0"]) == 2
+    assert "--header-timeout must be a number > 0" in capsys.readouterr().err
+    assert main([*base, "--max-voices", "0"]) == 2
+    assert "--max-voices must be >= 1" in capsys.readouterr().err
+    monkeypatch.setattr(server, "load_tts", lambda args: SimpleNamespace(llm=SimpleNamespace(name="torch")))
+    monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
+    ran = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    assert main([*base, "--body-timeout", "7", "--max-connections", "9"]) == 0
+    protocol = ran[0]["http"]
+    assert protocol.__name__.startswith("Guarded")
+    assert protocol.limits == ConnectionLimits(body_timeout=7.0, max_connections=9)

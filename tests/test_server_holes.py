@@ -27,6 +27,7 @@ from cosyllama.server import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
+KEY = "holes-key-0123456789"
 
 
 class Server:
@@ -223,3 +224,21 @@ def test_the_servers_own_origin_may_post(server, client):
     _error(client.post("/v1/audio/speech", json=body, headers=rebound), 403, "evil.example")
     other_port = {"Origin": f"http://127.0.0.1:{server.port + 1}"}
     _error(client.post("/v1/audio/speech", json=body, headers=other_port), 403)
+
+
+def test_with_an_api_key_the_page_loads_and_its_origin_needs_the_key(tts, voice):
+    from fastapi.testclient import TestClient
+
+    view = copy.copy(tts)
+    view.voices = VoiceStore()
+    view.voices.add("en", voice)
+    with TestClient(create_app(view, api_key=KEY), base_url="http://tts.example") as c:
+        page = c.get("/")
+        assert page.status_code == 200 and "<html" in page.text
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert c.get("/ui/app.js").status_code == 200 and c.get("/ui/style.css").status_code == 200
+        same = {"Origin": "http://tts.example"}
+        _error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"}, headers=same), 401)
+        r = c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"},
+                   headers={**same, "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200

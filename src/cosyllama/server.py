@@ -40,6 +40,7 @@ from .server_common import ApiError  # noqa: E402
 from .server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
 from .server_errors import add_error_handlers  # noqa: E402
+from .server_page import PAGE_PATHS, add_page  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
 from .server_speech import SpeechRequest  # noqa: E402
 from .server_speech import router as speech_router  # noqa: E402
@@ -78,7 +79,8 @@ router = APIRouter()
 # -- health -----------------------------------------------------------------------------------
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.get("/health")
+@router.head("/health", include_in_schema=False)  # health probes use HEAD too
 async def health(request: Request):
     state = request.app.state
     s = state.scheduler.stats()
@@ -122,7 +124,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     here runs between two decode steps. ``api_key`` and ``allow_origins``: see
     :mod:`cosyllama.server_security`. Voices are registered in ``tts.voices`` (``serve`` sets it
     with :func:`cosyllama.server_voices.open_voice_store`), at most ``max_voices`` of them (a new
-    id past it gets 409; None: no bound).
+    id past it gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server_page`).
     """
     limits = RequestLimits() if limits is None else limits
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
@@ -155,7 +157,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
     text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
     app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
-    add_guard(app, api_key, allow_origins)  # in front: refusals come before any body is read
+    add_guard(app, api_key, allow_origins, open_paths=PAGE_PATHS)  # in front: refusals come before any body is read
     view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
     app.state.tts = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the loop
     app.state.scheduler = scheduler
@@ -165,6 +167,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app.include_router(router)
     app.include_router(speech_router)
     app.include_router(voices_router)
+    add_page(app)
     return app
 
 

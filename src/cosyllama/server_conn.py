@@ -143,6 +143,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self.transport.close()
 
     GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
+    GuardedProtocol.limits = limits
     return GuardedProtocol
 
 
