@@ -153,6 +153,21 @@ def test_empty_text_fields_name_the_field(client):
     assert err["param"] == "instructions"
 
 
+def test_mode_is_checked_against_instructions(client):
+    speak = {"input": "Hello there.", "voice": "en", "greedy": True}
+    err = _error(client.post("/v1/audio/speech", json={**speak, "mode": "instruct"}), 422, "needs instructions")
+    assert err["param"] == "instructions"
+    err = _error(client.post("/v1/audio/speech", json={**speak, "mode": "zero-shot", "instructions": "Slowly."}),
+                 422, "takes no instructions")
+    assert err["param"] == "mode"
+    _error(client.post("/v1/audio/speech", json={**speak, "mode": "vc"}), 422, "mode")
+    auto = client.post("/v1/audio/speech", json=speak)
+    zero = client.post("/v1/audio/speech", json={**speak, "mode": "zero-shot"})
+    cross = client.post("/v1/audio/speech", json={**speak, "mode": "cross-lingual"})
+    assert auto.status_code == zero.status_code == cross.status_code == 200
+    assert auto.content == zero.content != cross.content  # "en" has a transcript: auto is zero-shot
+
+
 def test_head_health(client):
     r = client.head("/health")
     assert r.status_code == 200 and r.content == b""
