@@ -12,6 +12,8 @@ pool, one audio chunk per call. A request that does not fit (``max_concurrent`` 
 413 naming the limit and its flag). A client that goes away cancels its request at once: its LLM
 sequence is released at the next decode step or prefill piece. Errors are OpenAI's JSON
 ``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server_errors`).
+``/`` is a web page to try voices (:mod:`cosyllama.server_page`); ``serve`` closes slow clients
+and caps open connections (:mod:`cosyllama.server_conn`).
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 """
@@ -37,8 +39,8 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
 from .server_common import ApiError  # noqa: E402
-from .server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
+from .server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .server_errors import add_error_handlers  # noqa: E402
 from .server_page import PAGE_PATHS, add_page  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
@@ -69,8 +71,8 @@ class ServerLimits:
     max_concurrent: int
     max_queue: int
     max_prompt_bytes: int
-    request: RequestLimits
-    max_voices: int | None = DEFAULT_MAX_VOICES  # registered voices; None: no bound  # characters and tokens of the text fields, LLM positions per sequence
+    request: RequestLimits  # characters and tokens of the text fields, LLM positions per sequence
+    max_voices: int | None = DEFAULT_MAX_VOICES  # registered voices; None: no bound
 
 
 router = APIRouter()

@@ -143,7 +143,9 @@ def open_voice_store(path: str | None) -> VoiceStore:
     model loads, so a bad one is reported at once):
 
     * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
-      registered or deleted over HTTP are kept there and seen by every server sharing it;
+      registered or deleted over HTTP are kept there and seen by every server sharing it; a file
+      there that cannot be read is skipped with a warning (and listed in ``/health``), so one bad
+      file does not keep every replica down;
     * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
     * None: an empty store in memory; registered voices last until the server stops.
     """
