@@ -14,19 +14,30 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.server import create_app  # noqa: E402
-from cosyllama.server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from cosyllama.server_conn import ConnectionLimits, guarded_protocol  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from test_server_holes import Server, _error, tts, voice  # noqa: E402,F401  (module fixtures)
 
 LIMITS = ConnectionLimits(header_timeout=1.0, body_timeout=1.5, max_connections=6)
 
 
-@pytest.fixture(scope="module")
-def guarded(tts, voice):
+@pytest.fixture(scope="module", params=["h11", "httptools"])
+def guarded(request, tts, voice):
+    """The server with the limits on each of uvicorn's two HTTP protocols (``serve`` takes the one
+    uvicorn picks: httptools where it is installed, else h11)."""
+    if request.param == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        options = {"http": guarded_protocol(LIMITS, H11Protocol)}
+    else:
+        pytest.importorskip("httptools")
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        options = {"http": guarded_protocol(LIMITS, HttpToolsProtocol)}
     view = copy.copy(tts)
     view.voices = VoiceStore()
     view.voices.add("en", voice)
-    srv = Server(create_app(view), **uvicorn_options(LIMITS))
+    srv = Server(create_app(view), **options)
     yield srv
     srv.stop()
 
@@ -139,6 +150,8 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
     ran = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
     assert main([*base, "--body-timeout", "7", "--max-connections", "9"]) == 0
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
     protocol = ran[0]["http"]
-    assert protocol.__name__.startswith("Guarded")
+    assert issubclass(protocol, AutoHTTPProtocol) and protocol.__name__.startswith("Guarded")
     assert protocol.limits == ConnectionLimits(body_timeout=7.0, max_connections=9)
