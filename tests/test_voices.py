@@ -118,11 +118,18 @@ def test_directory_refuses_what_it_cannot_serve(tmp_path):
     bundle.add("x", _voice(1))
     bundle.add("y", _voice(2))
     bundle.save(d / "team.pt")
+    store = VoiceDirectory(d)  # every file is read at start: a bad one is skipped and reported then
+    assert list(store.skipped) == ["team.pt"]
+    assert "holds the voice(s) 'x', 'y'; a voice directory holds one" in store.skipped["team.pt"]
     with pytest.raises(InputError, match=r"team\.pt: holds the voice\(s\) 'x', 'y'; a voice directory holds one"):
-        VoiceDirectory(d)  # every file is read at start: a bad one is reported then
+        store.get("team")
+    assert store.items() == {}
     (d / "team.pt").write_text("junk")
     with pytest.raises(InputError, match="not a voice file"):
-        VoiceDirectory(d)
+        store.get("team")
+    assert "not a voice file" in VoiceDirectory(d).skipped["team.pt"]
+    VoiceDirectory(d).add("team", _voice(1))  # replaced by a good one: no longer skipped
+    assert store.get("team") is not None and store.skipped == {}
 
 
 def test_stale_temporary_files_are_removed_fresh_ones_kept(tmp_path):

@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, PRECISION,
-                       PREFILL_CHUNK, SERVE_PARALLEL, SPEED_RANGE, WYOMING_URI)
+from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, MAX_VOICES,
+                       PRECISION, PREFILL_CHUNK, SERVE_PARALLEL, SPEED_RANGE, WYOMING_URI)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -121,6 +121,19 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
     for f in fields(RequestLimits):
         g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")
+
+
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    """``--header-timeout``, ``--body-timeout``, ``--max-connections``: what a client may hold open."""
+    from dataclasses import fields
+
+    from .server_conn import CONNECTION_HELP, ConnectionLimits
+
+    g = p.add_argument_group("connections (slow or idle clients are closed, 408)")
+    for f in fields(ConnectionLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       metavar="N" if f.name == "max_connections" else "S",
+                       help=f"{CONNECTION_HELP[f.name]} (default {f.default:g})")
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
@@ -252,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serving_options(v)
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
+    add_connection_options(v)
+    v.add_argument("--max-voices", type=int, default=MAX_VOICES, metavar="N",
+                   help=f"registered voices; registering a new id past it gets 409 (default {MAX_VOICES})")
     v.add_argument("--api-key", metavar="KEY",
                    help=f"require 'Authorization: Bearer KEY' on every request but GET /health (default: "
                         f"${API_KEY_ENV}, else no key; the variable keeps the key out of the process list)")

@@ -109,6 +109,16 @@ class ModelInput:
 
 
 Voice = Union[PromptFeatures, AudioSource]
+
+
+def _check_finite(what: str, audio, computed: dict[str, torch.Tensor]) -> None:
+    """Refuse a clip whose features are not finite numbers: finite but huge samples (1e20 squared
+    overflows float32) would make a voice that speaks silence."""
+    bad = [name for name, t in computed.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        peak = float(audio.wav16.abs().max())
+        raise InputError(f"{what} gives {' and '.join(bad)} that are not finite numbers: its samples are far "
+                         f"outside [-1, 1] (peak {peak:.3g}); give audio scaled to [-1, 1] (e.g. 16-bit PCM)")
 _EMPTY_TOKENS = torch.zeros(0, dtype=torch.int32)
 
 
@@ -177,7 +187,9 @@ class Frontend:
         audio = load_prompt_audio(wav, self.config.sample_rate, what)
         tokens = self.encoder.speech_tokens(audio.wav16)
         feat = mel_spectrogram(audio.wav24, self.config.feat).squeeze(0).transpose(0, 1).contiguous()
-        return tokens, feat, self.encoder.speaker_embedding(audio.wav16)
+        embedding = self.encoder.speaker_embedding(audio.wav16)
+        _check_finite(what, audio, {"mel features": feat, "speaker embedding": embedding})
+        return tokens, feat, embedding
 
     def _voice(self, voice: Voice) -> PromptFeatures:
         return voice if isinstance(voice, PromptFeatures) else self.make_voice(voice)

@@ -12,6 +12,8 @@ pool, one audio chunk per call. A request that does not fit (``max_concurrent`` 
 413 naming the limit and its flag). A client that goes away cancels its request at once: its LLM
 sequence is released at the next decode step or prefill piece. Errors are OpenAI's JSON
 ``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server_errors`).
+``/`` is a web page to try voices (:mod:`cosyllama.server_page`); ``serve`` closes slow clients
+and caps open connections (:mod:`cosyllama.server_conn`).
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 """
@@ -23,8 +25,8 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from .defaults import MAX_QUEUE
-from .errors import MissingDependencyError
+from .defaults import MAX_QUEUE, MAX_VOICES
+from .errors import InputError, MissingDependencyError
 from .heap import bound_onednn_cache
 from .limits import RequestLimits
 from .scheduler import BatchScheduler
@@ -38,7 +40,9 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
 
 from .server_common import ApiError  # noqa: E402
 from .server_common import gate as _gate  # noqa: E402
+from .server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .server_errors import add_error_handlers  # noqa: E402
+from .server_page import PAGE_PATHS, add_page  # noqa: E402
 from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
 from .server_speech import SpeechRequest  # noqa: E402
 from .server_speech import router as speech_router  # noqa: E402
@@ -49,6 +53,7 @@ log = logging.getLogger("cosyllama.server")
 
 DEFAULT_MAX_PROMPT_BYTES = 10 * 1024 * 1024  # bytes of an uploaded prompt file (30 s of audio fits easily)
 DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
+DEFAULT_MAX_VOICES = MAX_VOICES
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 
 
@@ -66,6 +71,7 @@ class ServerLimits:
     max_queue: int
     max_prompt_bytes: int
     request: RequestLimits  # characters and tokens of the text fields, LLM positions per sequence
+    max_voices: int | None = DEFAULT_MAX_VOICES  # registered voices; None: no bound
 
 
 router = APIRouter()
@@ -75,6 +81,7 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.head("/health", include_in_schema=False)  # health probes use HEAD too
 async def health(request: Request):
     state = request.app.state
     s = state.scheduler.stats()
@@ -90,6 +97,8 @@ async def health(request: Request):
     prompt_cache = getattr(getattr(state.tts, "token2wav", None), "prompt_cache_info", None)
     if callable(prompt_cache):
         out["prompt_cache"] = prompt_cache()
+    skipped = state.tts.voices.skipped  # voice files that could not be read: the operator should look
+    out["voices"] = {"skipped": [{"file": name, "error": why} for name, why in sorted(skipped.items())]}
     return out
 
 
@@ -100,7 +109,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, limits: RequestLimits | None = None,
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
-               wyoming_options: dict | None = None) -> FastAPI:
+               wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -115,12 +124,14 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
     here runs between two decode steps. ``api_key`` and ``allow_origins``: see
     :mod:`cosyllama.server_security`. Voices are registered in ``tts.voices`` (``serve`` sets it
-    with :func:`cosyllama.serving.open_voice_store`). ``wyoming``: a URI (``tcp://HOST:PORT``) where
-    the app, while it runs, also answers the Wyoming protocol (:mod:`cosyllama.wyoming_server`, with
-    ``wyoming_options``) from the same TTS, scheduler, voices and admission gate.
+    with :func:`cosyllama.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it
+    gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server_page`). ``wyoming``: a
+    URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming protocol
+    (:mod:`cosyllama.wyoming_server`, with ``wyoming_options``) from the same TTS, scheduler, voices and
+    admission gate.
     """
-    if max_prompt_bytes < 1:
-        raise ValueError("max_prompt_bytes must be >= 1")
+    if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
+        raise ValueError("max_prompt_bytes and max_voices must be >= 1")
     serving = prepare(tts, max_concurrent=max_concurrent, max_queue=max_queue, limits=limits, scheduler=scheduler,
                       prefill_chunk=prefill_chunk)
     limits = serving.limits
@@ -145,16 +156,17 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
     text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
     app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
-    add_guard(app, api_key, allow_origins)  # in front: refusals come before any body is read
+    add_guard(app, api_key, allow_origins, open_paths=PAGE_PATHS)  # in front: refusals come before any body is read
     app.state.tts = serving.tts
     app.state.scheduler = serving.scheduler
-    app.state.limits = ServerLimits(serving.max_concurrent, serving.max_queue, max_prompt_bytes, limits)
+    app.state.limits = ServerLimits(serving.max_concurrent, serving.max_queue, max_prompt_bytes, limits, max_voices)
     app.state.gate = None
     app.state.wyoming = None  # the WyomingServer while the app runs, with ``wyoming``
     add_error_handlers(app)
     app.include_router(router)
     app.include_router(speech_router)
     app.include_router(voices_router)
+    add_page(app)
     return app
 
 
@@ -170,6 +182,10 @@ def serve(args) -> None:
     # the options are checked before the minutes of loading a model
     api_key, origins = guard_options(args)
     limits, chunk = check_options(args)
+    conn_limits = ConnectionLimits.from_args(args)
+    max_voices = getattr(args, "max_voices", DEFAULT_MAX_VOICES)
+    if max_voices is not None and max_voices < 1:
+        raise InputError(f"--max-voices must be >= 1, got {max_voices}")
     wyoming = getattr(args, "wyoming", None)
     wyoming_options = None
     if wyoming is not None:
@@ -183,12 +199,15 @@ def serve(args) -> None:
     warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
-                     wyoming_options=wyoming_options)
+                     wyoming_options=wyoming_options, max_voices=max_voices)
     openmp_hint(tts)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     args.host, API_KEY_ENV)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    skipped = tts.voices.skipped
+    if skipped:
+        log.warning("voices: %d file(s) skipped, listed in /health: %s", len(skipped), ", ".join(sorted(skipped)))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits))
 
 
 __all__ = ["create_app", "serve", "load_tts", "SpeechRequest", "ApiError", "encode", "pcm16", "wav_header"]

@@ -7,9 +7,13 @@ an API key is set, requests without it. Both answers come before the request bod
   carrying an ``Origin`` that is not one of ``allow_origins`` gets 403; requests without one
   (curl, SDKs, other servers) pass. With origins allowed, ``create_app`` also answers their CORS
   preflights (Starlette's ``CORSMiddleware``), so a web app at one of them can call the API.
+  The server's own origin passes too (its web page, ``/docs``): an ``Origin`` whose host is the
+  request's ``Host``, when that host is an IP address or ``localhost`` (a DNS name could be an
+  attacker's, rebound to this server's address: give it with ``allow_origins``) or when an API
+  key is set (a rebound page does not have it).
 * **API key**: with ``api_key`` set, every request but ``GET /health`` (load balancers probe it
-  without credentials) needs ``Authorization: Bearer <key>``, the header the OpenAI SDK sends
-  for its ``api_key``; else 401. The key is compared in constant time.
+  without credentials) and the static web page needs ``Authorization: Bearer <key>``, the header
+  the OpenAI SDK sends for its ``api_key``; else 401. The key is compared in constant time.
 
 Needs the ``server`` extra.
 """
@@ -17,6 +21,7 @@ Needs the ``server`` extra.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import re
 from collections.abc import Iterable
@@ -50,12 +55,14 @@ def _error(status: int, message: str, type: str, code: str, headers: dict | None
 class RequestGuard:
     """ASGI middleware: the origin and API-key checks described in the module docstring."""
 
-    def __init__(self, app, api_key: str | None = None, allow_origins: Iterable[str] = ()):
+    def __init__(self, app, api_key: str | None = None, allow_origins: Iterable[str] = (),
+                 open_paths: Iterable[str] = ()):
         if api_key is not None and not api_key.strip():
             raise ValueError("the API key is empty")
         self.app = app
         self._key = None if api_key is None else api_key.strip().encode()
         self.allow_origins = frozenset(normalize_origin(o) for o in allow_origins)
+        self.open_paths = OPEN_PATHS | frozenset(open_paths)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -68,13 +75,15 @@ class RequestGuard:
 
     def _check(self, method: str, path: str, headers: Headers) -> JSONResponse | None:
         origin = headers.get("origin")
-        if method in STATE_CHANGING and origin is not None and origin.lower() not in self.allow_origins:
+        if (method in STATE_CHANGING and origin is not None and origin.lower() not in self.allow_origins
+                and not self._same_origin(origin, headers.get("host"))):
             allowed = ", ".join(sorted(self.allow_origins)) or "none"
             return _error(403, f"cross-origin {method} from {origin!r} refused: this server takes "
                                f"state-changing requests only from the origins given to --allow-origin "
-                               f"({allowed}) or from clients that send no Origin header",
+                               f"({allowed}), from its own origin when addressed by IP address or localhost "
+                               f"(or with an API key), or from clients that send no Origin header",
                           "permission_error", "origin_not_allowed")
-        if self._key is None or (path in OPEN_PATHS and method in ("GET", "HEAD")):
+        if self._key is None or (path in self.open_paths and method in ("GET", "HEAD")):
             return None
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -87,13 +96,34 @@ class RequestGuard:
         return None
 
 
-def add_guard(app, api_key: str | None, allow_origins: Iterable[str]) -> None:
+    def _same_origin(self, origin: str, host: str | None) -> bool:
+        """Whether ``origin`` is this server as the client addressed it (``Host``), by a name no
+        one else's page can have (see the module docstring)."""
+        if not host:
+            return False
+        scheme, sep, netloc = origin.lower().partition("://")
+        if not sep or scheme not in ("http", "https") or netloc != host.lower():
+            return False
+        if self._key is not None:
+            return True
+        name = netloc.rsplit(":", 1)[0] if not netloc.endswith("]") else netloc
+        if name == "localhost":
+            return True
+        try:
+            ipaddress.ip_address(name.strip("[]"))
+        except ValueError:
+            return False
+        return True
+
+
+def add_guard(app, api_key: str | None, allow_origins: Iterable[str], open_paths: Iterable[str] = ()) -> None:
     """Install the guard on a FastAPI ``app`` (call it after the other middleware: it must run
-    first), and, with origins allowed, CORS answers for them in front of it."""
+    first), and, with origins allowed, CORS answers for them in front of it. ``open_paths``: paths
+    that ``GET`` without the API key too (the static web page)."""
     origins = sorted({normalize_origin(o) for o in allow_origins})
     if api_key is not None and not api_key.strip():  # the middleware is built at the first request
         raise ValueError("the API key is empty")
-    app.add_middleware(RequestGuard, api_key=api_key, allow_origins=origins)
+    app.add_middleware(RequestGuard, api_key=api_key, allow_origins=origins, open_paths=tuple(open_paths))
     if origins:
         from starlette.middleware.cors import CORSMiddleware
 

@@ -38,6 +38,8 @@ from .scheduler import CancelToken, RequestCancelled
 from .server_common import ApiError, error_body, gate
 from .server_errors import synthesis_error
 from .server_wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
+from .tts import MODES
+from .voices import describe_ids
 
 log = logging.getLogger("cosyllama.server")
 
@@ -64,6 +66,20 @@ class SpeechRequest(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
     greedy: bool = False
     instructions: str | None = Field(None, description="style instruction: selects instruct mode")
+    mode: Literal[MODES] | None = Field(
+        None, description="cosyllama's: the synthesis mode; omitted: instruct with instructions, else zero-shot "
+        "for a voice registered with its transcript, else cross-lingual")
+
+    def synthesis_mode(self) -> str | None:
+        """The mode asked for (None: chosen by ``tts.synthesize``), checked against instructions."""
+        if self.mode is None:
+            return None
+        if (self.mode == "instruct") != (self.instructions is not None):
+            need = "needs instructions" if self.mode == "instruct" else "takes no instructions"
+            raise ApiError(422, f"mode {self.mode!r} {need}; give instructions with mode 'instruct' only "
+                           "(or leave mode out)", param="instructions" if self.mode == "instruct" else "mode",
+                           code="conflicting_fields")
+        return self.mode
 
     def streaming(self) -> str | None:
         """How the audio is sent: None (the whole file), "audio" or "sse"."""
@@ -97,7 +113,7 @@ class _Job:
         r, tts = self.req, self.tts
         opts = SynthesisOptions(stream=self.streaming is not None, speed=r.speed, greedy=r.greedy, seed=r.seed)
         with self.lock, self.token.bound():
-            self.syn = tts.synthesize(r.input, instruction=r.instructions, voice=r.voice, options=opts)
+            self.syn = tts.synthesize(r.input, mode=r.mode, instruction=r.instructions, voice=r.voice, options=opts)
             if self.streaming:
                 self.encoder = StreamEncoder(r.response_format, tts.sample_rate)
 
@@ -162,11 +178,15 @@ async def speech(body: SpeechRequest, request: Request):
     except LimitExceeded as e:
         raise synthesis_error(e) from e
     if not body.input.strip():
-        raise ApiError(422, "input is empty; give some text to speak")
+        raise ApiError(422, "input is empty; give some text to speak", param="input", code="empty_string")
+    if body.instructions is not None and not body.instructions.strip():
+        raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
+                       param="instructions", code="empty_string")
+    body.synthesis_mode()
     if body.voice not in tts.voices:
-        raise ApiError(404, f"unknown voice {body.voice!r}; registered voices: "
-                       f"{', '.join(tts.voices.ids()) or 'none'} (add one with POST /v1/voices)",
-                       "not_found_error", param="voice", code="voice_not_found")
+        ids = await run_in_threadpool(tts.voices.ids)
+        raise ApiError(404, f"unknown voice {body.voice!r}; registered voices: {describe_ids(ids)} "
+                       "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
     streaming = body.streaming()
     if streaming and body.response_format not in STREAMABLE:
         raise ApiError(422, f"response_format {body.response_format!r} cannot be streamed (its header is "

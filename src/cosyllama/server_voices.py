@@ -41,6 +41,19 @@ def _exists(voice_id: str) -> ApiError:
                          f"(or DELETE /v1/voices/{voice_id} first)", "conflict_error")
 
 
+def _check_room(tts, voice_id: str, max_voices: int | None) -> None:
+    """Refuse a new id when the store holds ``max_voices`` already (replacing one is allowed).
+    Servers sharing a directory each check before their write, so together they may pass the
+    bound by the registrations in flight at that moment."""
+    if max_voices is None:
+        return
+    ids = tts.voices.ids()
+    if len(ids) >= max_voices and voice_id not in ids:
+        raise ApiError(409, f"this server holds {len(ids)} voices, its limit (--max-voices {max_voices}); delete "
+                       "one (DELETE /v1/voices/{id}) or replace an existing id (replace=true)", "conflict_error",
+                       param="id", code="too_many_voices")
+
+
 def _check_transcript(tts, text: str, limits: RequestLimits) -> None:
     """Refuse an over-long transcript before any audio work (``tts.make_voice`` checks the tokens
     again with the system prefix the LLM sees)."""
@@ -63,6 +76,7 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
         _check_transcript(tts, text, limits.request)
     if not replace and await run_in_threadpool(tts.voices.__contains__, voice_id):
         raise _exists(voice_id)  # before the work; add() checks again, atomically
+    await run_in_threadpool(_check_room, tts, voice_id, limits.max_voices)
     data = await audio.read(limits.max_prompt_bytes + 1)
     if len(data) > limits.max_prompt_bytes:
         raise ApiError(413, f"the audio file is larger than {limits.max_prompt_bytes} bytes; give a 3-15 s "
@@ -80,6 +94,7 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     finally:
         g.release()
     try:
+        await run_in_threadpool(_check_room, tts, voice_id, limits.max_voices)  # again, after the work
         await run_in_threadpool(lambda: tts.voices.add(voice_id, voice, replace=replace))
     except VoiceExistsError as e:
         raise _exists(voice_id) from e

@@ -201,29 +201,49 @@ class AudioStream(StreamingResponse):
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413 (by its Content-Length) or is
-    cut off (a chunked body is counted as it arrives), before anything parses it."""
+    """ASGI middleware: a request body over ``limit`` bytes gets 413, by its Content-Length before
+    anything reads it, or (a chunked body, counted as it arrives) as soon as the count passes the
+    limit: the app sees the client gone, and what it answers to that is replaced by the 413."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
+
+    def _too_large(self) -> JSONResponse:
+        msg = f"the request body is larger than {self.limit} bytes"
+        return JSONResponse(error_body(msg, "request_too_large"), status_code=413, headers={"Connection": "close"})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            msg = f"the request body is larger than {self.limit} bytes"
-            response = JSONResponse(error_body(msg, "request_too_large"), status_code=413)
-            return await response(scope, receive, send)
+            return await self._too_large()(scope, receive, send)
         seen = 0
+        over = started = False
 
         async def counted():
-            nonlocal seen
+            nonlocal seen, over
+            if over:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
+                    over = True
                     return {"type": "http.disconnect"}  # stop reading; the request fails as abandoned
             return message
 
-        return await self.app(scope, counted, send)
+        async def checked_send(message):
+            nonlocal started
+            if over and not started:
+                return  # the app's answer to a body it did not get whole: the 413 goes instead
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, checked_send)
+        except Exception:
+            if not over or started:
+                raise
+        if over and not started:
+            await self._too_large()(scope, receive, send)

@@ -182,7 +182,9 @@ def open_voice_store(path: str | None) -> VoiceStore:
     bad one is reported at once):
 
     * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
-      registered or deleted over HTTP are kept there and seen by every server sharing it;
+      registered or deleted over HTTP are kept there and seen by every server sharing it; a file
+      there that cannot be read is skipped with a warning (and listed in ``/health``), so one bad
+      file does not keep every replica down;
     * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
     * None: an empty store in memory; registered voices last until the server stops.
     """
@@ -200,7 +202,7 @@ def open_voice_store(path: str | None) -> VoiceStore:
         raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
                          "without the .pt suffix)")
     store = VoiceDirectory(path)
-    log.warning("voices: %d in the directory %s, where registrations are kept", len(store), path)
+    log.warning("voices: %d in the directory %s, where registrations are kept", len(store) - len(store.skipped), path)
     return store
 
 

@@ -13,6 +13,7 @@ as its store).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import tempfile
@@ -31,6 +32,22 @@ SUFFIX = ".pt"  # a voice directory's files: <id>.pt
 TEMP_SUFFIX = ".tmp"  # files being written: .<id>.<random>.tmp (ids never start with '.')
 STALE_TEMP_S = 3600  # a temporary file this old was left by a process that died while writing
 _ID_RE = re.compile(r"^(?!\.)[A-Za-z0-9_.-]{1,64}$")  # no leading '.': not '.', '..' or a hidden file
+NAMED_IDS = 5  # ids an "unknown voice" message names; the rest are counted
+
+log = logging.getLogger("cosyllama.voices")
+
+
+def describe_ids(ids: list[str], n: int = NAMED_IDS) -> str:
+    """``ids`` for a message: the first ``n``, then how many more (a message must not grow with the
+    store), or ``none``."""
+    if not ids:
+        return "none"
+    head = ", ".join(ids[:n])
+    return head if len(ids) <= n else f"{head} and {len(ids) - n} more (GET /v1/voices lists them)"
+
+
+def unknown_voice(voice_id, ids: list[str]) -> str:
+    return f"unknown voice {voice_id!r}; registered voices: {describe_ids(ids)}"
 
 
 def check_voice_id(voice_id: str) -> str:
@@ -142,7 +159,7 @@ class VoiceStore:
             voice = self._voices.get(voice_id)
             known = sorted(self._voices)
         if voice is None:
-            raise InputError(f"unknown voice {voice_id!r}; registered voices: {', '.join(known) or 'none'}")
+            raise InputError(unknown_voice(voice_id, known))
         return voice
 
     def remove(self, voice_id: str) -> None:
@@ -154,6 +171,12 @@ class VoiceStore:
     def ids(self) -> list[str]:
         with self._lock:
             return sorted(self._voices)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Voice files that could not be read, with the reason (none in memory; see
+        :class:`VoiceDirectory`)."""
+        return {}
 
     def __contains__(self, voice_id: str) -> bool:
         with self._lock:
@@ -196,7 +219,10 @@ class VoiceDirectory(VoiceStore):
     another process added is found on first lookup, one it removed is gone. ``add(...,
     replace=False)`` creates the file with a hard link, which fails if it exists, so two
     processes registering one id cannot both succeed. The directory is made when it does not
-    exist (its parent must); at start every voice file is read, so a bad one is reported then.
+    exist (its parent must). At start every voice file is read: one that cannot be (truncated,
+    empty, not a voice file) is skipped with a warning naming it, so one bad file in a shared
+    directory does not keep a server down; :attr:`skipped` maps each such file to the reason, also
+    for files found unreadable on a later lookup (a file read again since leaves it).
     """
 
     persistent = True
@@ -213,9 +239,21 @@ class VoiceDirectory(VoiceStore):
             d.mkdir(exist_ok=True)
         self.directory = d
         self._cache: dict[str, tuple[tuple, PromptFeatures]] = {}  # id -> (file stamp, voice)
+        self._skipped: dict[str, str] = {}  # file name -> why it could not be read
         self._remove_stale_temp_files()
         for vid in self.ids():
-            self.get(vid)
+            try:
+                self.get(vid)
+            except InputError as e:
+                log.warning("voices: skipped, not served: %s", e)
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Voice files that could not be read, by file name, with the reason (a snapshot; files
+        removed since are left out)."""
+        with self._lock:
+            out = dict(self._skipped)
+        return {name: why for name, why in out.items() if (self.directory / name).is_file()}
 
     def _path(self, voice_id: str) -> Path:
         return self.directory / (voice_id + SUFFIX)
@@ -228,7 +266,7 @@ class VoiceDirectory(VoiceStore):
                     p.unlink()
 
     def _unknown(self, voice_id: str) -> InputError:
-        return InputError(f"unknown voice {voice_id!r}; registered voices: {', '.join(self.ids()) or 'none'}")
+        return InputError(unknown_voice(voice_id, self.ids()))
 
     def _put(self, voice_id: str, voice: PromptFeatures, replace: bool) -> None:
         check_voice_id(voice_id)
@@ -275,16 +313,19 @@ class VoiceDirectory(VoiceStore):
             return cached[1]
         try:
             voices = read_voice_file(path)
-        except InputError:
+            if list(voices) != [voice_id]:
+                raise InputError(f"{path}: holds the voice(s) {', '.join(map(repr, voices)) or 'none'}; a voice "
+                                 f"directory holds one voice per file, named <id>{SUFFIX} (copy a bundle's voices "
+                                 "in with VoiceDirectory(dir).load(file))")
+        except InputError as e:
             if not path.exists():  # removed between the stat and the read
                 raise self._unknown(voice_id) from None
+            with self._lock:
+                self._skipped[path.name] = str(e)
             raise
-        if list(voices) != [voice_id]:
-            raise InputError(f"{path}: holds the voice(s) {', '.join(map(repr, voices)) or 'none'}; a voice "
-                             f"directory holds one voice per file, named <id>{SUFFIX} (copy a bundle's voices "
-                             "in with VoiceDirectory(dir).load(file))")
         with self._lock:
             self._cache[voice_id] = (stamp, voices[voice_id])
+            self._skipped.pop(path.name, None)
         return voices[voice_id]
 
     def remove(self, voice_id: str) -> None:
@@ -310,6 +351,8 @@ class VoiceDirectory(VoiceStore):
         with self._lock:  # forget the voices other processes removed
             for gone in set(self._cache) - set(found):
                 del self._cache[gone]
+            for gone in set(self._skipped) - {v + SUFFIX for v in found}:
+                del self._skipped[gone]
         return sorted(found)
 
     def __contains__(self, voice_id: str) -> bool:

@@ -1,0 +1,285 @@
+"""The web page at ``/`` in a real browser: headless Chromium from the system's packages
+(``apt-get install chromium``), driven by Playwright, against the server on loopback (tiny model,
+PyTorch LLM). The page loads and is usable without a mouse and on a phone-wide screen; a voice is
+registered from a file and from the (fake) microphone; speech streams and plays, and what the
+page downloads is what the API gives for the same seed; Stop frees the LLM sequence; the server's
+refusals are shown in its own words; an API key typed into the page is used.
+
+``COSYLLAMA_PAGE_SCREENSHOT=PATH`` also saves a screenshot of the page after a synthesis.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import FIXTURES, MODEL_DIR
+
+CHROMIUM = Path("/usr/bin/chromium")
+if not CHROMIUM.exists():
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium); the web page's browser tests need it",
+                allow_module_level=True)
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("playwright", reason="the web page's browser tests need playwright (the dev extra)")
+from playwright.sync_api import expect, sync_playwright  # noqa: E402
+
+from cosyllama.limits import RequestLimits  # noqa: E402
+from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server_wire import wav_header  # noqa: E402
+from cosyllama.voices import VoiceStore  # noqa: E402
+from test_server_holes import Server  # noqa: E402
+
+PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
+TRANSCRIPT = "Hello, this is my voice."
+MAX_INPUT = 200
+KEY = "page-key-0123456789"
+# never a browser download, never the network: the system's Chromium, headless
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+FAKE_MIC = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={PROMPT_WAV}"]
+WAIT_MS = 60_000  # generous: the machine may be busy
+
+
+class Slow:
+    """The LLM backend with an optional pause per decode step (``delay`` seconds), so that a
+    request is still decoding when the page's Stop button is pressed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.delay = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def step(self, batch):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner.step(batch)
+
+
+@pytest.fixture(scope="module")
+def tts():
+    from cosyllama.tts import TTS
+
+    t = TTS(MODEL_DIR, threads=1, precision="fp32")
+    t.llm = Slow(t.llm)  # create_app makes its scheduler over tts.llm
+    return t
+
+
+def _serve(tts, **kw) -> Server:
+    view = copy.copy(tts)
+    view.voices = VoiceStore()
+    return Server(create_app(view, max_prompt_bytes=1_000_000, limits=RequestLimits(input_chars=MAX_INPUT), **kw))
+
+
+@pytest.fixture(scope="module")
+def server(tts):
+    srv = _serve(tts)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS + FAKE_MIC)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(accept_downloads=True)
+    pg = context.new_page()
+    pg.set_default_timeout(WAIT_MS)
+    problems = []
+    pg.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    pg.on("pageerror", lambda e: problems.append(str(e)))
+    pg.problems = problems
+    pg.goto(server.url + "/")
+    yield pg
+    context.close()
+
+
+def _register(page, voice_id: str):
+    page.set_input_files("#voice-file", str(PROMPT_WAV))
+    page.fill("#voice-text", TRANSCRIPT)
+    page.fill("#voice-id", voice_id)
+    page.check("#voice-replace")
+    _add(page, voice_id)
+
+
+def _add(page, voice_id: str):
+    """Press "Add voice" and wait for the answer; a refusal fails with the page's error text."""
+    page.click("#add-voice")
+    page.wait_for_function("() => document.getElementById('status').dataset.state !== 'busy'")
+    status = page.locator("#status").inner_text()
+    assert status == f"Voice {voice_id} added", f"{status}: {page.locator('#error').inner_text()}"
+    expect(page.locator("#voice")).to_have_value(voice_id)
+
+
+def _state(page) -> str:
+    return page.locator("#status").get_attribute("data-state")
+
+
+def _wait_health(url: str, ok, what: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(f"{url}/health", timeout=10).json()
+        if ok(h):
+            return h
+        assert time.monotonic() < deadline, f"{what}: {h}"
+        time.sleep(0.02)
+
+
+def test_the_page_loads_with_labels_and_fits_a_phone(browser, server):
+    context = browser.new_context(viewport={"width": 360, "height": 740})
+    try:
+        page = context.new_page()
+        errors = []
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        resp = page.goto(server.url + "/")
+        assert resp.status == 200 and page.title() == "cosyllama"
+        expect(page.locator("h1")).to_have_text("cosyllama")
+        expect(page.locator("#voice option")).to_have_count(1)  # the voices were listed (none yet, or some)
+        unlabelled = page.evaluate("""() => [...document.querySelectorAll('input, select, textarea')]
+            .filter(e => e.type !== 'hidden' && !e.labels.length).map(e => e.id || e.outerHTML)""")
+        assert unlabelled == []
+        assert page.evaluate("document.documentElement.scrollWidth") <= 360  # no sideways scrolling
+        page.keyboard.press("Tab")  # keyboard: the first stop is a control of the page
+        assert page.evaluate("document.activeElement.tagName") in ("A", "TEXTAREA", "INPUT", "SELECT", "BUTTON")
+        assert errors == []  # also: nothing the page's Content-Security-Policy refused
+    finally:
+        context.close()
+
+
+def test_register_speak_play_and_download_what_the_api_gives(page, server):
+    _register(page, "anna")
+    voices = {v["id"]: v for v in httpx.get(f"{server.url}/v1/voices").json()["voices"]}
+    assert voices["anna"]["has_transcript"]
+    page.fill("#text", "Hello there, this is a test.")
+    page.fill("#seed", "7")
+    page.select_option("#format", "wav")
+    page.focus("#text")
+    page.keyboard.press("Control+Enter")  # no mouse needed
+    expect(page.locator("#status")).to_have_attribute("data-state", "playing")
+    assert page.evaluate("window.cosyllamaPage.audioState") == "running"
+    assert page.evaluate("window.cosyllamaPage.scheduled") >= 1
+    expect(page.locator("#download")).to_be_visible()
+    for stat in ("#stat-first", "#stat-length", "#stat-rtf"):
+        assert page.locator(stat).inner_text().strip() not in ("", "?", "none")
+    assert page.locator("#stat-seed").inner_text() == "7"
+    with page.expect_download() as dl:
+        page.click("#download")
+    got = Path(dl.value.path()).read_bytes()
+    api = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
+        "input": "Hello there, this is a test.", "voice": "anna", "seed": 7, "response_format": "wav",
+        "greedy": False, "stream_format": "audio"}).content
+    assert len(api) > 44 + 2400
+    assert got[44:] == api[44:]  # the same samples
+    assert got[:44] == wav_header(24_000, len(api) - 44)  # with the real sizes in place of the stream's
+    if os.environ.get("COSYLLAMA_PAGE_SCREENSHOT"):
+        page.screenshot(path=os.environ["COSYLLAMA_PAGE_SCREENSHOT"], full_page=True)
+    assert page.problems == []
+
+
+def test_a_whole_file_format_downloads_the_apis_bytes(page, server):
+    _register(page, "anna")
+    page.fill("#text", "One more sentence.")
+    page.fill("#seed", "3")
+    page.check("#greedy")
+    page.select_option("#format", "flac")
+    page.click("#speak")
+    expect(page.locator("#download")).to_be_visible()
+    with page.expect_download() as dl:
+        page.click("#download")
+    api = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
+        "input": "One more sentence.", "voice": "anna", "seed": 3, "response_format": "flac", "greedy": True})
+    assert Path(dl.value.path()).read_bytes() == api.content
+    expect(page.locator("#stat-length")).not_to_have_text("?")
+
+
+def test_stop_frees_the_sequence(page, server, tts):
+    _register(page, "anna")
+    page.fill("#text", "A long sentence that keeps the model busy for a good while, one word after another word.")
+    tts.llm.delay = 0.02  # ~500 decode steps: about 10 s
+    try:
+        page.click("#speak")
+        expect(page.locator("#status")).to_have_attribute("data-state", "playing")
+        _wait_health(server.url, lambda h: h["active_sequences"] == 1, "the request is not decoding")
+        page.click("#stop")
+        cut = time.monotonic()
+        _wait_health(server.url, lambda h: h["active_sequences"] == 0 and h["requests_running"] == 0,
+                     "Stop did not free the sequence", timeout=5)
+        assert time.monotonic() - cut < 5
+    finally:
+        tts.llm.delay = 0.0
+    expect(page.locator("#status")).to_have_text("Stopped")
+    expect(page.locator("#speak")).to_be_enabled()
+    assert page.problems == []
+
+
+def test_the_servers_refusals_are_shown_in_its_words(page, server):
+    _register(page, "anna")
+    page.fill("#text", "x" * (MAX_INPUT + 50))
+    page.click("#speak")
+    error = page.locator("#error")
+    expect(error).to_be_visible()
+    text = error.inner_text()
+    assert text.startswith("413")
+    assert f"input is too long: {MAX_INPUT + 50} characters, at most {MAX_INPUT} allowed (--max-input-chars)" in text
+    assert _state(page) == "error"
+    # a voice clip the server cannot read: its 400, word for word
+    page.set_input_files("#voice-file", {"name": "notes.wav", "mimeType": "audio/wav", "buffer": b"just text"})
+    page.click("#add-voice")
+    expect(error).to_contain_text("400")
+    expect(error).to_contain_text("prompt audio is not a readable audio file")
+
+
+def test_a_voice_recorded_from_the_microphone(page, server):
+    """The fake microphone plays the prompt clip; the page records it with MediaRecorder and sends
+    it as a wav the server reads."""
+    page.click("#record")
+    page.wait_for_function("() => Number(document.getElementById('record-status').dataset.seconds || 0) >= 2.5")
+    page.click("#record")
+    expect(page.locator("#record-status")).to_have_attribute("data-state", "recorded")
+    page.fill("#voice-id", "mic")
+    page.check("#voice-replace")
+    _add(page, "mic")
+    voices = {v["id"]: v for v in httpx.get(f"{server.url}/v1/voices").json()["voices"]}
+    assert voices["mic"]["seconds"] > 1.0 and not voices["mic"]["has_transcript"]
+    page.on("dialog", lambda d: d.accept())
+    page.click("#delete-voice")  # the selected voice: mic
+    expect(page.locator("#status")).to_have_text("Voice mic deleted")
+    assert "mic" not in [v["id"] for v in httpx.get(f"{server.url}/v1/voices").json()["voices"]]
+
+
+def test_an_api_key_typed_into_the_page(browser, tts):
+    srv = _serve(tts, api_key=KEY)
+    context = browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_default_timeout(WAIT_MS)
+        page.goto(srv.url + "/")  # the page itself loads without the key
+        error = page.locator("#error")
+        expect(error).to_contain_text("401")
+        expect(error).to_contain_text("API key")
+        page.fill("#api-key", KEY)
+        page.press("#api-key", "Enter")
+        page.locator("#api-key").dispatch_event("change")
+        expect(error).to_be_hidden()
+        assert page.evaluate("sessionStorage.getItem('cosyllama.apiKey')") == KEY
+        _register(page, "keyed")  # a POST with the key, from the server's own origin
+        page.reload()  # the key stays for this tab's session
+        assert page.input_value("#api-key") == KEY
+        expect(page.locator("#voice")).to_have_value("keyed")
+    finally:
+        context.close()
+        srv.stop()
