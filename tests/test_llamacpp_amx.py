@@ -68,3 +68,26 @@ def test_the_backend_loads_with_the_choice(keep, tiny_gguf, model_dir, monkeypat
         assert seen == [keep] and b.extra_buffer_types is keep and b.extra_buffer_types_why == f"mocked {keep}"
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("flags,want", [(AMX_CPU, False), (ZEN4_CPU, None), (ZEN3_CPU, None)])
+def test_flash_attention_off_on_the_amx_class_only(flags, want):
+    """Decoding measured ~12 % faster with llama.cpp's flash attention off on AMX, as fast or faster with it on
+    elsewhere (docs/benchmarks.md#intel-amx): the default follows the class."""
+    assert cpu.llama_flash_attention(flags) is want
+
+
+@pytest.mark.parametrize("on_amx", [True, False])
+def test_the_backend_takes_the_class_default_unless_asked(on_amx, tiny_gguf, model_dir, monkeypatch):
+    pytest.importorskip("llama_cpp")
+    from cosyllama.llm import llamacpp_backend
+
+    monkeypatch.setattr(llamacpp_backend, "llama_flash_attention", lambda: False if on_amx else None)
+    path = tiny_gguf("speech", "Q8_0")
+    b = llamacpp_backend.LlamaCppLLM(path, model_dir)
+    asked = llamacpp_backend.LlamaCppLLM(path, model_dir, flash_attn=True)
+    try:
+        assert b.flash_attn is (False if on_amx else None) and asked.flash_attn is True
+    finally:
+        b.close()
+        asked.close()

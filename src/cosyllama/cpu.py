@@ -130,6 +130,14 @@ def llama_extra_buffer_types(features: str | None = None, flags: frozenset[str] 
     return True, "extra buffer types on (repacked weights)"
 
 
+def llama_flash_attention(flags: frozenset[str] | None = None) -> bool | None:
+    """llama.cpp's flash attention for decoding on this CPU: False (off) on the AMX class, where its CPU kernel
+    decoded speech Q8_0 at 30.5-30.6 tok/s against 33.5-34.1 with it off (`scripts/bench_llm_decode.py`, two
+    rounds, docs/benchmarks.md#intel-amx); None (llama.cpp's own choice, on) elsewhere, where it was as fast or
+    faster (AVX2 30.8 vs 28.0, AVX512-BF16 56.9 vs 52.6 tok/s)."""
+    return False if cpu_class(flags) == "AMX" else None
+
+
 def llama_cpp_features() -> str | None:
     """The llama.cpp build's CPU features as it reports them (``AVX2 = 1 | F16C = 1 | ...`` reduced to
     the features that are on), or None when llama-cpp-python is not installed. Imports llama_cpp only

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig, load_config
-from ..cpu import llama_extra_buffer_types
+from ..cpu import llama_extra_buffer_types, llama_flash_attention
 from ..defaults import LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
 from ..weights import load_llm_weights
@@ -105,7 +105,8 @@ class LlamaCppLLM:
     (rounded up to 256). ``n_seq_max``: concurrent sequences.
     ``kv_type``: KV cache type, one of :data:`KV_TYPES`; default ``f32`` for an all-F32 GGUF (exact
     parity with torch) and ``f16`` otherwise. ``flash_attn``: ``None`` = off with an F32 KV cache
-    (its CPU kernel works in F16), else llama.cpp decides.
+    (its CPU kernel works in F16), off on the AMX class (decodes ~12 % faster there:
+    :func:`cosyllama.cpu.llama_flash_attention`), else llama.cpp decides.
     ``layout``: refuse files of the other layout. ``verbose``: show llama.cpp's log.
     """
 
@@ -145,7 +146,9 @@ class LlamaCppLLM:
         self._fixed_n_ctx = n_ctx
         # llama.cpp's CPU flash attention rounds Q/K/V through F16 (measured: 4e-3 in log-probs), so an
         # F32 KV cache only gives F32 parity with flash attention off.
-        self.flash_attn = False if flash_attn is None and kv == "f32" else flash_attn
+        if flash_attn is None:  # off with an F32 cache (parity), else as decodes fastest on this CPU class
+            flash_attn = False if kv == "f32" else llama_flash_attention()
+        self.flash_attn = flash_attn
 
         set_llama_verbose(verbose)
         lc = self._lc = import_llama_cpp()
