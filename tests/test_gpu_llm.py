@@ -86,7 +86,7 @@ def test_half_precision_graphs_stay_close(precision):
 
 
 # ----------------------------------------------------------------------------------------------
-# llama.cpp with its layers on the GPU (a CUDA build of llama-cpp-python; see README, "GPU")
+# llama.cpp with its layers on the GPU (a CUDA build of llama-cpp-python; see docs/gpu.md)
 
 LLAMA_TOL = {"F32": 1e-4, "F16": 1e-2}  # the CPU tests' own (tests/test_llamacpp.py)
 

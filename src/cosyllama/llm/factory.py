@@ -92,7 +92,7 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
         if on_cuda:
             if not import_llama_cpp().llama_supports_gpu_offload():
                 raise DeviceError("device cuda puts llama.cpp's layers on the GPU, but this llama-cpp-python "
-                                  "build has no GPU support: install a CUDA build (README, section 'GPU') or "
+                                  "build has no GPU support: install a CUDA build (docs/gpu.md) or "
                                   "pass n_gpu_layers=0 (--n-gpu-layers 0) to run the LLM on the CPU")
             n_gpu_layers = ALL_LAYERS
     return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
