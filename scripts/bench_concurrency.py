@@ -22,7 +22,7 @@ from cosyllama.config import load_config
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import LlamaCppLLM
-from cosyllama.scheduler import BatchScheduler
+from cosyllama.llm.scheduler import BatchScheduler
 
 PROMPT_TEXT_TOKENS = 40  # prompt transcript + target text ids
 PROMPT_SPEECH_TOKENS = 75  # 3 s of prompt speech at 25 tokens/s

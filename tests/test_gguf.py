@@ -68,7 +68,7 @@ def test_merged_layout_vocabulary(tiny_gguf, model_dir, cfg):
     assert toks[n_text] == "<|s_0|>" and toks[n_text + 6760] == "<|s_6760|>"
     assert toks[151643] == "<|endoftext|>" and toks[0] == "!"
     assert toks[151646] == "<|endofprompt|>" and toks[151923] == "[ǜ]" and toks[151924] == "[PAD151924]"
-    from cosyllama.text import TextTokenizer
+    from cosyllama.text.tokenizer import TextTokenizer
     tk = TextTokenizer(model_dir / "CosyVoice-BlankEN")
     ids = tk.encode("<|endofprompt|>[breath][AA1]")
     assert [toks[i] for i in ids] == ["<|endofprompt|>", "[breath]", "[AA1]"]

@@ -17,7 +17,7 @@ from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_fla
 from cosyllama.llm.backend import PiecewisePrefill, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.torch_backend import TorchLLM
-from cosyllama.scheduler import BatchScheduler, CancelToken, RequestCancelled
+from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
 from cosyllama.llm.torch_backend import TorchLLM
-from cosyllama.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
+from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 
 
 class Watched:

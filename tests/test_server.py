@@ -20,7 +20,7 @@ pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TEXTS = ["Hello there.", "Good morning!", "How are you?", "See you soon.", "One two three.",
@@ -324,7 +324,7 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     OpenMP (it shares libgomp with PyTorch and decodes slower beside flow work)."""
     from types import SimpleNamespace
 
-    from cosyllama import server
+    from cosyllama.server import app as server
     from cosyllama.llm import llamacpp_lib as LB
 
     fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
@@ -347,7 +347,7 @@ def test_serve_passes_the_cache_bounds_and_refuses_bad_ones(capsys):
     from types import SimpleNamespace
 
     from cosyllama.cli import main
-    from cosyllama.server import load_tts
+    from cosyllama.server.serving import load_tts
 
     args = SimpleNamespace(model_dir=str(MODEL_DIR), gguf=None, precision="bf16", stream_cache_mb=64.0,
                            prompt_cache_mb=0.0)

@@ -23,7 +23,7 @@ pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer, _speech, _wait_idle  # noqa: E402
 
 PARALLEL, SEQ_TOKENS = 8, 4096

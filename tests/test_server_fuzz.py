@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer  # noqa: E402
 
 VOICE = "en"

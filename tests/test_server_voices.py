@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
 
 from test_server import LoopbackServer  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
@@ -280,7 +280,7 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
     """`--voices FILE`: its voices speak; POST and DELETE get 403 pointing at --voices DIR."""
     from fastapi.testclient import TestClient
 
-    from cosyllama.server_voices import open_voice_store
+    from cosyllama.server.serving import open_voice_store
 
     bundle = VoiceStore()
     bundle.add("en", tts.make_voice(PROMPT_WAV, "Hello, this is my voice."))
@@ -301,7 +301,7 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
 
 
 def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
-    from cosyllama import server
+    from cosyllama.server import app as server
     from cosyllama.cli import main
 
     monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))

@@ -29,8 +29,8 @@ pytest.importorskip("playwright", reason="the web page's browser tests need play
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
-from cosyllama.server_wire import wav_header  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.wire import wav_header  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from test_server_holes import Server  # noqa: E402
 

@@ -73,7 +73,7 @@ def cmd_wyoming(args) -> int:
     from .heap import bound_onednn_cache
 
     bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
-    from .wyoming_server import run_wyoming
+    from .server.wyoming import run_wyoming
 
     run_wyoming(args)
     return 0
@@ -83,7 +83,7 @@ def cmd_serve(args) -> int:
     from .heap import bound_onednn_cache
 
     bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
-    from .server import serve
+    from .server.app import serve
 
     serve(args)
     return 0
@@ -127,7 +127,7 @@ def add_connection_options(p: argparse.ArgumentParser) -> None:
     """``--header-timeout``, ``--body-timeout``, ``--max-connections``: what a client may hold open."""
     from dataclasses import fields
 
-    from .server_conn import CONNECTION_HELP, ConnectionLimits
+    from .server.conn import CONNECTION_HELP, ConnectionLimits
 
     g = p.add_argument_group("connections (slow or idle clients are closed, 408)")
     for f in fields(ConnectionLimits):

@@ -25,8 +25,8 @@ from .audio import (MAX_PROMPT_SECONDS, TOKENIZER_SAMPLE_RATE, AudioSource, chec
 from .config import PROMPT_MEL_PER_TOKEN, ModelConfig, load_config
 from .errors import InputError
 from .prompt import PromptEncoder
-from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextTokenizer, instruct_prompt_text,
-                   zero_shot_prompt_text)
+from .text.normalize import DEFAULT_PROMPT_PREFIX, TextNormalizer, instruct_prompt_text, zero_shot_prompt_text
+from .text.tokenizer import ENDOFPROMPT, TextTokenizer
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
 

@@ -190,7 +190,7 @@ class TTS:
 
     def with_text_worker(self) -> TTS:
         """A view of this TTS whose frontend normalizes long texts in a helper process (see
-        :meth:`~cosyllama.text.TextNormalizer.with_worker_process`; same text, but a long text no
+        :meth:`~cosyllama.text.normalize.TextNormalizer.with_worker_process`; same text, but a long text no
         longer holds the GIL for seconds); ``view.frontend.normalizer.close_worker()`` ends it."""
         view = copy.copy(self)
         view.frontend = copy.copy(self.frontend)

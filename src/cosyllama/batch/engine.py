@@ -1,7 +1,7 @@
 """Synthesis of manifest rows on one model: several rows at once, their LLM decode steps batched.
 
 :class:`BatchEngine` loads a :class:`~cosyllama.tts.TTS`, puts a
-:class:`~cosyllama.scheduler.BatchScheduler` in front of its LLM (as the server does) and runs
+:class:`~cosyllama.llm.scheduler.BatchScheduler` in front of its LLM (as the server does) and runs
 ``concurrency`` rows in worker threads: while some rows decode together, others run the flow and
 the vocoder. Each finished row is written (atomically) to the output directory and described by
 one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.batch.ray_runner`).
@@ -127,7 +127,7 @@ class RowSynthesizer:
 
     def run(self, row: Row, cancel=None) -> dict | None:
         """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
-        from ..scheduler import CancelToken, RequestCancelled
+        from ..llm.scheduler import CancelToken, RequestCancelled
         from ..tts import SynthesisOptions
 
         cancel = cancel or CancelToken()
@@ -175,7 +175,7 @@ class BatchEngine:
     """
 
     def __init__(self, opts: EngineOptions, out_dir: Path, tts=None):
-        from ..scheduler import BatchScheduler
+        from ..llm.scheduler import BatchScheduler
 
         self.opts = opts
         self.tts = tts if tts is not None else load_tts(opts)
@@ -207,7 +207,7 @@ class BatchEngine:
 
     def run(self, rows: Iterable[Row], on_result: Callable[[dict], None],
             on_interrupt: Callable[[int], None] | None = None) -> None:
-        from ..scheduler import CancelToken
+        from ..llm.scheduler import CancelToken
 
         it = iter(rows)
         in_flight: dict[str, CancelToken] = {}  # row id -> its cancel token

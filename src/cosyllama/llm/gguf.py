@@ -123,7 +123,7 @@ def _text_vocabulary(qwen_dir: Path, n_text: int) -> tuple[list[str], list[int],
             known[info["content"]] = i
     # CosyVoice3's tokenizer adds its specials at load time (see docs/reference.md#tokenizer): present ones
     # keep their id, the others get consecutive ids after the highest one. Same procedure, so ids agree.
-    from ..text import SPECIAL_TOKENS
+    from ..text.tokenizer import SPECIAL_TOKENS
 
     next_id = max(known.values(), default=-1) + 1
     for tok in SPECIAL_TOKENS:

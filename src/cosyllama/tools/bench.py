@@ -109,7 +109,7 @@ def peak_rss_mb() -> float:
 
 def _llm_prefill(cfg, prompt_tokens: int):
     from ..llm.backend import Prefill
-    from ..text import ENDOFPROMPT_ID
+    from ..text.tokenizer import ENDOFPROMPT_ID
 
     rng = np.random.default_rng(1)
     text = [int(x) for x in rng.integers(100, 1000, 40)]

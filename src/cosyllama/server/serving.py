@@ -1,5 +1,5 @@
 """What the HTTP server (:mod:`cosyllama.server`) and the Wyoming server
-(:mod:`cosyllama.wyoming_server`) share, with neither's dependencies:
+(:mod:`cosyllama.server.wyoming`) share, with neither's dependencies:
 
 * :func:`load_tts` and :func:`check_options`: the model and the per-request limits that the
   ``serve`` / ``wyoming`` options ask for, checked before the minutes of loading a model;
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
-from .errors import CosyllamaError, InputError
-from .limits import RequestLimits
-from .llm.factory import choose_llm, make_token_source
-from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
-from .voices import VoiceDirectory, VoiceStore
+from ..defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
+from ..errors import CosyllamaError, InputError
+from ..limits import RequestLimits
+from ..llm.factory import choose_llm, make_token_source
+from ..llm.scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
+from ..voices import VoiceDirectory, VoiceStore
 
 log = logging.getLogger("cosyllama.server")
 
@@ -146,7 +146,7 @@ def check_options(args) -> tuple[RequestLimits, int | None]:
 def load_tts(args):
     """The TTS the ``serve`` / ``wyoming`` command asks for (llama.cpp when ``--gguf`` is given); its
     LLM holds ``--parallel`` sequences of ``--max-seq-tokens`` positions."""
-    from .tts import TTS
+    from ..tts import TTS
 
     for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
         v = getattr(args, name, None)
@@ -166,7 +166,7 @@ def load_tts(args):
 def openmp_hint(tts) -> None:
     """Log, once at start, when the llama.cpp build threads with OpenMP (slower beside flow work)."""
     if getattr(tts.llm, "name", None) == "llamacpp":
-        from .llm.llamacpp_backend import openmp_serving_hint
+        from ..llm.llamacpp_backend import openmp_serving_hint
 
         hint = openmp_serving_hint()
         if hint:
