@@ -132,7 +132,8 @@ def main() -> int:
         engine.run(rows, recs.append)
         name = f"batch engine, {conc} rows at a time" + (f", {slots} in the flow" if slots else "")
         res = summarize(name, recs, time.perf_counter() - t0)
-        res["scheduler"] = {k: v for k, v in engine.scheduler.stats().items() if k in ("steps", "tokens", "batch_sizes")}
+        res["scheduler"] = {k: v for k, v in engine.scheduler.stats().items()
+                            if k in ("steps", "tokens", "batch_sizes")}
         engine.close()
         results["modes"].append(res)
         log(json.dumps(res))

@@ -1,7 +1,8 @@
 """Aggregate LLM decode throughput of the batch scheduler: N concurrent streams vs one.
 
 Runs requests of forced length (stop tokens ignored, seeded RAS) through a BatchScheduler over a
-llama.cpp backend (or, without ``--gguf``, the PyTorch LLM) and reports tokens/s summed over all streams and per stream. Use a full-size
+llama.cpp backend (or, without ``--gguf``, the PyTorch LLM) and reports tokens/s summed over all streams and per
+stream. Use a full-size
 model (``cosyllama make-model DIR --size full``; ``cosyllama convert --model-dir DIR --out F.gguf
 --type Q8_0``) for meaningful numbers.
 

@@ -11,7 +11,8 @@ waveform), and the time to the first streaming chunk through the engine's :class
 Flow variants: ``fp32`` (reference eager), ``bf16`` (``Flow.set_precision("bf16")``, what ``auto``
 picks on CPUs with AVX512-BF16/AMX), ``int8`` (what ``auto`` picks on other x86 CPUs when it passes
 its fidelity check), ``fp32-autocast`` (the reference path under a plain
-``torch.autocast("cpu", dtype=torch.bfloat16)``: the baseline issue 19 asks the bf16 path to beat), ``fp32-fast`` (the bf16 solver's re-arranged float32 twin:
+``torch.autocast("cpu", dtype=torch.bfloat16)``: the baseline issue 19 asks the bf16 path to beat), ``fp32-fast``
+(the bf16 solver's re-arranged float32 twin:
 shows what restructuring alone gives), ``bf16-res16`` (bf16 residual stream too — measured, not
 offered), and ``bf16-steps<N>`` (fewer Euler steps: an explicit quality trade).
 Vocoder variants: ``fp32`` and the opt-in ``bf16`` (the default channels-last conv stack), and
@@ -489,7 +490,8 @@ def main() -> None:
         print(f"  {n:14s} {row['seconds_per_audio_second']:9.3f} {row['best_seconds_per_audio_second']:7.3f} "
               f"{row['cpu_seconds_per_audio_second']:8.3f} {row['speedup_vs_fp32']:8.2f} {'':9s} "
               f"{row['wav_logmel_vs_fp32']['mean_abs']:9.4f} {row['wav_logmel_vs_fp32']['max_abs']:8.4f}"
-              f"  (log-mel of the waveform; wav max diff {row['wav_max_abs_vs_fp32']:.1e})" + (f"  {row['time_share']}" if a.vocoder_profile else ""))
+              f"  (log-mel of the waveform; wav max diff {row['wav_max_abs_vs_fp32']:.1e})"
+              + (f"  {row['time_share']}" if a.vocoder_profile else ""))
     if voc_stream:
         rr = statistics.median(v["rerun_s"] for v in voc_stream)
         ss = statistics.median(v["stream_step_s"] for v in voc_stream)

@@ -5,8 +5,15 @@ in ``conftest.py``."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from cosyllama.llm.backend import LLMBackend, Prefill
+    from cosyllama.llm.decode import DecodeOptions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cosyvoice3-tiny"
 MODEL_DIR = FIXTURES / "model"
@@ -152,7 +159,8 @@ def log_spectrum_tolerance(ref_log: np.ndarray, banks: np.ndarray, n_fft: int, p
 
     ``banks``: the mel filters ``(n_mels, n_fft // 2 + 1)``; ``power``: the bands sum |X|^2 (Kaldi fbank)
     rather than |X| (Matcha mel); ``band_axis``: the axis of ``ref_log`` that holds the bands."""
-    width = np.expand_dims(banks.sum(axis=1), axis=tuple(i for i in range(ref_log.ndim) if i != band_axis % ref_log.ndim))
+    other_axes = tuple(i for i in range(ref_log.ndim) if i != band_axis % ref_log.ndim)
+    width = np.expand_dims(banks.sum(axis=1), axis=other_axes)
     energy = np.exp(ref_log.astype(np.float64)) / width
     amp = np.sqrt(energy) if power else energy
     c = (2 if power else 1) * 2 * np.sqrt(np.log2(n_fft))

@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 
-from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.static_decode import StaticTorchLLM
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.weights import load_llm_weights
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 
 DEVICE = os.environ.get("COSYLLAMA_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")

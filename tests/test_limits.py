@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, fixture_prefill, load_fixture
 from cosyllama.errors import InputError
 from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_flag
 from cosyllama.llm.backend import PiecewisePrefill, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
-from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled
+from cosyllama.llm.torch_backend import TorchLLM
+from helpers import MODEL_DIR, fixture_prefill, load_fixture
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import generate_many, load_fixture
 from cosyllama.errors import CheckpointError, DeviceError, InputError, MissingDependencyError
 from cosyllama.llm import gguf as G
 from cosyllama.llm.backend import LLMBackend, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
+from helpers import generate_many, load_fixture
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from cosyllama.llm import llamacpp_backend as LB  # noqa: E402
@@ -278,8 +278,8 @@ def test_backend_refuses_wrong_layout_truncated_and_foreign(tiny_gguf, model_dir
     cut.write_bytes(speech.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated"):
         LlamaCppLLM(cut, model_dir)
-    from test_gguf import write_text_llm
     from cosyllama.config import load_config
+    from test_gguf import write_text_llm
     q = load_config(model_dir).llm.qwen
     chat = write_text_llm(tmp_path / "chat.gguf", q.hidden_size, q.num_hidden_layers, q.num_attention_heads,
                           q.num_key_value_heads, q.intermediate_size, [f"t{i}" for i in range(300)])

@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from helpers import MODEL_DIR, load_fixture
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
-from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
+from cosyllama.llm.torch_backend import TorchLLM
+from helpers import MODEL_DIR, load_fixture
 
 
 class Watched:

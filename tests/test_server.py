@@ -207,7 +207,7 @@ def test_disconnect_frees_sequence(client, server, tts):
         with httpx.Client(base_url=server.url, timeout=60) as c:
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
                 assert r.status_code == 200
-                next(chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
+                next(_chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
                 assert client.get("/health").json()["active_sequences"] == 1
             # leaving the block closes the connection mid-stream
             cut = time.monotonic()
@@ -283,7 +283,7 @@ def test_full_server_answers_503(tts, server):
             body = {"input": "A long sentence that takes a while to speak, one word after another.",
                     "voice": "en", "stream": True, "response_format": "pcm", "greedy": True}
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
-                next(chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
+                next(_chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
                 with httpx.Client(base_url=srv.url, timeout=60) as c2:
                     busy = c2.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"})
                 _assert_error(busy, 503, "server_busy")
@@ -324,8 +324,8 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     OpenMP (it shares libgomp with PyTorch and decodes slower beside flow work)."""
     from types import SimpleNamespace
 
-    from cosyllama.server import app as server
     from cosyllama.llm import llamacpp_lib as LB
+    from cosyllama.server import app as server
 
     fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
     monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)

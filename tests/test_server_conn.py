@@ -131,9 +131,8 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
 
     import uvicorn
 
-    from cosyllama.server import app as server
     from cosyllama.cli import build_parser, main
-
+    from cosyllama.server import app as server
     from helpers import MODEL_DIR
 
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()

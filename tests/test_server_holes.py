@@ -219,7 +219,8 @@ def test_a_huge_chunked_body_gets_413(client):
                 b"Content-Type: audio/wav\r\n\r\n", b"\r\n--x--\r\n")
     r = client.post("/v1/voices", content=form, headers={"Content-Type": "multipart/form-data; boundary=x"})
     _error(r, 413, "larger than")
-    r = client.post("/v1/audio/speech", content=body(b'{"input": "', b'"}'), headers={"Content-Type": "application/json"})
+    r = client.post("/v1/audio/speech", content=body(b'{"input": "', b'"}'),
+                    headers={"Content-Type": "application/json"})
     _error(r, 413, "larger than")
     assert client.get("/health").status_code == 200
 

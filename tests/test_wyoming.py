@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from helpers import FIXTURES, MODEL_DIR
@@ -22,8 +21,7 @@ from wyoming.audio import AudioChunk, AudioStart  # noqa: E402
 from wyoming.client import AsyncTcpClient  # noqa: E402
 from wyoming.error import Error  # noqa: E402
 from wyoming.info import Describe, Info  # noqa: E402
-from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop,  # noqa: E402
-                         SynthesizeStopped, SynthesizeVoice)
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice  # noqa: E402
 
 from cosyllama.server.app import create_app  # noqa: E402
 
@@ -322,8 +320,8 @@ def test_sentences_of_streamed_text():
 
 
 def test_wyoming_command_refuses_bad_options_before_loading(capsys, monkeypatch, tmp_path):
-    from cosyllama.server import serving
     from cosyllama.cli import main
+    from cosyllama.server import serving
 
     monkeypatch.setattr(serving, "load_tts", lambda args: pytest.fail("the model was loaded"))
     base = ["wyoming", "--model-dir", str(MODEL_DIR)]

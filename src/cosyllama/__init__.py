@@ -3,8 +3,7 @@
 ``import cosyllama`` is light; the models load on first use of :func:`load`.
 """
 
-from .errors import (CheckpointError, CosyllamaError, DeviceError, InputError, MissingDependencyError,
-                     ModelDirError)
+from .errors import CheckpointError, CosyllamaError, DeviceError, InputError, MissingDependencyError, ModelDirError
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .defaults import (API_KEY_ENV, LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, MAX_VOICES,
-                       PRECISION, PREFILL_CHUNK, SERVE_PARALLEL, SPEED_RANGE, WYOMING_URI)
+from .defaults import (
+    API_KEY_ENV,
+    LLM_CHOICES,
+    LLM_PRECISION,
+    LLM_PRECISIONS,
+    LLM_WEIGHTS,
+    MAX_QUEUE,
+    MAX_VOICES,
+    PRECISION,
+    PREFILL_CHUNK,
+    SERVE_PARALLEL,
+    SPEED_RANGE,
+    WYOMING_URI,
+)
 from .errors import CosyllamaError
 from .progress import counting_progress
 from .progress import to_stderr as _progress
@@ -117,7 +129,8 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
     from .limits import LIMIT_HELP, RequestLimits, limit_flag
 
-    g = p.add_argument_group("per-request limits (a request over one is refused naming it: 413 over HTTP, an error event over Wyoming)")
+    g = p.add_argument_group("per-request limits (a request over one is refused naming it: 413 over HTTP, "
+                             "an error event over Wyoming)")
     for f in fields(RequestLimits):
         g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")

@@ -80,8 +80,8 @@ class CosyVoice3:
                                              options=opts))
 
     def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0) -> Iterator[dict]:
-        return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav,
-                                                     options=SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())))
+        opts = SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())
+        return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav, options=opts))
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav, zero_shot_spk_id: str) -> bool:
         self.tts.add_voice(zero_shot_spk_id, prompt_wav, prompt_text)

@@ -20,8 +20,17 @@ from typing import Sequence, Union
 
 import torch
 
-from .audio import (MAX_PROMPT_SECONDS, TOKENIZER_SAMPLE_RATE, AudioSource, check_prompt_audio, describe,
-                    load_prompt_audio, mel_spectrogram, read_audio, resample)
+from .audio import (
+    MAX_PROMPT_SECONDS,
+    TOKENIZER_SAMPLE_RATE,
+    AudioSource,
+    check_prompt_audio,
+    describe,
+    load_prompt_audio,
+    mel_spectrogram,
+    read_audio,
+    resample,
+)
 from .config import PROMPT_MEL_PER_TOKEN, ModelConfig, load_config
 from .errors import InputError
 from .prompt import PromptEncoder

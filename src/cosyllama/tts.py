@@ -28,8 +28,8 @@ from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed
 from .errors import InputError
 from .flow import Flow
 from .frontend import Frontend, ModelInput, PromptFeatures
-from .llm.backend import LLMBackend, Prefill
 from .limits import RequestLimits
+from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
 from .vocoder import HiFT

@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
     b.add_argument("--flow-slots", type=int, default=0,
                    help="rows in the flow + vocoder at once, the others keep decoding (default 0: no limit)")
     b.add_argument("--retry-failed", action="store_true", help="synthesize again the rows that failed before")
-    b.add_argument("--dry-run", action="store_true", help="check the manifest and show what would run; synthesize nothing")
+    b.add_argument("--dry-run", action="store_true",
+                   help="check the manifest and show what would run; synthesize nothing")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     r = b.add_argument_group("Ray (pip install 'cosyllama[ray]')")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",

@@ -14,7 +14,6 @@ from .cache import LOWP_KV_DTYPE, FlowStreamCache, _StepCache
 from .dit import DiT
 from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT
 
-
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
 NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
 

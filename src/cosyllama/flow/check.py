@@ -104,7 +104,10 @@ def _file_key(flow: "Flow", candidate: torch.dtype | Candidate, what: str = "che
     name = precision_name(cand.dtype)
     scheme = (cand.int8_engine or fast_dit.INT8_ENGINE, fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX,
               fast_dit.INT8_FP32_LAST_STEPS)
-    where = (cpu_class() if what == "check" else cpu_model()) if dev == "cpu" else torch.cuda.get_device_name(flow.device)
+    if dev == "cpu":
+        where = cpu_class() if what == "check" else cpu_model()
+    else:
+        where = torch.cuda.get_device_name(flow.device)
     return "|".join(str(x) for x in (what if what != "check" else "", Path(path).resolve(), st.st_size, st.st_mtime_ns,
                                      name, scheme if name == "int8" else "", dev, where,
                                      torch.__version__, flow.decoder.n_timesteps, CHECK_VERSION)).lstrip("|")

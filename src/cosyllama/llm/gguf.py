@@ -37,8 +37,19 @@ from ..defaults import LLM_WEIGHTS
 from ..errors import CheckpointError, InputError, ModelDirError
 from ..progress import StageProgress as Progress
 from ..weights import load_llm_weights
-from .gguf_names import (ARCH, FORMAT_VERSION, KEY_PREFIX, LAYOUTS, SPEECH_TOKEN_FORMAT, TEXT_TABLE, TYPE_NAMES,
-                         VOCAB_TENSORS, file_type_ids, import_gguf, tensor_table)
+from .gguf_names import (
+    ARCH,
+    FORMAT_VERSION,
+    KEY_PREFIX,
+    LAYOUTS,
+    SPEECH_TOKEN_FORMAT,
+    TEXT_TABLE,
+    TYPE_NAMES,
+    VOCAB_TENSORS,
+    file_type_ids,
+    import_gguf,
+    tensor_table,
+)
 from .gguf_read import GGUFInfo, _read_header, inspect_gguf, llm_fingerprint  # noqa: F401 (re-exported)
 from .llamacpp_lib import import_llama_cpp, llama_log_handler
 

@@ -14,9 +14,17 @@ import torch
 
 from ..config import LLMConfig
 from ..errors import CheckpointError, ModelDirError
-from .gguf_names import (ARCH, KEY_PREFIX, LAYOUTS, SPEECH_TOKEN_FORMAT, file_type_ids, import_gguf, output_norm_name,
-                         tensor_table, vocab_tensor_names)
-
+from .gguf_names import (
+    ARCH,
+    KEY_PREFIX,
+    LAYOUTS,
+    SPEECH_TOKEN_FORMAT,
+    file_type_ids,
+    import_gguf,
+    output_norm_name,
+    tensor_table,
+    vocab_tensor_names,
+)
 
 _FINGERPRINT_ROWS = 4
 

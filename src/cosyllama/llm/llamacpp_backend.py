@@ -32,8 +32,7 @@ from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
 from ..weights import load_llm_weights
 from .backend import Prefill, check_max_seq_tokens
 from .gguf_read import inspect_gguf, llm_fingerprint
-from .llamacpp_lib import (INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint,
-                           set_llama_verbose)
+from .llamacpp_lib import INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint, set_llama_verbose
 
 DEFAULT_N_SEQ_MAX = N_SEQ_MAX  # concurrent sequences one context holds
 DEFAULT_N_BATCH = 512  # positions per llama_decode call (longer prefills are split)

@@ -35,11 +35,11 @@ from ..defaults import SPEED_RANGE
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
+from ..tts import MODES
+from ..voices import describe_ids
 from .common import ApiError, error_body, gate
 from .errors import synthesis_error
 from .wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
-from ..tts import MODES
-from ..voices import describe_ids
 
 log = logging.getLogger("cosyllama.server")
 

@@ -13,9 +13,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import CosyllamaError, InputError
 from ..limits import LimitExceeded, RequestLimits
+from ..voices import VoiceExistsError, check_voice_id
 from .common import ApiError, gate
 from .errors import limit_error
-from ..voices import VoiceExistsError, check_voice_id
 
 log = logging.getLogger("cosyllama.server")
 

@@ -42,8 +42,8 @@ from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDepend
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
-from .serving import Gate, ServerBusyError, pcm16
 from ..text.normalize import is_only_punctuation, take_sentences
+from .serving import Gate, ServerBusyError, pcm16
 
 try:
     from wyoming.audio import AudioChunk, AudioStart, AudioStop

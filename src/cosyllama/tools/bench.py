@@ -57,9 +57,9 @@ def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
 
 
 def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
-    from ..llm.gguf import convert
-
     import hashlib
+
+    from ..llm.gguf import convert
 
     model_dir = Path(model_dir).resolve()
     key = f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
@@ -168,7 +168,8 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
             from ..llm.factory import make_llm
 
             # on CUDA: the static-cache backend, its decode steps replayed as CUDA graphs
-            backend = make_llm(cfg, "torch", device=device, n_seq_max=1, llm_precision={"F32": "fp32", "BF16": "bf16"}[type_name])
+            llm_precision = {"F32": "fp32", "BF16": "bf16"}[type_name]
+            backend = make_llm(cfg, "torch", device=device, n_seq_max=1, llm_precision=llm_precision)
             where = device.type
         else:
             from ..llm.llamacpp_backend import LlamaCppLLM
@@ -433,8 +434,8 @@ def format_table(res: dict) -> str:
             else " [bf16 emulated on this CPU: auto does not pick it]"
         ratio = f" {base / r['seconds_per_audio_second']:.2f}x fp32" if base and r["variant"] != "fp32" else ""
         lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio{ratio} "
-                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})"
-                     + native)
+                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, "
+                     f"max {r['mel_max_abs_diff_vs_fp32']:.4f})" + native)
     for r in res["vocoder"]:
         lines.append(f"vocoder {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
                      f"(wav vs fp32: max {r['wav_max_abs_diff_vs_fp32']:.4f})")

@@ -18,8 +18,18 @@ of ``hift.pt`` after weight-norm folding (:func:`cosyllama.weights.load_hift_wei
 """
 
 from .hift import HiFT
-from .modules import (F0_HISTORY, F0_LOOKAHEAD, NOISE_SAMPLES, F0Predictor, ResBlock, Snake, SourceModule,
-                      replay_source_rng, source_noise, source_noise_state)
+from .modules import (
+    F0_HISTORY,
+    F0_LOOKAHEAD,
+    NOISE_SAMPLES,
+    F0Predictor,
+    ResBlock,
+    Snake,
+    SourceModule,
+    replay_source_rng,
+    source_noise,
+    source_noise_state,
+)
 from .stream import VocoderStream, decoder_history_frames
 
 __all__ = ["F0_HISTORY", "F0_LOOKAHEAD", "NOISE_SAMPLES", "F0Predictor", "HiFT", "ResBlock", "Snake",

@@ -16,8 +16,17 @@ from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
 from ..precision import INT8, is_auto, resolve_precision
 from .fast import CHANNELS_LAST, _FastGenerator
-from .modules import (CONV_POST_KERNEL, F0_LOOKAHEAD, POST_SLOPE, F0Predictor, ResBlock, SourceModule, causal_conv,
-                      lookahead_conv, source_noise_state)
+from .modules import (
+    CONV_POST_KERNEL,
+    F0_LOOKAHEAD,
+    POST_SLOPE,
+    F0Predictor,
+    ResBlock,
+    SourceModule,
+    causal_conv,
+    lookahead_conv,
+    source_noise_state,
+)
 from .stream import VocoderStream, decoder_history_frames, new_stream, stream_step
 
 GENERATOR_PARTS = ("conv_pre", "ups", "source_downs", "source_resblocks", "resblocks")
