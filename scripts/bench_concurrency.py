@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         ready.wait()
     cfg = load_config(args.model_dir).llm
     if args.gguf:
-        llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels),
+        llm = LlamaCppLLM(args.gguf, load_config(args.model_dir), n_threads=args.threads, n_seq_max=max(levels),
                           n_gpu_layers=args.n_gpu_layers)
     else:
         import torch

@@ -94,10 +94,10 @@ def test_rows_take_turns_so_a_drift_cancels(tiny_model, tmp_path, monkeypatch):
     calls = []
 
     def child(cmd, **kw):  # a child whose times grow by one with every run, whatever it runs
-        spec = json.loads(cmd[-1])
-        calls.append((spec["llm"], spec["precision"]))
+        load = json.loads(cmd[-1])["load"]  # the child's LoadOptions
+        calls.append((load["llm"], load["precision"]))
         t = float(len(calls))
-        out = {"flow": spec["precision"], "rtf": t, "first_chunk_s": 10 * t, "peak_rss_mb": 100.0 * t,
+        out = {"flow": load["precision"], "rtf": t, "first_chunk_s": 10 * t, "peak_rss_mb": 100.0 * t,
                "llm_s": t, "token2wav_s": t, "stream_llm_s": t, "stream_token2wav_s": t}
         return types.SimpleNamespace(returncode=0, stdout=json.dumps(out) + "\n", stderr="")
 

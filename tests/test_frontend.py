@@ -8,6 +8,7 @@ import soundfile as sf
 import torch
 
 from cosyllama.audio import slaney_mel_filterbank
+from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.frontend import Frontend, ModelInput, PromptFeatures
 from helpers import FIXTURES, MODEL_DIR, assert_log_spectrum_close, load_fixture
@@ -25,7 +26,7 @@ def _close_prompt_mel(name, got, want):
 
 @pytest.fixture(scope="module")
 def fe():
-    return Frontend(MODEL_DIR)
+    return Frontend(load_config(MODEL_DIR))
 
 
 def _inputs(fe, call) -> list[ModelInput]:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_flag
 from cosyllama.llm.backend import PiecewisePrefill, Prefill
@@ -124,7 +125,8 @@ def test_llamacpp_budget_caps_the_context(tiny_gguf, prefill):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
 
     p, _ = prefill
-    with LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=2, max_seq_tokens=2000) as b:
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=2,
+                     max_seq_tokens=2000) as b:
         b.release(b.begin(p, 2000 - len(p)))
         n_ctx = b.n_ctx
         with pytest.raises(InputError, match="max_seq_tokens=2000"):
@@ -165,7 +167,7 @@ def test_llamacpp_prefill_in_pieces_equals_one_pass(tiny_gguf, prefill):
 
     p, _ = prefill
     for layout in ("speech", "merged"):
-        with LlamaCppLLM(tiny_gguf(layout, "F32"), MODEL_DIR, n_threads=1, n_seq_max=2) as b:
+        with LlamaCppLLM(tiny_gguf(layout, "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=2) as b:
             h1, whole = b.start(p, 30)
             h2, pieced, n = _pieces(b, p, 30, 5)
             assert n == -(-len(p) // 5) and b.cells_used(h2.seq_id) == len(p)

@@ -20,6 +20,7 @@ pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
+from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
@@ -77,7 +78,7 @@ def tts(tiny_gguf):
     from cosyllama.tts import TTS
 
     path = tiny_gguf("speech", "F32")
-    backend = LlamaCppLLM(path, MODEL_DIR, n_threads=1, n_seq_max=8)
+    backend = LlamaCppLLM(path, load_config(MODEL_DIR), n_threads=1, n_seq_max=8)
     yield TTS(MODEL_DIR, llm="llamacpp", llm_backend=Throttled(backend))
     backend.close()
 

@@ -22,6 +22,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 
+from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer, _speech, _wait_idle  # noqa: E402
@@ -75,7 +76,7 @@ def backend(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
 
     # what `cosyllama serve` makes: the context sized once for PARALLEL sequences of SEQ_TOKENS
-    inner = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=PARALLEL,
+    inner = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=PARALLEL,
                         max_seq_tokens=SEQ_TOKENS, n_ctx=PARALLEL * SEQ_TOKENS)
     yield SlowPrefill(inner)
     inner.close()

@@ -19,6 +19,7 @@ pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer  # noqa: E402
 
@@ -33,7 +34,7 @@ def server(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
     from cosyllama.tts import TTS
 
-    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=4)
+    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
     srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)))
     r = httpx.post(f"{srv.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                    data={"text": "Hello, this is my voice.", "id": "en"}, timeout=60)

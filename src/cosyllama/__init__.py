@@ -8,7 +8,7 @@ from .errors import CheckpointError, CosyllamaError, DeviceError, InputError, Mi
 __version__ = "0.1.0"
 
 _LAZY = {"load": "tts", "TTS": "tts", "SynthesisOptions": "tts", "Synthesis": "tts",
-         "AudioChunk": "engine", "PromptFeatures": "frontend"}
+         "AudioChunk": "engine", "PromptFeatures": "frontend", "LoadOptions": "options"}
 
 
 def __getattr__(name):
@@ -19,5 +19,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'cosyllama' has no attribute {name!r}")
 
 
-__all__ = ["AudioChunk", "CheckpointError", "CosyllamaError", "DeviceError", "InputError", "MissingDependencyError",
-           "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions", "TTS", "load", "__version__"]
+__all__ = ["AudioChunk", "CheckpointError", "CosyllamaError", "DeviceError", "InputError", "LoadOptions",
+           "MissingDependencyError", "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions", "TTS", "load",
+           "__version__"]

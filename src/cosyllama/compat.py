@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .options import LoadOptions
 from .tts import TTS, SynthesisOptions
 from .voices import VoiceStore
 
@@ -39,8 +40,8 @@ class CosyVoice3:
                  device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto",
                  load_trt: bool = False, load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1):
         self.model_dir = str(model_dir)
-        self.tts = TTS(model_dir, llm="llamacpp" if load_llama_cpp else "torch", gguf=gguf_model_path,
-                       device=device, threads=threads, n_gpu_layers=n_gpu_layers, precision=precision)
+        self.tts = TTS(LoadOptions(model_dir, llm="llamacpp" if load_llama_cpp else "torch", gguf=gguf_model_path,
+                                   device=device, threads=threads, n_gpu_layers=n_gpu_layers, precision=precision))
         self.sample_rate = self.tts.sample_rate
         spk = Path(model_dir) / SPKINFO_NAME
         if spk.is_file():

@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..defaults import LLM_WEIGHTS
 from ..errors import CosyllamaError, InputError
+from ..options import LoadOptions
 from .manifest import Row
 from .output import audio_name, write_audio
 
@@ -29,20 +29,15 @@ VOICE_CACHE = 128  # prompt clips whose features are kept (one per distinct prom
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What every engine (this process or a Ray actor) loads; paths absolute, picklable."""
+    """What every engine (this process or a Ray actor) loads and runs; paths absolute, picklable.
 
-    model_dir: str
-    gguf: str | None = None
-    device: str = "cpu"
-    threads: int | None = None
-    precision: str = "auto"
+    ``load``: the TTS (its ``parallel``: one LLM sequence per concurrent row)."""
+
+    load: LoadOptions
     voices: str | None = None  # a voice file (VoiceStore.save) or a directory of them
     concurrency: int = DEFAULT_CONCURRENCY
-    llm_weights: str = LLM_WEIGHTS  # the LLM checkpoint in model_dir (e.g. llm.rl.pt)
     fmt: str = "wav"
     flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
-    n_gpu_layers: int | None = None  # llama.cpp layers on the GPU (None: all with device cuda)
-    llm_precision: str = "fp32"  # the torch LLM's weights (bf16/fp16 for a GPU)
 
 
 def voice_files(path: str | Path) -> list[Path]:
@@ -66,12 +61,10 @@ def load_voices(store, path: str | Path | None) -> None:
 
 
 def load_tts(opts: EngineOptions):
-    """The TTS an engine runs; a GGUF LLM gets one llama.cpp sequence per concurrent row."""
+    """The TTS an engine runs, with the voices of ``opts.voices``."""
     from ..tts import TTS
 
-    tts = TTS(opts.model_dir, llm="llamacpp" if opts.gguf else "torch", gguf=opts.gguf, device=opts.device,
-              threads=opts.threads, precision=opts.precision, llm_weights=opts.llm_weights,
-              parallel=opts.concurrency, n_gpu_layers=opts.n_gpu_layers, llm_precision=opts.llm_precision)
+    tts = TTS(opts.load)
     load_voices(tts.voices, opts.voices)
     return tts
 

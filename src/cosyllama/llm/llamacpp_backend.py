@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..config import ModelConfig, load_config
+from ..config import ModelConfig
 from ..cpu import llama_extra_buffer_types
 from ..defaults import LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
@@ -92,9 +92,10 @@ class LlamaCppLLM:
     """The CosyVoice3 speech LLM from a GGUF (either layout), implementing :class:`LLMBackend`.
 
     ``gguf_path``: a file from :func:`cosyllama.llm.gguf.convert` or a published merged-layout GGUF.
-    ``model_dir``: the official model directory it belongs to, or its parsed :class:`ModelConfig`
-    (config; ``llm_weights``, default ``llm.pt``, for the prompt's text embedding rows in the speech
-    layout and for the fingerprint check: the GGUF must have been converted from that file).
+    ``config``: the :class:`ModelConfig` of the official model directory it belongs to (read once by the
+    caller, :func:`cosyllama.config.load_config`); ``llm_weights`` there, default ``llm.pt``, gives the
+    prompt's text embedding rows in the speech layout and the fingerprint check (the GGUF must have been
+    converted from that file).
     ``n_threads``: CPU threads (default: all available). ``n_gpu_layers``: layers offloaded to a GPU
     (a build without GPU support refuses values > 0). ``max_seq_tokens``: positions one sequence may
     use (prompt + new tokens; default: the model's context length); a request needing more is
@@ -110,12 +111,14 @@ class LlamaCppLLM:
 
     name = "llamacpp"
 
-    def __init__(self, gguf_path: str | os.PathLike, model_dir: str | os.PathLike | ModelConfig,
+    def __init__(self, gguf_path: str | os.PathLike, config: ModelConfig,
                  n_threads: int | None = None, n_gpu_layers: int = 0, n_ctx: int | None = None, *,
                  n_seq_max: int = DEFAULT_N_SEQ_MAX, n_batch: int = DEFAULT_N_BATCH, kv_type: str | None = None,
                  flash_attn: bool | None = None, layout: str | None = None, verbose: bool = False,
                  llm_weights: str | os.PathLike = LLM_WEIGHTS, max_seq_tokens: int | None = None):
-        cfg = model_dir if isinstance(model_dir, ModelConfig) else load_config(model_dir)
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig (cosyllama.config.load_config), got {type(config).__name__}")
+        cfg = config
         self.config = self.cfg = cfg.llm
         self.vocab_size = cfg.llm.vocab_size
         weights_path = cfg.model_dir / llm_weights

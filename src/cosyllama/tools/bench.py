@@ -176,7 +176,7 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 
             if gpu_layers is None:
                 gpu_layers = llamacpp_gpu_layers(device, progress)
-            backend = LlamaCppLLM(ensure_gguf(model_dir, layout, type_name, progress), model_dir, n_threads=threads,
+            backend = LlamaCppLLM(ensure_gguf(model_dir, layout, type_name, progress), cfg, n_threads=threads,
                                   n_seq_max=1, n_gpu_layers=gpu_layers)
             where = "cuda" if gpu_layers else "cpu"
         progress(f"llm: {label} ({where})")
@@ -325,11 +325,12 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
 
 def pipeline_worker(spec: dict) -> dict:
     """Run in a child process: load a TTS, synthesize non-streaming then streaming once; report."""
+    from ..options import LoadOptions
     from ..tts import TTS, SynthesisOptions
 
-    torch.set_num_threads(spec["threads"])
-    tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"],
-              precision=spec["precision"], device=spec.get("device", "cpu"), n_gpu_layers=spec.get("n_gpu_layers", 0))
+    options = LoadOptions(**spec["load"])
+    torch.set_num_threads(options.threads)
+    tts = TTS(options)
     wav = spec["prompt_wav"]
     n = spec["decode_tokens"]
     opts = SynthesisOptions(greedy=True, ignore_stop=True, max_tokens=n)
@@ -364,19 +365,20 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
     gpu_layers = None
     configs = []
     for backend_name, layout, type_name, precision in PIPELINE_CONFIGS:
-        spec = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "prompt_wav": str(wav),
-                "decode_tokens": round(output_s * TOKEN_RATE), "precision": precision, "device": str(device)}
+        load = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "precision": precision,
+                "device": str(device)}  # LoadOptions' fields, as JSON for the child
         label = "torch fp32" if backend_name == "torch" else f"llamacpp {layout} {type_name}"
         if layout:
-            spec["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
+            load["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
             if gpu_layers is None:
                 gpu_layers = llamacpp_gpu_layers(device, progress)
-            spec["n_gpu_layers"] = gpu_layers
+            load["n_gpu_layers"] = gpu_layers
+        spec = {"load": load, "prompt_wav": str(wav), "decode_tokens": round(output_s * TOKEN_RATE)}
         configs.append((len(configs), label, spec))
     runs: list[list[dict]] = [[] for _ in configs]
     for i, label, spec in rounds(configs, repeat):
         turn = f", round {len(runs[i]) + 1} of {repeat}" if repeat > 1 else ""
-        progress(f"pipeline: {label}, flow {spec['precision']} (child process{turn})")
+        progress(f"pipeline: {label}, flow {spec['load']['precision']} (child process{turn})")
         proc = subprocess.run([sys.executable, "-m", "cosyllama.tools.bench", "--pipeline-worker", json.dumps(spec)],
                               capture_output=True, text=True)
         if proc.returncode != 0:

@@ -15,6 +15,7 @@ DEMO_TEXT = "Hello from cosyllama. This is the no-weights demo of the full CosyV
 
 def run_demo(args, progress: Callable[[str], None] = print) -> int:
     from ..cpu import tts_path
+    from ..options import LoadOptions
     from ..synth import write_wav
     from ..tts import TTS, SynthesisOptions
     from .bench import cache_dir, ensure_full_model, ensure_gguf, prompt_wav
@@ -28,7 +29,7 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
     rows = []
     for llm in ("torch", "llamacpp"):
         t0 = time.perf_counter()
-        tts = TTS(model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None, threads=args.threads)
+        tts = TTS(LoadOptions.from_args(args, model_dir=model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None))
         load_s = time.perf_counter() - t0
         progress(f"{llm}: loaded in {load_s:.1f} s; synthesizing (3 s prompt, up to {args.seconds:g} s of audio)")
         path = tts_path(tts, "auto", args.threads)
