@@ -137,7 +137,7 @@ class FlowStreamCache:
         self._ids = ids.clone()
 
     # Sharing frames between requests. Entries are only ever replaced, never written in place
-    # (``_StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
+    # (``StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
     # tensors: a copy costs two small dicts, and a later call of either cache leaves the other intact.
 
     def prefix(self, n_ids: int, frames: int | None = None) -> FlowStreamCache | None:
@@ -174,7 +174,7 @@ def _same(a, b) -> bool:
     return a is b or a == b
 
 
-class _StepCache:
+class StepCache:
     """One Euler step of a solve that resumes from ``cache`` at frame ``start = cache.frames`` (a
     whole number of attention blocks) and leaves the cache holding frames ``0..keep-1``. Both
     solvers (reference DiT and :class:`FastDiT`) call it at the same two places:

@@ -50,7 +50,7 @@ from .gguf_names import (
     import_gguf,
     tensor_table,
 )
-from .gguf_read import GGUFInfo, _read_header, inspect_gguf, llm_fingerprint  # noqa: F401 (re-exported)
+from .gguf_read import llm_fingerprint
 from .llamacpp_lib import import_llama_cpp, llama_log_handler
 
 # Output type -> name of the llama.cpp ftype constant (None: written directly, no quantizer pass).
