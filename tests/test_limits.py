@@ -18,7 +18,7 @@ from cosyllama.llm.backend import PiecewisePrefill, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled
 from cosyllama.llm.torch_backend import TorchLLM
-from helpers import MODEL_DIR, fixture_prefill, load_fixture
+from helpers import MODEL_DIR, fixture_prefill, load_fixture, slow_backend
 
 
 @pytest.fixture(scope="module")
@@ -182,33 +182,6 @@ def test_llamacpp_prefill_in_pieces_equals_one_pass(tiny_gguf, prefill):
             assert b.cells_used(h3.seq_id) == 0
 
 
-class SlowPieces:
-    """The torch backend with ``delay`` seconds per prefill piece of ``chunk`` positions (a whole
-    ``start`` sleeps as long as its pieces would); counts the pieces."""
-
-    def __init__(self, inner, delay: float, chunk: int):
-        self.inner, self.config, self.name, self.delay, self.chunk = inner, inner.config, "slow", delay, chunk
-        self.pieces = 0
-
-    def begin(self, prefill, max_new_tokens):
-        return self.inner.begin(prefill, max_new_tokens)
-
-    def prefill_step(self, handle, max_positions):
-        time.sleep(self.delay)
-        self.pieces += 1
-        return self.inner.prefill_step(handle, max_positions)
-
-    def start(self, prefill, max_new_tokens):
-        time.sleep(self.delay * -(-len(prefill) // self.chunk))
-        return self.inner.start(prefill, max_new_tokens)
-
-    def step(self, batch):
-        return self.inner.step(batch)
-
-    def release(self, handle):
-        self.inner.release(handle)
-
-
 def test_scheduler_pieces_equal_alone(torch_llm, prefill):
     p, n_text = prefill
     opts = DecodeOptions(greedy=True, max_len=60)
@@ -227,7 +200,7 @@ def test_long_prefill_interleaves_with_decoding(torch_llm, prefill):
     p, n_text = prefill
     long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
     pieces = -(-len(long) // 32)
-    backend = SlowPieces(torch_llm, delay=0.6 / pieces, chunk=32)
+    backend = slow_backend(torch_llm, piecewise=True, piece_delay=0.6 / pieces, chunk=32, name="slow")
     with BatchScheduler(backend, prefill_chunk=32) as sched:
         short = sched.generate(Prefill(p.text_ids[:5]), 1, DecodeOptions(greedy=True, min_len=200, max_len=200))
         stamps = [time.perf_counter() for _ in [next(short)]]
@@ -246,7 +219,7 @@ def test_cancel_between_pieces(torch_llm, prefill):
     """A request cancelled during its prefill is released after at most one more piece."""
     p, n_text = prefill
     long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
-    backend = SlowPieces(torch_llm, delay=0.1, chunk=16)
+    backend = slow_backend(torch_llm, piecewise=True, piece_delay=0.1, chunk=16, name="slow")
     with BatchScheduler(backend, prefill_chunk=16) as sched:
         token = CancelToken()
         with token.bound():
