@@ -119,7 +119,7 @@ class LlamaCppLLM:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig (cosyllama.config.load_config), got {type(config).__name__}")
         cfg = config
-        self.config = self.cfg = cfg.llm
+        self.config = cfg.llm  # the LLMConfig, as every backend names it (LLMBackend.config)
         self.vocab_size = cfg.llm.vocab_size
         weights_path = cfg.model_dir / llm_weights
         weights = load_llm_weights(weights_path, cfg.llm)
@@ -235,7 +235,7 @@ class LlamaCppLLM:
 
     def _prefill_inputs(self, prefill: Prefill) -> tuple[np.ndarray | None, np.ndarray | None]:
         """``(tokens, None)`` for the merged layout, ``(None, embeddings)`` for the speech layout."""
-        cfg, n_text = self.cfg, self.cfg.qwen.vocab_size
+        cfg, n_text = self.config, self.config.qwen.vocab_size
         text = list(prefill.text_ids)
         speech = list(prefill.prompt_speech_tokens)
         bad = [t for t in text if not 0 <= t < n_text]
