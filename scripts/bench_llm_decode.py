@@ -33,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-GGUF_DIR = Path(os.environ.get("COSYLLAMA_CACHE", Path.home() / ".cache" / "cosyllama")) / "gguf"
+from cosyllama.cachedir import cache_dir
+
+GGUF_DIR = cache_dir() / "gguf"
 
 BASE = {"type": "Q8_0", "torch": "matmul", "threads": "2", "kv": "f16", "fa": "auto", "repack": "1",
         "load": "mmap", "batch": "1", "caller": "main", "hog": "0"}

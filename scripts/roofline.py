@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -162,7 +161,9 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 
 def default_ggufs() -> list[Path]:
-    root = Path(os.environ.get("COSYLLAMA_CACHE", Path.home() / ".cache" / "cosyllama")) / "gguf"
+    from cosyllama.cachedir import cache_dir
+
+    root = cache_dir() / "gguf"
     return sorted(root.glob("full-random-seed*/llm-*.gguf"))
 
 

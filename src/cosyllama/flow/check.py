@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from ..cachedir import cache_dir
 from ..config import FlowConfig
 from ..precision import precision_name
 from .cfm import CFM
@@ -75,12 +76,6 @@ class CheckResult:
     def summary(self) -> str:
         return (f"{self.candidate} mel vs fp32 on these weights: mean {self.mean_abs:.4f}, max {self.max_abs:.4f} "
                 f"(bound {MEAN_BOUND}/{MAX_BOUND}{', cached' if self.cached else ''})")
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("COSYLLAMA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cosyllama")
-    return Path(base)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cachedir import cache_dir
 from ..errors import InputError
 from ..progress import LineProgress as Progress
 from ..progress import counting_progress
@@ -36,12 +37,6 @@ PARTS = ("llm", "flow", "vocoder", "pipeline")
 BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
               "behind the quiet hills of the old town.")
 
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("COSYLLAMA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cosyllama")
-    return Path(base)
 
 
 def ensure_full_model(progress: Progress, seed: int = 0) -> Path:

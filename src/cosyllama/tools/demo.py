@@ -14,11 +14,12 @@ DEMO_TEXT = "Hello from cosyllama. This is the no-weights demo of the full CosyV
 
 
 def run_demo(args, progress: Callable[[str], None] = print) -> int:
+    from ..cachedir import cache_dir
     from ..cpu import tts_path
     from ..options import LoadOptions
     from ..synth import write_wav
     from ..tts import TTS, SynthesisOptions
-    from .bench import cache_dir, ensure_full_model, ensure_gguf, prompt_wav
+    from .bench import ensure_full_model, ensure_gguf, prompt_wav
 
     model_dir = ensure_full_model(progress)
     gguf = ensure_gguf(model_dir, "speech", "Q8_0", progress)
