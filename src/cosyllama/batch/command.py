@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..commands.flags import add_gpu_options, add_llm_weights_option
 from ..errors import InputError
 from ..options import LoadOptions
 from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files
@@ -56,6 +57,13 @@ def add_parser(sub) -> None:
     r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs reserved per actor (default 0)")
     r.add_argument("--ray-batch-size", type=int, default=None,
                    help="rows handed to an actor at once (default: 2 x --concurrency)")
+    add_llm_weights_option(b)
+    add_gpu_options(b)
+    b.set_defaults(func=run)
+
+
+def run(args) -> int:
+    return run_batch(args)
 
 
 def _check_args(args) -> EngineOptions:
