@@ -47,6 +47,7 @@ import torch
 from cosyllama.device import resolve_device
 from cosyllama.flow import FastDiT, Flow
 from cosyllama.precision import resolve_precision
+from cosyllama.timing import sync, timed
 from cosyllama.tools.synthetic import size_config
 from cosyllama.vocoder import HiFT, source_noise_state
 
@@ -56,20 +57,6 @@ MEL_RATE = 50  # mel frames per second
 # Spec §1.2 / §15: the shipped cosyvoice3.yaml sizes, as `cosyllama make-model --size full` writes them.
 _FULL = size_config("full")
 FULL_FLOW, FULL_HIFT, FEAT = _FULL.flow, _FULL.hift, _FULL.feat
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timed_once(fn, dev: torch.device) -> tuple[float, float, object]:
-    """(wall s, process CPU s, result) of one call."""
-    sync(dev)
-    c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
-    sync(dev)
-    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def mel_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -220,7 +207,7 @@ class _TimedFlow:
         return getattr(self.flow, name)
 
     def inference(self, *args, **kw):
-        w, c, out = timed_once(lambda: self.flow.inference(*args, **kw), self.dev)
+        w, c, out = timed(lambda: self.flow.inference(*args, **kw), self.dev)
         cache = kw.get("cache")
         self.calls.append({"n_tokens": args[0].shape[1], "finalize": kw["finalize"], "wall_s": round(w, 3),
                            "cpu_s": round(c, 3), "reused_frames": cache.last_start if cache else 0,
@@ -396,7 +383,7 @@ def main() -> None:
     mels: dict[str, torch.Tensor] = {}
     for r in range(a.repeats):
         for v in (fvars if r % 2 == 0 else fvars[::-1]):
-            w, c, mel = timed_once(lambda: v.run(*inputs), dev)
+            w, c, mel = timed(lambda: v.run(*inputs), dev)
             f_wall[v.name].append(round(w, 3))
             f_cpu[v.name].append(round(c, 3))
             mels[v.name] = mel
@@ -409,7 +396,7 @@ def main() -> None:
     for r in range(a.vocoder_repeats or a.repeats):
         for n in (vnames if r % 2 == 0 else vnames[::-1]):
             set_vocoder(hift, n)
-            w, c, wav = timed_once(lambda: hift.inference(ref_mel), dev)
+            w, c, wav = timed(lambda: hift.inference(ref_mel), dev)
             v_wall[n].append(round(w, 3))
             v_cpu[n].append(round(c, 3))
             wavs[n] = wav

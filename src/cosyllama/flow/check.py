@@ -34,6 +34,7 @@ import torch
 from ..cachedir import cache_dir
 from ..config import FlowConfig
 from ..precision import precision_name
+from ..timing import timed
 from .cfm import CFM
 
 
@@ -217,8 +218,6 @@ def timing_input(flow: Flow) -> tuple[torch.Tensor, ...]:
 def time_candidate(flow: Flow, cand: Candidate) -> tuple[float, bool]:
     """Seconds of one warm solve of :func:`timing_input` on ``cand`` (leaves the flow's solver on it), and
     whether the number came from the cache."""
-    import time
-
     key = _file_key(flow, cand, what="time")
     cand.apply(flow)
     hit = _cached(key)
@@ -226,13 +225,7 @@ def time_candidate(flow: Flow, cand: Candidate) -> tuple[float, bool]:
         return float(hit["seconds"]), True
     inp = timing_input(flow)
     flow.inference(*inp)  # warm: kernels chosen, buffers sized
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        flow.inference(*inp)
-        if flow.device.type == "cuda":
-            torch.cuda.synchronize(flow.device)
-        best = min(best, time.perf_counter() - t0)
+    best = min(timed(lambda: flow.inference(*inp), flow.device)[0] for _ in range(2))
     if key is not None:
         _memory[key] = {"seconds": best}
         _save_disk(key, {"seconds": best})

@@ -26,6 +26,7 @@ from ..cachedir import cache_dir
 from ..errors import InputError
 from ..progress import LineProgress as Progress
 from ..progress import counting_progress
+from ..timing import rounds, timed
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
@@ -232,23 +233,6 @@ def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
     return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
 
 
-def _time_once(fn, device: torch.device = torch.device("cpu")) -> tuple[float, object]:
-    """Wall time of one ``fn()`` (CUDA work waited for), and its output."""
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, out
-
-
-def rounds(items: list, repeat: int) -> list:
-    """``items`` in ``repeat`` interleaved rounds, every other one reversed (A B C, C B A, ...): each
-    row is timed beside the others, so a machine that slows down or speeds up during the run moves
-    every row alike and the ratios between rows stay readable (the medians of the rounds are
-    reported)."""
-    return [x for r in range(repeat) for x in (items if r % 2 == 0 else items[::-1])]
-
-
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
                      progress: Progress, device: torch.device = torch.device("cpu"),
                      variants: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
@@ -279,7 +263,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
             ran[variant] = _variant_ran(flow)
             if variant == "auto":
                 progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
-        t, mels[variant] = _time_once(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
+        t, _, mels[variant] = timed(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
         secs[variant].append(t)
         if "flow" in parts:
             progress(f"flow {variant}: {t / output_s:.3f} s per audio second")
@@ -303,7 +287,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
         for variant in rounds(vnames, repeat):
             hift.set_precision(variant)
             hift.inference(mel_ref[:, :, :20])
-            t, wavs[variant] = _time_once(lambda: hift.inference(mel_ref), device)
+            t, _, wavs[variant] = timed(lambda: hift.inference(mel_ref), device)
             vsecs[variant].append(t)
         for variant in vnames:
             sps = _median(vsecs[variant]) / output_s
