@@ -30,15 +30,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-try:  # the bench helpers may live under cosyllama.tools
-    from cosyllama.tools.bench import ensure_full_model, ensure_gguf, machine_info, prompt_wav
-except ImportError:
-    from cosyllama.tools.bench import ensure_full_model, ensure_gguf, machine_info, prompt_wav
-
 from cosyllama.batch.engine import BatchEngine, EngineOptions, RowSynthesizer, load_tts
 from cosyllama.batch.manifest import read_manifest
 from cosyllama.batch.progress import STAGES
+from cosyllama.options import LoadOptions
 from cosyllama.precision import precision_name
+from cosyllama.tools.bench import ensure_full_model, ensure_gguf, machine_info, prompt_wav
 
 TEXTS = ["Hello there.", "Good morning.", "See you soon.", "Thank you.", "Turn left here.", "It is raining.",
          "Open the door.", "What time is it?", "Not today.", "Let us go.", "Well done.", "Come back later.",
@@ -87,8 +84,9 @@ def main() -> int:
                                             "prompt_wav": str(wav), "prompt_text": PROMPT_TEXT, "seed": i}) + "\n"
                                 for i in range(args.rows)))
     rows = read_manifest(manifest).rows
-    opts = EngineOptions(model_dir=str(model_dir), gguf=gguf, threads=args.threads, precision=args.precision,
-                         concurrency=args.concurrency)
+    load = LoadOptions(str(model_dir), llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
+                       parallel=args.concurrency)
+    opts = EngineOptions(load, concurrency=args.concurrency)
     results = {"machine": machine_info(args.threads), "rows": args.rows, "concurrency": args.concurrency,
                "flow_slots": args.flow_slots,
                "llm": "llamacpp Q8_0 speech" if gguf else "torch", "modes": []}
@@ -132,7 +130,8 @@ def main() -> int:
         engine.run(rows, recs.append)
         name = f"batch engine, {conc} rows at a time" + (f", {slots} in the flow" if slots else "")
         res = summarize(name, recs, time.perf_counter() - t0)
-        res["scheduler"] = {k: v for k, v in engine.scheduler.stats().items() if k in ("steps", "tokens", "batch_sizes")}
+        res["scheduler"] = {k: v for k, v in engine.scheduler.stats().items()
+                            if k in ("steps", "tokens", "batch_sizes")}
         engine.close()
         results["modes"].append(res)
         log(json.dumps(res))

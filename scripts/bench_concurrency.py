@@ -1,7 +1,8 @@
 """Aggregate LLM decode throughput of the batch scheduler: N concurrent streams vs one.
 
 Runs requests of forced length (stop tokens ignored, seeded RAS) through a BatchScheduler over a
-llama.cpp backend (or, without ``--gguf``, the PyTorch LLM) and reports tokens/s summed over all streams and per stream. Use a full-size
+llama.cpp backend (or, without ``--gguf``, the PyTorch LLM) and reports tokens/s summed over all streams and per
+stream. Use a full-size
 model (``cosyllama make-model DIR --size full``; ``cosyllama convert --model-dir DIR --out F.gguf
 --type Q8_0``) for meaningful numbers.
 
@@ -22,7 +23,7 @@ from cosyllama.config import load_config
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import LlamaCppLLM
-from cosyllama.scheduler import BatchScheduler
+from cosyllama.llm.scheduler import BatchScheduler
 
 PROMPT_TEXT_TOKENS = 40  # prompt transcript + target text ids
 PROMPT_SPEECH_TOKENS = 75  # 3 s of prompt speech at 25 tokens/s
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
         ready.wait()
     cfg = load_config(args.model_dir).llm
     if args.gguf:
-        llm = LlamaCppLLM(args.gguf, args.model_dir, n_threads=args.threads, n_seq_max=max(levels),
+        llm = LlamaCppLLM(args.gguf, load_config(args.model_dir), n_threads=args.threads, n_seq_max=max(levels),
                           n_gpu_layers=args.n_gpu_layers)
     else:
         import torch

@@ -25,20 +25,9 @@ from pathlib import Path
 
 import torch
 
+from cosyllama.timing import timed
+
 TOKEN_RATE = 25  # speech tokens per second; the flow makes 2 mel frames per token
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(fn, dev: torch.device):
-    _sync(dev)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(dev)
-    return time.perf_counter() - t0, out
 
 
 def _requests(n: int, prompt_s: float, out_s: float, vocab: int, dev: torch.device) -> list[tuple]:
@@ -113,8 +102,8 @@ def main(argv=None) -> int:
                 torch.cuda.reset_peak_memory_stats(dev)
             serial, batched = [], []
             for _ in range(args.rounds):  # interleaved: a load change hits both ways alike
-                s, mels = _timed(lambda: [flow.inference(*r) for r in batch_in], dev)
-                b, bmels = _timed(lambda: flow.inference_batch(batch_in), dev)
+                s, _, mels = timed(lambda: [flow.inference(*r) for r in batch_in], dev)
+                b, _, bmels = timed(lambda: flow.inference_batch(batch_in), dev)
                 serial.append(s)
                 batched.append(b)
             diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(bmels, mels))

@@ -11,7 +11,8 @@ waveform), and the time to the first streaming chunk through the engine's :class
 Flow variants: ``fp32`` (reference eager), ``bf16`` (``Flow.set_precision("bf16")``, what ``auto``
 picks on CPUs with AVX512-BF16/AMX), ``int8`` (what ``auto`` picks on other x86 CPUs when it passes
 its fidelity check), ``fp32-autocast`` (the reference path under a plain
-``torch.autocast("cpu", dtype=torch.bfloat16)``: the baseline issue 19 asks the bf16 path to beat), ``fp32-fast`` (the bf16 solver's re-arranged float32 twin:
+``torch.autocast("cpu", dtype=torch.bfloat16)``: the baseline issue 19 asks the bf16 path to beat), ``fp32-fast``
+(the bf16 solver's re-arranged float32 twin:
 shows what restructuring alone gives), ``bf16-res16`` (bf16 residual stream too — measured, not
 offered), and ``bf16-steps<N>`` (fewer Euler steps: an explicit quality trade).
 Vocoder variants: ``fp32`` and the opt-in ``bf16`` (the default channels-last conv stack), and
@@ -46,6 +47,7 @@ import torch
 from cosyllama.device import resolve_device
 from cosyllama.flow import FastDiT, Flow
 from cosyllama.precision import resolve_precision
+from cosyllama.timing import sync, timed
 from cosyllama.tools.synthetic import size_config
 from cosyllama.vocoder import HiFT, source_noise_state
 
@@ -55,20 +57,6 @@ MEL_RATE = 50  # mel frames per second
 # Spec §1.2 / §15: the shipped cosyvoice3.yaml sizes, as `cosyllama make-model --size full` writes them.
 _FULL = size_config("full")
 FULL_FLOW, FULL_HIFT, FEAT = _FULL.flow, _FULL.hift, _FULL.feat
-
-
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timed_once(fn, dev: torch.device) -> tuple[float, float, object]:
-    """(wall s, process CPU s, result) of one call."""
-    sync(dev)
-    c0, t0 = time.process_time(), time.perf_counter()
-    out = fn()
-    sync(dev)
-    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def mel_diff(a: torch.Tensor, b: torch.Tensor) -> dict:
@@ -219,7 +207,7 @@ class _TimedFlow:
         return getattr(self.flow, name)
 
     def inference(self, *args, **kw):
-        w, c, out = timed_once(lambda: self.flow.inference(*args, **kw), self.dev)
+        w, c, out = timed(lambda: self.flow.inference(*args, **kw), self.dev)
         cache = kw.get("cache")
         self.calls.append({"n_tokens": args[0].shape[1], "finalize": kw["finalize"], "wall_s": round(w, 3),
                            "cpu_s": round(c, 3), "reused_frames": cache.last_start if cache else 0,
@@ -395,7 +383,7 @@ def main() -> None:
     mels: dict[str, torch.Tensor] = {}
     for r in range(a.repeats):
         for v in (fvars if r % 2 == 0 else fvars[::-1]):
-            w, c, mel = timed_once(lambda: v.run(*inputs), dev)
+            w, c, mel = timed(lambda: v.run(*inputs), dev)
             f_wall[v.name].append(round(w, 3))
             f_cpu[v.name].append(round(c, 3))
             mels[v.name] = mel
@@ -408,7 +396,7 @@ def main() -> None:
     for r in range(a.vocoder_repeats or a.repeats):
         for n in (vnames if r % 2 == 0 else vnames[::-1]):
             set_vocoder(hift, n)
-            w, c, wav = timed_once(lambda: hift.inference(ref_mel), dev)
+            w, c, wav = timed(lambda: hift.inference(ref_mel), dev)
             v_wall[n].append(round(w, 3))
             v_cpu[n].append(round(c, 3))
             wavs[n] = wav
@@ -489,7 +477,8 @@ def main() -> None:
         print(f"  {n:14s} {row['seconds_per_audio_second']:9.3f} {row['best_seconds_per_audio_second']:7.3f} "
               f"{row['cpu_seconds_per_audio_second']:8.3f} {row['speedup_vs_fp32']:8.2f} {'':9s} "
               f"{row['wav_logmel_vs_fp32']['mean_abs']:9.4f} {row['wav_logmel_vs_fp32']['max_abs']:8.4f}"
-              f"  (log-mel of the waveform; wav max diff {row['wav_max_abs_vs_fp32']:.1e})" + (f"  {row['time_share']}" if a.vocoder_profile else ""))
+              f"  (log-mel of the waveform; wav max diff {row['wav_max_abs_vs_fp32']:.1e})"
+              + (f"  {row['time_share']}" if a.vocoder_profile else ""))
     if voc_stream:
         rr = statistics.median(v["rerun_s"] for v in voc_stream)
         ss = statistics.median(v["stream_step_s"] for v in voc_stream)

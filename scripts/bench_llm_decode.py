@@ -18,7 +18,8 @@ keys: type (F16/Q8_0/Q4_0: a GGUF of `cosyllama bench`'s cache, or gguf=PATH), t
 (none | import | matmul | thread: not loaded / imported first / imported and ran a 2-thread matmul
 / plus a thread that keeps running matmuls), threads, threads_batch, kv (f16/f32/q8_0), fa (on/off/
 auto), repack (1/0: llama.cpp's CPU_REPACK buffers), load (mmap/none/mlock/mmap_mlock), batch
-(sequences per step), hog (N busy processes beside the decode: a loaded machine), caller (main / worker: llama_decode from a second Python thread, as the
+(sequences per step), hog (N busy processes beside the decode: a loaded machine), caller (main / worker:
+llama_decode from a second Python thread, as the
 scheduler does), env.NAME=VALUE.
 """
 
@@ -32,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-GGUF_DIR = Path(os.environ.get("COSYLLAMA_CACHE", Path.home() / ".cache" / "cosyllama")) / "gguf"
+from cosyllama.cachedir import cache_dir
+
+GGUF_DIR = cache_dir() / "gguf"
 
 BASE = {"type": "Q8_0", "torch": "matmul", "threads": "2", "kv": "f16", "fa": "auto", "repack": "1",
         "load": "mmap", "batch": "1", "caller": "main", "hog": "0"}
@@ -312,8 +315,9 @@ def main() -> int:
             out = run_child("decode", {"variant": v, "tokens": args.tokens, "prompt": args.prompt,
                                        "repeat": args.repeat}, env)
             rnd["decode"][name] = out
+            libs = " ".join(os.path.basename(p) + "@" + p.split("/")[-3] for p in out["omp_libs"])
             print(f"  {name:16s} {out['tok_s']:6.1f} tok/s  (prefill {out['prefill_s'] * 1e3:.0f} ms, "
-                  f"load {out['load_s']:.2f} s, omp: {' '.join(os.path.basename(p) + '@' + p.split('/')[-3] for p in out['omp_libs']) or '-'})",
+                  f"load {out['load_s']:.2f} s, omp: {libs or '-'})",
                   flush=True)
         rnd["bandwidth_end"] = run_child("bandwidth", {"threads": 2}, {})
         print(f"  read GB/s after the round: {max(rnd['bandwidth_end'].values()):.1f}", flush=True)

@@ -51,10 +51,10 @@ async def first_audio_s(port: int, timeout: float) -> float:
 def main(argv=None) -> int:
     import cosyllama
     from cosyllama.precision import precision_name
-    from cosyllama.serving import load_tts, prepare
+    from cosyllama.server.serving import load_tts, prepare
+    from cosyllama.server.wyoming import start_wyoming
     from cosyllama.tools.bench import ensure_full_model, ensure_gguf, prompt_wav
     from cosyllama.tts import SynthesisOptions
-    from cosyllama.wyoming_server import start_wyoming
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -131,7 +130,8 @@ def int8_gemm_gops(rows: int, threads: int, repeats: int, engine: str = "fbgemm"
     out = {"dynamic": flops / best_time(lambda: [lin(x) for x, lin in layers], repeats) / 1e9}
     try:  # static int8 linear: u8 in, int8 product, requantized u8 out (no float pass on either side)
         out["prequantized"] = flops / best_time(
-            lambda: [torch.ops.quantized.linear(q, lin.packed, 1.0, 0) for q, (_, lin) in zip(qx, layers)], repeats) / 1e9
+            lambda: [torch.ops.quantized.linear(q, lin.packed, 1.0, 0) for q, (_, lin) in zip(qx, layers)],
+            repeats) / 1e9
     except (RuntimeError, AttributeError):
         pass
     return out
@@ -161,7 +161,9 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 
 def default_ggufs() -> list[Path]:
-    root = Path(os.environ.get("COSYLLAMA_CACHE", Path.home() / ".cache" / "cosyllama")) / "gguf"
+    from cosyllama.cachedir import cache_dir
+
+    root = cache_dir() / "gguf"
     return sorted(root.glob("full-random-seed*/llm-*.gguf"))
 
 
@@ -208,7 +210,8 @@ def main() -> int:
     res["attention_tflops"] = {}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for mask, block in (("full", 0), ("block-causal", 50)):  # the official DiT's 50-frame blocks
-            res["attention_tflops"][f"{name}-{mask}"] = round(attention_tflops(dt, frames, args.threads, args.repeats, block), 3)
+            tflops = attention_tflops(dt, frames, args.threads, args.repeats, block)
+            res["attention_tflops"][f"{name}-{mask}"] = round(tflops, 3)
     # The flow's floor at each solver's products and attention: bf16 (products and attention bf16), int8 (its
     # products, float32 attention), fp32.
     for name, attn in (("fp32", "fp32-full"), ("bf16", "bf16-full"), ("int8-dynamic", "fp32-full"),

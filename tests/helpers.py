@@ -4,9 +4,17 @@ in ``conftest.py``."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from cosyllama.llm.backend import LLMBackend, Prefill
+    from cosyllama.llm.decode import DecodeOptions
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cosyvoice3-tiny"
 MODEL_DIR = FIXTURES / "model"
@@ -152,7 +160,8 @@ def log_spectrum_tolerance(ref_log: np.ndarray, banks: np.ndarray, n_fft: int, p
 
     ``banks``: the mel filters ``(n_mels, n_fft // 2 + 1)``; ``power``: the bands sum |X|^2 (Kaldi fbank)
     rather than |X| (Matcha mel); ``band_axis``: the axis of ``ref_log`` that holds the bands."""
-    width = np.expand_dims(banks.sum(axis=1), axis=tuple(i for i in range(ref_log.ndim) if i != band_axis % ref_log.ndim))
+    other_axes = tuple(i for i in range(ref_log.ndim) if i != band_axis % ref_log.ndim)
+    width = np.expand_dims(banks.sum(axis=1), axis=other_axes)
     energy = np.exp(ref_log.astype(np.float64)) / width
     amp = np.sqrt(energy) if power else energy
     c = (2 if power else 1) * 2 * np.sqrt(np.log2(n_fft))
@@ -169,3 +178,64 @@ def assert_log_spectrum_close(name: str, ours, ref: np.ndarray, banks: np.ndarra
     worst = np.unravel_index(np.argmax(excess), excess.shape)
     assert excess[worst] <= 0, (f"{name}: differs by {abs(float(ours[worst]) - float(ref[worst])):.3g} at {worst}, "
                                 f"bound {float(tol[worst]):.3g}")
+
+
+# ----------------------------------------------------------------------------------------------
+# A slow LLM backend: the one fake the server, limits and web page tests share
+
+
+class SlowBackend:
+    """An LLM backend that delegates to ``inner`` and pauses on the way, so that a test can catch a
+    request where it wants it: ``step_delay`` seconds per decode step, ``position_delay`` per prompt
+    position and ``piece_delay`` per prefill piece of ``chunk`` positions (a whole ``start`` sleeps as
+    long as its positions and pieces would). ``prefilling`` is true inside a prefill call; ``pieces``
+    counts prefill pieces. Offers no piecewise prefill (``begin``/``prefill_step``): the scheduler
+    prefills each prompt whole; :func:`slow_backend` with ``piecewise=True`` gives one that does."""
+
+    def __init__(self, inner, *, step_delay: float = 0.0, position_delay: float = 0.0, piece_delay: float = 0.0,
+                 chunk: int = 1, name: str | None = None):
+        self.inner, self.name = inner, inner.name if name is None else name
+        self.step_delay, self.position_delay, self.piece_delay, self.chunk = (step_delay, position_delay,
+                                                                              piece_delay, chunk)
+        self.prefilling = False
+        self.pieces = 0
+
+    def __getattr__(self, attr):  # config, n_seq_max, max_seq_tokens, release, stats, ...
+        if attr in ("inner", "begin", "prefill_step"):
+            raise AttributeError(attr)
+        return getattr(self.inner, attr)
+
+    def step(self, batch):
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        return self.inner.step(batch)
+
+    def start(self, prefill, max_new_tokens):
+        self.prefilling = True
+        try:
+            time.sleep(self.position_delay * len(prefill) + self.piece_delay * -(-len(prefill) // self.chunk))
+            return self.inner.start(prefill, max_new_tokens)
+        finally:
+            self.prefilling = False
+
+
+class _SlowPiecewiseBackend(SlowBackend):
+    """:class:`SlowBackend` over a backend that prefills in pieces, offering them too."""
+
+    def begin(self, prefill, max_new_tokens):
+        return self.inner.begin(prefill, max_new_tokens)
+
+    def prefill_step(self, handle, max_positions):
+        self.prefilling = True
+        self.pieces += 1
+        try:
+            positions = min(max_positions, handle.n_prompt - handle.n_past) if self.position_delay else 0
+            time.sleep(self.piece_delay + self.position_delay * positions)
+            return self.inner.prefill_step(handle, max_positions)
+        finally:
+            self.prefilling = False
+
+
+def slow_backend(inner, *, piecewise: bool = False, **delays) -> SlowBackend:
+    """A :class:`SlowBackend` over ``inner``; ``piecewise``: offer ``inner``'s piecewise prefill."""
+    return (_SlowPiecewiseBackend if piecewise else SlowBackend)(inner, **delays)

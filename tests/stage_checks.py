@@ -107,7 +107,8 @@ def check_stages(rec: StageRecorder, ref_hift, case: str, tokens: list[int], chu
         assert chunk_lengths == m["chunk_lengths"], "chunk sizes differ from the recording"
     assert len(rec.flow_mels) == len(m["flow_calls"]), "number of flow calls differs from the recording"
     # The schedule, call by call: tokens in, streaming or not, mel frames out.
-    got = [(c["n_tokens"], c["streaming"], c["finalize"], int(mel.shape[2])) for c, mel in zip(rec.flow_calls, rec.flow_mels)]
+    got = [(c["n_tokens"], c["streaming"], c["finalize"], int(mel.shape[2]))
+           for c, mel in zip(rec.flow_calls, rec.flow_mels)]
     want = [(c["n_tokens"], c["streaming"], c["finalize"], c["n_mel_out"]) for c in m["flow_calls"]]
     assert got == want, f"flow calls differ from the recording: {got} != {want}"
     for k, mel in enumerate(rec.flow_mels):
@@ -226,8 +227,8 @@ def frontend_rounding(prompt_mel: np.ndarray, k: float = PROMPT_ROUNDING_K) -> t
     ``(1, T, 80)`` and in the speaker embedding, on the shape of the log-spectrum error model in
     ``helpers`` (``eps * A_max / A_band``) at ``k`` times its unit: every element drawn at about the size
     of the worst one Intel AMX showed, where most of its elements were equal to the recording."""
-    from helpers import FEATURE_ATOL, log_spectrum_tolerance
     from cosyllama.audio import slaney_mel_filterbank
+    from helpers import FEATURE_ATOL, log_spectrum_tolerance
 
     banks = slaney_mel_filterbank(24_000, 1920, 80, 0.0, None)
     unit = (log_spectrum_tolerance(prompt_mel, banks, 1920, power=False) - FEATURE_ATOL) / (2 * np.sqrt(np.log2(1920)))
@@ -235,11 +236,11 @@ def frontend_rounding(prompt_mel: np.ndarray, k: float = PROMPT_ROUNDING_K) -> t
 
 
 def _measure(perturb: float, seeds: int, prompt_k: float = 0.0) -> dict:
-    from helpers import FIXTURES, MODEL_DIR
     from cosyllama.cpu import CpuPath
     from cosyllama.engine import Token2Wav
     from cosyllama.flow import Flow
     from cosyllama.vocoder import HiFT
+    from helpers import FIXTURES, MODEL_DIR
 
     flow = Flow.from_dir(MODEL_DIR)
     t2w = Token2Wav(flow, HiFT.from_dir(MODEL_DIR), 24000)
@@ -257,7 +258,8 @@ def _measure(perturb: float, seeds: int, prompt_k: float = 0.0) -> dict:
 
             flow.inference = noisy
             try:
-                rows.append(waveform_errors(run_case(t2w, case, prompt_noise=g if prompt_k else None, prompt_k=prompt_k)[0], want))
+                audio = run_case(t2w, case, prompt_noise=g if prompt_k else None, prompt_k=prompt_k)[0]
+                rows.append(waveform_errors(audio, want))
             finally:
                 del flow.__dict__["inference"]
         out["cases"][case] = {k: max(r[k] for r in rows) for k in rows[0]}
@@ -276,8 +278,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--perturb", type=float, default=1e-6)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--prompt-k", type=float, default=0.0, help="also perturb the prompt mel and embedding at "
-                    f"this multiple of the frontend's rounding unit (frontend_rounding; {PROMPT_ROUNDING_K} for the bound)")
+    ap.add_argument("--prompt-k", type=float, default=0.0,
+                    help="also perturb the prompt mel and embedding at this multiple of the frontend's rounding "
+                    f"unit (frontend_rounding; {PROMPT_ROUNDING_K} for the bound)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR, load_fixture, synthesize_call
-from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama import InputError, load
 from cosyllama.cli import main
+from helpers import FIXTURES, MODEL_DIR, load_fixture, synthesize_call
+from stage_checks import StageRecorder, check_stages, check_whole_waveform
 
 CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
 
@@ -138,7 +138,8 @@ def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):
     assert json.loads((tmp_path / "t.json").read_text()) == [a["flow_tokens"][0].tolist()]
     audio, sr = sf.read(tmp_path / "o.wav", dtype="float32")
     assert sr == 24000 and audio.shape == a["speech"][0].shape
-    check_whole_waveform(audio, "zero_shot_stream", frontend=True)  # 16-bit PCM rounding (3e-5) is far inside its bounds
+    # 16-bit PCM rounding (3e-5) is far inside its bounds
+    check_whole_waveform(audio, "zero_shot_stream", frontend=True)
     err = capsys.readouterr().err
     assert "RTF" in err and "first audio after" in err
     from cosyllama.cpu import cpu_class

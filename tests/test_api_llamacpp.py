@@ -5,11 +5,10 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from helpers import FIXTURES, MODEL_DIR, load_fixture, synthesize_call  # noqa: E402
-from stage_checks import StageRecorder, check_stages, check_whole_waveform  # noqa: E402
-
 from cosyllama import load  # noqa: E402
 from cosyllama.cli import main  # noqa: E402
+from helpers import FIXTURES, MODEL_DIR, load_fixture, synthesize_call  # noqa: E402
+from stage_checks import StageRecorder, check_stages, check_whole_waveform  # noqa: E402
 
 CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
 

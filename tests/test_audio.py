@@ -8,10 +8,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, assert_log_spectrum_close, load_fixture, log_spectrum_tolerance
 from cosyllama import audio as A
 from cosyllama.config import load_config
 from cosyllama.errors import InputError
+from helpers import FIXTURES, MODEL_DIR, assert_log_spectrum_close, load_fixture, log_spectrum_tolerance
 
 ARR, META = load_fixture("frontend")
 WAVS = META["meta"]["wavs"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import MODEL_DIR
 from cosyllama import precision as prec
 from cosyllama.cpu import CpuPath
 from cosyllama.flow import Flow, check, fast_dit
 from cosyllama.precision import INT8
+from helpers import MODEL_DIR
 
 
 @pytest.fixture

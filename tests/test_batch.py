@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR
 from cosyllama.batch.manifest import read_manifest
 from cosyllama.cli import main
+from helpers import FIXTURES, MODEL_DIR
 
 WAVS = FIXTURES / "wavs"
 EN, EN_TEXT = WAVS / "prompt_en_16k.wav", "Hello, this is a short prompt."

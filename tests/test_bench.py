@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from helpers import MODEL_DIR
 from cosyllama.cli import main
 from cosyllama.config import load_config
 from cosyllama.weights import load_flow_weights, load_hift_weights, load_llm_weights
+from helpers import MODEL_DIR
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,8 @@ def test_bench_json_has_every_field(tiny_model, tmp_path, monkeypatch):
     assert [r["variant"] for r in res["flow"]] == ["fp32", "bf16"] + (["int8"] if int8_available() else []) + (
         ["int8-onednn"] if "onednn" in engines else [])
     assert res["flow"][0]["mel_max_abs_diff_vs_fp32"] == 0
-    assert [(r["llm"], r["flow"]) for r in res["pipeline"]][:2] == [("torch fp32", "fp32"), ("llamacpp speech Q8_0", "fp32")]
+    assert [(r["llm"], r["flow"]) for r in res["pipeline"]][:2] == [("torch fp32", "fp32"),
+                                                                     ("llamacpp speech Q8_0", "fp32")]
     for r in res["pipeline"]:
         assert r["rtf"] > 0 and r["first_chunk_s"] > 0 and r["peak_rss_mb"] > 0 and r["flow"]
 
@@ -93,10 +94,10 @@ def test_rows_take_turns_so_a_drift_cancels(tiny_model, tmp_path, monkeypatch):
     calls = []
 
     def child(cmd, **kw):  # a child whose times grow by one with every run, whatever it runs
-        spec = json.loads(cmd[-1])
-        calls.append((spec["llm"], spec["precision"]))
+        load = json.loads(cmd[-1])["load"]  # the child's LoadOptions
+        calls.append((load["llm"], load["precision"]))
         t = float(len(calls))
-        out = {"flow": spec["precision"], "rtf": t, "first_chunk_s": 10 * t, "peak_rss_mb": 100.0 * t,
+        out = {"flow": load["precision"], "rtf": t, "first_chunk_s": 10 * t, "peak_rss_mb": 100.0 * t,
                "llm_s": t, "token2wav_s": t, "stream_llm_s": t, "stream_token2wav_s": t}
         return types.SimpleNamespace(returncode=0, stdout=json.dumps(out) + "\n", stderr="")
 
@@ -164,6 +165,7 @@ def test_llm_types_choose_the_llamacpp_rows():
     from cosyllama.tools.bench import LLM_CONFIGS, llm_configs
 
     assert llm_configs(None) == LLM_CONFIGS
-    assert llm_configs("Q8_0") == [("torch", None, "F32"), ("llamacpp", "speech", "Q8_0"), ("llamacpp", "merged", "Q8_0")]
+    assert llm_configs("Q8_0") == [("torch", None, "F32"), ("llamacpp", "speech", "Q8_0"),
+                                   ("llamacpp", "merged", "Q8_0")]
     with pytest.raises(InputError, match="Q9"):
         llm_configs("Q8_0,Q9")

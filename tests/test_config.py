@@ -5,11 +5,11 @@ import shutil
 import pytest
 import torch
 
-from helpers import MODEL_DIR
 from cosyllama.config import REQUIRED_FILES, Tagged, load_config, read_hyperpyyaml
 from cosyllama.errors import CheckpointError, DeviceError, ModelDirError
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.weights import load_llm_weights
+from helpers import MODEL_DIR
 
 
 def test_config_values():

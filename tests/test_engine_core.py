@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
-from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.flow import Flow
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, SilentTokenFilter, generate
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.vocoder import HiFT
+from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture
+from stage_checks import StageRecorder, check_stages, check_whole_waveform
 
 CASES = sorted(p.stem for p in FIXTURES.glob("e2e_*.npz"))
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama.errors import CheckpointError, DeviceError, InputError
 from cosyllama.flow import Flow, chunk_attention_mask, cosine_t_span, flow_noise
+from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 
 ATOL = 1e-3  # fixture README §7: 10 Euler steps amplify float differences; we observe ~0 on CPU
 E2E = ["cross_lingual_nonstream", "cross_lingual_stream", "instruct2_nonstream", "instruct2_stream",

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture, maxdiff
 from cosyllama.errors import InputError
 from cosyllama.flow import Flow, FlowStreamCache
+from helpers import MODEL_DIR, load_fixture, maxdiff
 
 # As tests/test_flow_cache.py: fp32 rounding through 10 Euler steps; bf16 its own rounding. Observed
 # on CPU: fp32 2e-6, bf16 0. int8 solves its rows one by one, so its rows are bit-equal.

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture, recorded_flow_calls
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.errors import InputError
 from cosyllama.flow import DEFAULT_STREAM_CACHE_MB, Flow, FlowStreamCache
 from cosyllama.vocoder import HiFT
+from helpers import FIXTURES, MODEL_DIR, interleave_chunks, load_fixture, recorded_flow_calls
 
 TOL = {"fp32": 2e-5, "bf16": 1e-2}
 STREAM_CASES = ["cross_lingual_stream", "instruct2_stream", "zero_shot_stream"]

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama import precision as prec
 from cosyllama.cpu import CpuPath
 from cosyllama.flow import Flow, check, fast_dit
 from cosyllama.precision import INT8
+from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 
 MEAN_BOUND, MAX_BOUND = check.MEAN_BOUND, check.MAX_BOUND
 CASES = ["zero_shot_nonstream", "zero_shot_stream", "instruct2_stream", "cross_lingual_nonstream"]
@@ -78,7 +78,8 @@ def test_int8_streaming_cache_equals_recomputing(flow_int8):
     assert cache.last_start > 0
     # K/V are computed in float32 and kept in bfloat16: half the memory, and the bound counts that
     assert {t.dtype for kv in cache.kv.values() for t in kv} == {torch.bfloat16}
-    assert sum(t.nbytes for kv in cache.kv.values() for t in kv) == cache.frames * flow_int8.decoder.kv_bytes_per_frame()
+    stored = sum(t.nbytes for kv in cache.kv.values() for t in kv)
+    assert stored == cache.frames * flow_int8.decoder.kv_bytes_per_frame()
     assert flow_int8.decoder.kv_bytes_per_frame() * 2 == Flow.from_dir(MODEL_DIR).decoder.kv_bytes_per_frame()
     # activation scales are per call, so cached frames equal recomputed ones within int8's own error
     # (observed max 0.012 here), not bit for bit: held to the fidelity bound

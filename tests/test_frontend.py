@@ -7,10 +7,11 @@ import pytest
 import soundfile as sf
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, assert_log_spectrum_close, load_fixture
 from cosyllama.audio import slaney_mel_filterbank
+from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.frontend import Frontend, ModelInput, PromptFeatures
+from helpers import FIXTURES, MODEL_DIR, assert_log_spectrum_close, load_fixture
 
 E2E = ["e2e_zero_shot_nonstream", "e2e_zero_shot_stream", "e2e_zero_shot_nonstream_speed1.5",
        "e2e_cross_lingual_nonstream", "e2e_cross_lingual_stream", "e2e_instruct2_nonstream", "e2e_instruct2_stream"]
@@ -25,7 +26,7 @@ def _close_prompt_mel(name, got, want):
 
 @pytest.fixture(scope="module")
 def fe():
-    return Frontend(MODEL_DIR)
+    return Frontend(load_config(MODEL_DIR))
 
 
 def _inputs(fe, call) -> list[ModelInput]:

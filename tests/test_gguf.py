@@ -10,6 +10,7 @@ import pytest
 from cosyllama.config import load_config
 from cosyllama.errors import CheckpointError, InputError, ModelDirError
 from cosyllama.llm import gguf as G
+from cosyllama.llm import gguf_read as R
 from cosyllama.llm.gguf_names import tensor_table
 
 gguf = pytest.importorskip("gguf")
@@ -50,25 +51,25 @@ def test_speech_layout_metadata_and_tensors(tiny_gguf, model_dir, cfg):
     out = np.asarray(tensors["output.weight"].data).reshape(6761, q.hidden_size)
     np.testing.assert_array_equal(emb, w["speech_embedding.weight"].float().numpy())
     np.testing.assert_array_equal(out, w["llm_decoder.weight"].float().numpy())
-    assert kv["cosyllama.llm_fingerprint"] == G.llm_fingerprint(w, q.num_hidden_layers)
+    assert kv["cosyllama.llm_fingerprint"] == R.llm_fingerprint(w, q.num_hidden_layers)
 
 
 def test_merged_layout_vocabulary(tiny_gguf, model_dir, cfg):
     path = tiny_gguf("merged", "F32")
     n_text = cfg.qwen.vocab_size
-    info = G.inspect_gguf(path, cfg)
+    info = R.inspect_gguf(path, cfg)
     assert (info.layout, info.n_vocab, info.speech_offset, info.type) == ("merged", n_text + 6761, n_text, "F32")
     import mmap
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    kv, tensors = G._read_header(path, buf)
+    kv, tensors = R.read_header(path, buf)
     toks = kv["tokenizer.ggml.tokens"]
     assert kv["tokenizer.ggml.model"] == "gpt2" and kv["tokenizer.ggml.pre"] == "qwen2"
     assert len(toks) == n_text + 6761
     assert toks[n_text] == "<|s_0|>" and toks[n_text + 6760] == "<|s_6760|>"
     assert toks[151643] == "<|endoftext|>" and toks[0] == "!"
     assert toks[151646] == "<|endofprompt|>" and toks[151923] == "[ǜ]" and toks[151924] == "[PAD151924]"
-    from cosyllama.text import TextTokenizer
+    from cosyllama.text.tokenizer import TextTokenizer
     tk = TextTokenizer(model_dir / "CosyVoice-BlankEN")
     ids = tk.encode("<|endofprompt|>[breath][AA1]")
     assert [toks[i] for i in ids] == ["<|endofprompt|>", "[breath]", "[AA1]"]
@@ -90,7 +91,7 @@ def test_convert_refuses_overwrite_and_bad_options(tiny_gguf, model_dir, tmp_pat
     out.write_bytes(b"old")
     seen = []
     G.convert(model_dir, out, type="F32", force=True, progress=lambda *a: seen.append(a))
-    assert G.inspect_gguf(out, load_config(model_dir).llm).layout == "speech"
+    assert R.inspect_gguf(out, load_config(model_dir).llm).layout == "speech"
     assert seen[-1] == ("write", 27, 27)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["forced.gguf"]  # no temp files left
 
@@ -103,7 +104,7 @@ def test_quantize_reports_progress_and_ftype_constants(tmp_path, model_dir):
     seen = []
     out = G.convert(model_dir, tmp_path / "q.gguf", type="q8_0", progress=lambda *a: seen.append(a))
     assert ("quantize", 27, 27) in seen
-    assert G.inspect_gguf(out, load_config(model_dir).llm).type == "Q8_0"
+    assert R.inspect_gguf(out, load_config(model_dir).llm).type == "Q8_0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -113,13 +114,13 @@ def test_quantize_reports_progress_and_ftype_constants(tmp_path, model_dir):
 def test_refuses_wrong_layout(tiny_gguf, model_dir, cfg):
     speech = tiny_gguf("speech", "F32")
     with pytest.raises(CheckpointError, match="is a 'speech'-layout GGUF, but a 'merged'-layout file was asked"):
-        G.inspect_gguf(speech, cfg, layout="merged")
+        R.inspect_gguf(speech, cfg, layout="merged")
 
 
 def test_refuses_other_llm_pt(tiny_gguf, model_dir, cfg):
     speech = tiny_gguf("speech", "F32")
     with pytest.raises(CheckpointError, match="converted from a different llm.pt"):
-        G.inspect_gguf(speech, cfg, fingerprint="0" * 32)
+        R.inspect_gguf(speech, cfg, fingerprint="0" * 32)
 
 
 def test_refuses_other_constants(tiny_gguf, model_dir, cfg):
@@ -127,7 +128,7 @@ def test_refuses_other_constants(tiny_gguf, model_dir, cfg):
     speech = tiny_gguf("speech", "F32")
     other = dataclasses.replace(cfg, speech_token_size=4096)
     with pytest.raises(CheckpointError, match="another CosyVoice3 configuration.*speech_token_size = 6561"):
-        G.inspect_gguf(speech, other)
+        R.inspect_gguf(speech, other)
 
 
 def test_refuses_truncated_and_non_gguf(tiny_gguf, model_dir, cfg, tmp_path):
@@ -137,13 +138,13 @@ def test_refuses_truncated_and_non_gguf(tiny_gguf, model_dir, cfg, tmp_path):
         bad = tmp_path / f"cut{cut}.gguf"
         bad.write_bytes(data[:cut])
         with pytest.raises(CheckpointError, match="truncated"):
-            G.inspect_gguf(bad, cfg)
+            R.inspect_gguf(bad, cfg)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"PK\x03\x04" + bytes(100))
     with pytest.raises(CheckpointError, match="not a GGUF file"):
-        G.inspect_gguf(junk, cfg)
+        R.inspect_gguf(junk, cfg)
     with pytest.raises(ModelDirError, match="does not exist"):
-        G.inspect_gguf(tmp_path / "missing.gguf", cfg)
+        R.inspect_gguf(tmp_path / "missing.gguf", cfg)
 
 
 def write_text_llm(path, hidden: int, n_layers: int, heads: int, kv_heads: int, ff: int, vocab: list[str]):
@@ -191,10 +192,10 @@ def test_refuses_unrelated_text_llm(model_dir, cfg, tmp_path):
     same_dims = write_text_llm(tmp_path / "chat.gguf", q.hidden_size, q.num_hidden_layers, q.num_attention_heads,
                                q.num_key_value_heads, q.intermediate_size, vocab)
     with pytest.raises(CheckpointError, match=r"not a CosyVoice3 speech-LLM GGUF.*\(300 tokens\).*<\|s_0\|>"):
-        G.inspect_gguf(same_dims, cfg)
+        R.inspect_gguf(same_dims, cfg)
     wider = write_text_llm(tmp_path / "wide.gguf", 32, 2, 4, 2, 64, vocab)
     with pytest.raises(CheckpointError, match="does not belong to this model directory: qwen2.embedding_length = 32"):
-        G.inspect_gguf(wider, cfg)
+        R.inspect_gguf(wider, cfg)
 
 
 def test_foreign_merged_file_is_detected_from_its_vocabulary(model_dir, cfg, tmp_path):
@@ -204,19 +205,19 @@ def test_foreign_merged_file_is_detected_from_its_vocabulary(model_dir, cfg, tmp
     w = load_llm_weights(model_dir / "llm.pt", cfg)
     path = tmp_path / "foreign-merged.gguf"
     G._write_f32(path, w, cfg, c.qwen_dir, "merged", "unused", None, cosyllama_keys=False)
-    info = G.inspect_gguf(path, cfg, fingerprint=G.llm_fingerprint(w, cfg.qwen.num_hidden_layers))
+    info = R.inspect_gguf(path, cfg, fingerprint=R.llm_fingerprint(w, cfg.qwen.num_hidden_layers))
     assert (info.layout, info.fingerprint) == ("merged", None)
     with pytest.raises(CheckpointError, match="'merged'-layout GGUF, but a 'speech'"):
-        G.inspect_gguf(path, cfg, layout="speech")
+        R.inspect_gguf(path, cfg, layout="speech")
 
 
 def test_fingerprint_tracks_weights(model_dir, cfg):
     from cosyllama.weights import load_llm_weights
     w = dict(load_llm_weights(model_dir / "llm.pt", cfg))
-    a = G.llm_fingerprint(w, cfg.qwen.num_hidden_layers)
+    a = R.llm_fingerprint(w, cfg.qwen.num_hidden_layers)
     w["llm_decoder.weight"] = w["llm_decoder.weight"].clone()
     w["llm_decoder.weight"][0, 0] += 1e-3
-    assert G.llm_fingerprint(w, cfg.qwen.num_hidden_layers) != a
+    assert R.llm_fingerprint(w, cfg.qwen.num_hidden_layers) != a
 
 
 def test_model_dir_without_tokenizer_cannot_make_merged(model_dir, tmp_path):

@@ -16,8 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import FIXTURES, MODEL_DIR, fixture_prefill, load_fixture, recorded_flow_calls, synthesize_call
-from stage_checks import StageRecorder, check_stages, check_whole_waveform
 from cosyllama import load
 from cosyllama.engine import FlowPrompt
 from cosyllama.flow import Flow, FlowStreamCache
@@ -25,6 +23,8 @@ from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.precision import resolve_precision
 from cosyllama.vocoder import HiFT
+from helpers import FIXTURES, MODEL_DIR, fixture_prefill, load_fixture, recorded_flow_calls, synthesize_call
+from stage_checks import StageRecorder, check_stages, check_whole_waveform
 
 DEVICE = os.environ.get("COSYLLAMA_TEST_DEVICE", "cuda")
 pytestmark = [

@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 
-from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.static_decode import StaticTorchLLM
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.weights import load_llm_weights
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 
 DEVICE = os.environ.get("COSYLLAMA_TEST_DEVICE", "cuda")
 ON_CUDA = DEVICE.startswith("cuda")
@@ -86,7 +86,7 @@ def test_half_precision_graphs_stay_close(precision):
 
 
 # ----------------------------------------------------------------------------------------------
-# llama.cpp with its layers on the GPU (a CUDA build of llama-cpp-python; see README, "GPU")
+# llama.cpp with its layers on the GPU (a CUDA build of llama-cpp-python; see docs/gpu.md)
 
 LLAMA_TOL = {"F32": 1e-4, "F16": 1e-2}  # the CPU tests' own (tests/test_llamacpp.py)
 

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, fixture_prefill, load_fixture
+from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_flag
 from cosyllama.llm.backend import PiecewisePrefill, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
+from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled
 from cosyllama.llm.torch_backend import TorchLLM
-from cosyllama.scheduler import BatchScheduler, CancelToken, RequestCancelled
+from helpers import MODEL_DIR, fixture_prefill, load_fixture, slow_backend
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,8 @@ def test_llamacpp_budget_caps_the_context(tiny_gguf, prefill):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
 
     p, _ = prefill
-    with LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=2, max_seq_tokens=2000) as b:
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=2,
+                     max_seq_tokens=2000) as b:
         b.release(b.begin(p, 2000 - len(p)))
         n_ctx = b.n_ctx
         with pytest.raises(InputError, match="max_seq_tokens=2000"):
@@ -165,7 +167,7 @@ def test_llamacpp_prefill_in_pieces_equals_one_pass(tiny_gguf, prefill):
 
     p, _ = prefill
     for layout in ("speech", "merged"):
-        with LlamaCppLLM(tiny_gguf(layout, "F32"), MODEL_DIR, n_threads=1, n_seq_max=2) as b:
+        with LlamaCppLLM(tiny_gguf(layout, "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=2) as b:
             h1, whole = b.start(p, 30)
             h2, pieced, n = _pieces(b, p, 30, 5)
             assert n == -(-len(p) // 5) and b.cells_used(h2.seq_id) == len(p)
@@ -178,33 +180,6 @@ def test_llamacpp_prefill_in_pieces_equals_one_pass(tiny_gguf, prefill):
                 b.step([(h3, 1)])
             b.release(h3)
             assert b.cells_used(h3.seq_id) == 0
-
-
-class SlowPieces:
-    """The torch backend with ``delay`` seconds per prefill piece of ``chunk`` positions (a whole
-    ``start`` sleeps as long as its pieces would); counts the pieces."""
-
-    def __init__(self, inner, delay: float, chunk: int):
-        self.inner, self.config, self.name, self.delay, self.chunk = inner, inner.config, "slow", delay, chunk
-        self.pieces = 0
-
-    def begin(self, prefill, max_new_tokens):
-        return self.inner.begin(prefill, max_new_tokens)
-
-    def prefill_step(self, handle, max_positions):
-        time.sleep(self.delay)
-        self.pieces += 1
-        return self.inner.prefill_step(handle, max_positions)
-
-    def start(self, prefill, max_new_tokens):
-        time.sleep(self.delay * -(-len(prefill) // self.chunk))
-        return self.inner.start(prefill, max_new_tokens)
-
-    def step(self, batch):
-        return self.inner.step(batch)
-
-    def release(self, handle):
-        self.inner.release(handle)
 
 
 def test_scheduler_pieces_equal_alone(torch_llm, prefill):
@@ -225,7 +200,7 @@ def test_long_prefill_interleaves_with_decoding(torch_llm, prefill):
     p, n_text = prefill
     long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
     pieces = -(-len(long) // 32)
-    backend = SlowPieces(torch_llm, delay=0.6 / pieces, chunk=32)
+    backend = slow_backend(torch_llm, piecewise=True, piece_delay=0.6 / pieces, chunk=32, name="slow")
     with BatchScheduler(backend, prefill_chunk=32) as sched:
         short = sched.generate(Prefill(p.text_ids[:5]), 1, DecodeOptions(greedy=True, min_len=200, max_len=200))
         stamps = [time.perf_counter() for _ in [next(short)]]
@@ -244,7 +219,7 @@ def test_cancel_between_pieces(torch_llm, prefill):
     """A request cancelled during its prefill is released after at most one more piece."""
     p, n_text = prefill
     long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
-    backend = SlowPieces(torch_llm, delay=0.1, chunk=16)
+    backend = slow_backend(torch_llm, piecewise=True, piece_delay=0.1, chunk=16, name="slow")
     with BatchScheduler(backend, prefill_chunk=16) as sched:
         token = CancelToken()
         with token.bound():

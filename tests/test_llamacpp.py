@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import generate_many, load_fixture
 from cosyllama.errors import CheckpointError, DeviceError, InputError, MissingDependencyError
 from cosyllama.llm import gguf as G
 from cosyllama.llm.backend import LLMBackend, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
+from helpers import generate_many, load_fixture
 
 llama_cpp = pytest.importorskip("llama_cpp")
+from cosyllama.config import load_config  # noqa: E402
 from cosyllama.llm import llamacpp_backend as LB  # noqa: E402
 from cosyllama.llm import llamacpp_lib  # noqa: E402
 from cosyllama.llm.llamacpp_backend import BackendBusyError, LlamaCppLLM  # noqa: E402
@@ -41,7 +42,7 @@ _backends: dict = {}
 def backend(tiny_gguf, model_dir, layout, type, **kw) -> LlamaCppLLM:
     key = (layout, type, tuple(sorted(kw.items())))
     if key not in _backends:
-        _backends[key] = LlamaCppLLM(tiny_gguf(layout, type), model_dir,
+        _backends[key] = LlamaCppLLM(tiny_gguf(layout, type), load_config(model_dir),
                                      n_threads=N_THREADS, **kw)
     return _backends[key]
 
@@ -112,7 +113,7 @@ def test_every_type_decodes_valid_tokens(tiny_gguf, model_dir, tf, type):
     _, prefill, n_text = tf
     for layout in ("speech", "merged"):
         path = tiny_gguf(layout, type)
-        with LlamaCppLLM(path, model_dir, n_threads=N_THREADS, n_ctx=512) as b:
+        with LlamaCppLLM(path, load_config(model_dir), n_threads=N_THREADS, n_ctx=512) as b:
             assert b.info.type == type and b.layout == layout
             toks = list(generate(b, prefill, n_text, DecodeOptions(greedy=True)))
         assert 0 < len(toks) <= 20 * n_text and all(0 <= t < 6561 for t in toks), (layout, type, toks)
@@ -191,7 +192,7 @@ def test_cancelled_sequence_frees_its_cells(tiny_gguf, model_dir, tf):
 
 def test_slots_exhausted_and_capacity(tiny_gguf, model_dir, tf):
     _, prefill, _ = tf
-    with LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_threads=N_THREADS,
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(model_dir), n_threads=N_THREADS,
                      n_seq_max=2, n_ctx=512) as b:
         h1, _ = b.start(prefill, 100)
         h2, _ = b.start(prefill, 100)
@@ -207,7 +208,7 @@ def test_slots_exhausted_and_capacity(tiny_gguf, model_dir, tf):
 
 def test_lazy_context_grows_when_idle(tiny_gguf, model_dir, tf):
     _, prefill, _ = tf
-    with LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_threads=N_THREADS,
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(model_dir), n_threads=N_THREADS,
                      n_seq_max=2) as b:
         assert b.n_ctx == 0  # nothing allocated before the first request
         h, _ = b.start(prefill, 10)
@@ -238,7 +239,7 @@ def test_threads_decoding_concurrently_match_alone(tiny_gguf, model_dir, tf):
 
 def test_prefill_longer_than_n_batch_is_split(tiny_gguf, model_dir, tf):
     arrays, prefill, _ = tf
-    with LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_threads=N_THREADS,
+    with LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(model_dir), n_threads=N_THREADS,
                      n_batch=16) as b:
         logp = teacher_forced(b, arrays, prefill)
     assert float(np.abs(logp - arrays["logp_cached"]).max()) < 1e-4
@@ -273,18 +274,17 @@ def test_refuses_bad_inputs(tiny_gguf, model_dir, tf):
 def test_backend_refuses_wrong_layout_truncated_and_foreign(tiny_gguf, model_dir, tmp_path):
     speech = tiny_gguf("speech", "F32")
     with pytest.raises(CheckpointError, match="'speech'-layout GGUF, but a 'merged'"):
-        LlamaCppLLM(speech, model_dir, layout="merged")
+        LlamaCppLLM(speech, load_config(model_dir), layout="merged")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(speech.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated"):
-        LlamaCppLLM(cut, model_dir)
+        LlamaCppLLM(cut, load_config(model_dir))
     from test_gguf import write_text_llm
-    from cosyllama.config import load_config
     q = load_config(model_dir).llm.qwen
     chat = write_text_llm(tmp_path / "chat.gguf", q.hidden_size, q.num_hidden_layers, q.num_attention_heads,
                           q.num_key_value_heads, q.intermediate_size, [f"t{i}" for i in range(300)])
     with pytest.raises(CheckpointError, match="not a CosyVoice3 speech-LLM GGUF"):
-        LlamaCppLLM(chat, model_dir)
+        LlamaCppLLM(chat, load_config(model_dir))
 
 
 def test_backend_refuses_gguf_of_another_llm_pt(tiny_gguf, model_dir, tmp_path):
@@ -296,19 +296,19 @@ def test_backend_refuses_gguf_of_another_llm_pt(tiny_gguf, model_dir, tmp_path):
     sd["llm_decoder.weight"] = sd["llm_decoder.weight"] + 0.01
     torch.save(sd, d / "llm.pt")
     with pytest.raises(CheckpointError, match="different llm.pt"):
-        LlamaCppLLM(tiny_gguf("speech", "F32"), d)
+        LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(d))
 
 
 def test_gpu_layers_refused_without_gpu_build(tiny_gguf, model_dir):
     if llama_cpp.llama_supports_gpu_offload():
         pytest.skip("this llama-cpp-python build has GPU support")
     with pytest.raises(DeviceError, match="no GPU support"):
-        LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, n_gpu_layers=10)
+        LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(model_dir), n_gpu_layers=10)
 
 
 def test_unknown_kv_type(tiny_gguf, model_dir):
     with pytest.raises(InputError, match="allowed: f32, f16"):
-        LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir, kv_type="f8")
+        LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(model_dir), kv_type="f8")
 
 
 def test_missing_llama_cpp_gives_install_hint(monkeypatch):
@@ -321,5 +321,5 @@ def test_missing_llama_cpp_gives_install_hint(monkeypatch):
 
 def test_llama_log_is_silent_by_default(tiny_gguf, model_dir, capfd):
     capfd.readouterr()
-    LlamaCppLLM(tiny_gguf("speech", "Q8_0"), model_dir, n_ctx=256).close()
+    LlamaCppLLM(tiny_gguf("speech", "Q8_0"), load_config(model_dir), n_ctx=256).close()
     assert capfd.readouterr().err == ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from cosyllama import cpu
+from cosyllama.config import load_config
 
 AMX_CPU = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"})
 ZEN4_CPU = frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"})
@@ -63,7 +64,7 @@ def test_the_backend_loads_with_the_choice(keep, tiny_gguf, model_dir, monkeypat
 
     monkeypatch.setattr(lc, "llama_model_load_from_file", load)
     monkeypatch.setattr(llamacpp_backend, "llama_extra_buffer_types", lambda: (keep, f"mocked {keep}"))
-    b = llamacpp_backend.LlamaCppLLM(tiny_gguf("speech", "F32"), model_dir)
+    b = llamacpp_backend.LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(model_dir))
     try:
         assert seen == [keep] and b.extra_buffer_types is keep and b.extra_buffer_types_why == f"mocked {keep}"
     finally:

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, SilentTokenFilter, TokenDecoder, generate
 from cosyllama.llm.torch_backend import TorchLLM
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture
 
 
 @pytest.fixture(scope="module")

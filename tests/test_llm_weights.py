@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cosyllama.config import load_config
 from cosyllama.errors import CheckpointError, InputError
 from helpers import FIXTURES, MODEL_DIR
 
@@ -56,6 +57,6 @@ def test_gguf_follows_the_checkpoint_it_was_made_from(rl_model_dir, tmp_path, ca
     assert main(["convert", "--model-dir", str(rl_model_dir), "--out", str(out), "--type", "F32",
                  "--llm-weights", "llm.rl.pt"]) == 0
     with pytest.raises(CheckpointError, match=r"made from llm\.rl\.pt.*--llm-weights llm\.rl\.pt"):
-        LlamaCppLLM(out, rl_model_dir)
-    with LlamaCppLLM(out, rl_model_dir, llm_weights="llm.rl.pt", n_ctx=256) as b:
+        LlamaCppLLM(out, load_config(rl_model_dir))
+    with LlamaCppLLM(out, load_config(rl_model_dir), llm_weights="llm.rl.pt", n_ctx=256) as b:
         assert b.info.layout == "speech"

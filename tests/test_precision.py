@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 from cosyllama import precision as prec
 from cosyllama.audio import mel_spectrogram
 from cosyllama.config import load_config
@@ -19,6 +18,7 @@ from cosyllama.errors import InputError
 from cosyllama.flow import Flow
 from cosyllama.precision import resolve_precision
 from cosyllama.vocoder import HiFT
+from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 
 MEAN_BOUND = 0.01
 MAX_BOUND = 0.1

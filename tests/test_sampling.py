@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import load_fixture
 from cosyllama.config import SamplingConfig
 from cosyllama.llm.sampling import Sampler, greedy_sample, nucleus_candidates, ras_sample
+from helpers import load_fixture
 
 CFG = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)
 ARRAYS, META = load_fixture("ras_sampling")

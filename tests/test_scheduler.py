@@ -9,12 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from helpers import MODEL_DIR, load_fixture
+from cosyllama.config import load_config
 from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
+from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from cosyllama.llm.torch_backend import TorchLLM
-from cosyllama.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
+from helpers import MODEL_DIR, load_fixture
 
 
 class Watched:
@@ -196,7 +197,7 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
 
     path = tiny_gguf("speech", "F32")
-    llm = LlamaCppLLM(path, MODEL_DIR, n_threads=1, n_seq_max=8)
+    llm = LlamaCppLLM(path, load_config(MODEL_DIR), n_threads=1, n_seq_max=8)
     try:
         opts = DecodeOptions(greedy=True)
         alone = [list(generate(llm, p, n, opts)) for p, n in prefills]

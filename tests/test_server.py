@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR
+from helpers import FIXTURES, MODEL_DIR, slow_backend
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.config import load_config  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TEXTS = ["Hello there.", "Good morning!", "How are you?", "See you soon.", "One two three.",
@@ -48,37 +49,14 @@ class LoopbackServer:
         self.sock.close()
 
 
-class Throttled:
-    """The llama.cpp backend with an optional pause per decode step: makes the tiny model's LLM
-    slower than its flow, so a stream can be cut while its sequence is still decoding."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.config, self.n_seq_max = inner, inner.name, inner.config, inner.n_seq_max
-        self.delay = 0.0  # seconds per step
-
-    def start(self, prefill, max_new_tokens):
-        return self.inner.start(prefill, max_new_tokens)
-
-    def step(self, batch):
-        if self.delay:
-            time.sleep(self.delay)
-        return self.inner.step(batch)
-
-    def release(self, handle):
-        self.inner.release(handle)
-
-    def stats(self):
-        return self.inner.stats()
-
-
 @pytest.fixture(scope="module")
 def tts(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
     from cosyllama.tts import TTS
 
     path = tiny_gguf("speech", "F32")
-    backend = LlamaCppLLM(path, MODEL_DIR, n_threads=1, n_seq_max=8)
-    yield TTS(MODEL_DIR, llm="llamacpp", llm_backend=Throttled(backend))
+    backend = LlamaCppLLM(path, load_config(MODEL_DIR), n_threads=1, n_seq_max=8)
+    yield TTS(MODEL_DIR, llm="llamacpp", llm_backend=slow_backend(backend))
     backend.close()
 
 
@@ -202,19 +180,19 @@ def test_disconnect_frees_sequence(client, server, tts):
     text = "This is a long sentence that keeps the model busy for a good while, word after word after word."
     body = {"input": text, "voice": "en", "stream": True, "response_format": "pcm", "greedy": True}
     t0 = client.get("/health").json()["decoded_tokens"]
-    tts.llm.delay = 0.01  # ~500 tokens to decode: about 5 s
+    tts.llm.step_delay = 0.01  # ~500 tokens to decode: about 5 s
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
                 assert r.status_code == 200
-                next(chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
+                next(_chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
                 assert client.get("/health").json()["active_sequences"] == 1
             # leaving the block closes the connection mid-stream
             cut = time.monotonic()
         h = _wait_idle(client, timeout=5)
         assert time.monotonic() - cut < 1.0
     finally:
-        tts.llm.delay = 0.0
+        tts.llm.step_delay = 0.0
     assert h["active_sequences"] == 0 and h["llm"]["active_sequences"] == 0
     assert h["decoded_tokens"] - t0 < 250, "the cancelled request decoded on"
     assert _speech(client, "After the disconnect.").status_code == 200
@@ -277,22 +255,22 @@ def test_bad_requests_get_json_errors(client):
 
 def test_full_server_answers_503(tts, server):
     srv = LoopbackServer(create_app(tts, max_concurrent=1, max_queue=0))
-    tts.llm.delay = 0.01  # the first request must still be running when the second comes
+    tts.llm.step_delay = 0.01  # the first request must still be running when the second comes
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             body = {"input": "A long sentence that takes a while to speak, one word after another.",
                     "voice": "en", "stream": True, "response_format": "pcm", "greedy": True}
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
-                next(chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
+                next(_chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
                 with httpx.Client(base_url=srv.url, timeout=60) as c2:
                     busy = c2.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"})
                 _assert_error(busy, 503, "server_busy")
                 assert busy.headers["retry-after"] == "1"
-            tts.llm.delay = 0.0
+            tts.llm.step_delay = 0.0
             _wait_idle(c)
             assert c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"}).status_code == 200
     finally:
-        tts.llm.delay = 0.0
+        tts.llm.step_delay = 0.0
         srv.stop()
 
 
@@ -324,8 +302,8 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     OpenMP (it shares libgomp with PyTorch and decodes slower beside flow work)."""
     from types import SimpleNamespace
 
-    from cosyllama import server
     from cosyllama.llm import llamacpp_lib as LB
+    from cosyllama.server import app as server
 
     fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
     monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)
@@ -347,7 +325,7 @@ def test_serve_passes_the_cache_bounds_and_refuses_bad_ones(capsys):
     from types import SimpleNamespace
 
     from cosyllama.cli import main
-    from cosyllama.server import load_tts
+    from cosyllama.server.serving import load_tts
 
     args = SimpleNamespace(model_dir=str(MODEL_DIR), gguf=None, precision="bf16", stream_cache_mb=64.0,
                            prompt_cache_mb=0.0)

@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MODEL_DIR
+from helpers import MODEL_DIR, slow_backend
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 
+from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer, _speech, _wait_idle  # noqa: E402
 
 PARALLEL, SEQ_TOKENS = 8, 4096
@@ -31,53 +32,14 @@ PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and t
          "forest. ")
 
 
-class SlowPrefill:
-    """The llama.cpp backend with a pause per prompt position (``delay`` seconds), in its pieces
-    (``begin``/``prefill_step``) and in a whole ``start`` alike: makes the tiny model's prefill long."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.config = inner, inner.name, inner.config
-        self.n_seq_max, self.max_seq_tokens = inner.n_seq_max, inner.max_seq_tokens
-        self.delay = 0.0
-        self.prefilling = False  # inside a prefill call now
-
-    def begin(self, prefill, max_new_tokens):
-        return self.inner.begin(prefill, max_new_tokens)
-
-    def prefill_step(self, handle, max_positions):
-        self.prefilling = True
-        try:
-            time.sleep(self.delay * min(max_positions, handle.n_prompt - handle.n_past))
-            return self.inner.prefill_step(handle, max_positions)
-        finally:
-            self.prefilling = False
-
-    def start(self, prefill, max_new_tokens):
-        self.prefilling = True
-        try:
-            time.sleep(self.delay * len(prefill))
-            return self.inner.start(prefill, max_new_tokens)
-        finally:
-            self.prefilling = False
-
-    def step(self, batch):
-        return self.inner.step(batch)
-
-    def release(self, handle):
-        self.inner.release(handle)
-
-    def stats(self):
-        return self.inner.stats()
-
-
 @pytest.fixture(scope="module")
 def backend(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
 
     # what `cosyllama serve` makes: the context sized once for PARALLEL sequences of SEQ_TOKENS
-    inner = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=PARALLEL,
+    inner = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=PARALLEL,
                         max_seq_tokens=SEQ_TOKENS, n_ctx=PARALLEL * SEQ_TOKENS)
-    yield SlowPrefill(inner)
+    yield slow_backend(inner, piecewise=True)
     inner.close()
 
 
@@ -198,7 +160,7 @@ def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
     srv = LoopbackServer(app)
     try:
         _register(srv.url)
-        backend.delay = 0.002
+        backend.position_delay = 0.002
         with httpx.Client(base_url=srv.url, timeout=0.8) as c:
             with pytest.raises(httpx.ReadTimeout):
                 _speech(c, "Hi.", instructions="1" * 1280 + " Speak slowly.")
@@ -214,7 +176,7 @@ def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
         freed = time.monotonic() - left
         pieces = app.state.scheduler.stats()["prefill_pieces"]
     finally:
-        backend.delay = 0.0
+        backend.position_delay = 0.0
         srv.stop()
     print(f"sequence freed {freed:.3f} s after the client left; {pieces} prefill pieces ran")
     assert freed < 1.0

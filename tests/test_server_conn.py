@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from cosyllama.server import create_app  # noqa: E402
-from cosyllama.server_conn import ConnectionLimits, guarded_protocol  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from test_server_holes import Server, _error, tts, voice  # noqa: E402,F401  (module fixtures)
 
@@ -131,9 +131,8 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
 
     import uvicorn
 
-    from cosyllama import server
     from cosyllama.cli import build_parser, main
-
+    from cosyllama.server import app as server
     from helpers import MODEL_DIR
 
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()

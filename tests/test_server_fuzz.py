@@ -18,8 +18,9 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer  # noqa: E402
 
 VOICE = "en"
@@ -31,7 +32,7 @@ def server(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
     from cosyllama.tts import TTS
 
-    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=4)
+    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
     srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend),
                                     limits=RequestLimits(input_chars=MAX_INPUT_CHARS), max_prompt_bytes=1_000_000))
     yield srv

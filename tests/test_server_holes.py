@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 import uvicorn  # noqa: E402
 
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
@@ -119,7 +119,7 @@ def test_every_voice_the_frontend_makes_is_finite(tts):
 def test_a_bad_voice_file_is_skipped_at_start_and_reported(tts, voice, tmp_path, caplog):
     from fastapi.testclient import TestClient
 
-    from cosyllama.server_voices import open_voice_store
+    from cosyllama.server.serving import open_voice_store
 
     VoiceDirectory(tmp_path).add("good", voice)
     good = (tmp_path / "good.pt").read_bytes()
@@ -219,7 +219,8 @@ def test_a_huge_chunked_body_gets_413(client):
                 b"Content-Type: audio/wav\r\n\r\n", b"\r\n--x--\r\n")
     r = client.post("/v1/voices", content=form, headers={"Content-Type": "multipart/form-data; boundary=x"})
     _error(r, 413, "larger than")
-    r = client.post("/v1/audio/speech", content=body(b'{"input": "', b'"}'), headers={"Content-Type": "application/json"})
+    r = client.post("/v1/audio/speech", content=body(b'{"input": "', b'"}'),
+                    headers={"Content-Type": "application/json"})
     _error(r, 413, "larger than")
     assert client.get("/health").status_code == 200
 

@@ -19,7 +19,8 @@ pytest.importorskip("llama_cpp")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.config import load_config  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from test_server import PROMPT_WAV, LoopbackServer  # noqa: E402
 
 TEXT = "Hello there."
@@ -33,7 +34,7 @@ def server(tiny_gguf):
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
     from cosyllama.tts import TTS
 
-    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), MODEL_DIR, n_threads=1, n_seq_max=4)
+    backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
     srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)))
     r = httpx.post(f"{srv.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                    data={"text": "Hello, this is my voice.", "id": "en"}, timeout=60)
@@ -239,7 +240,7 @@ def test_the_readme_sdk_example_runs(server, tmp_path, monkeypatch):
 def test_a_streamed_encoding_sends_each_chunk_as_it_comes(fmt):
     """After each 1 s chunk most of its audio is on the wire (opus: 100 ms Ogg pages, where
     libsndfile's default would hold a second back), and the pieces decode as one file."""
-    from cosyllama.server_wire import StreamEncoder, encode
+    from cosyllama.server.wire import StreamEncoder, encode
 
     rng = np.random.default_rng(0)
     chunks = [(0.1 * rng.standard_normal(SR)).astype(np.float32) for _ in range(3)]
@@ -255,7 +256,7 @@ def test_a_streamed_encoding_sends_each_chunk_as_it_comes(fmt):
 def test_sse_reports_a_failure_after_the_first_chunk_as_an_error_event():
     import anyio
 
-    from cosyllama.server_speech import _sse_body
+    from cosyllama.server.speech import _sse_body
 
     class FailingJob:
         def next_bytes(self):

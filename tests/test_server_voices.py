@@ -24,10 +24,10 @@ from helpers import FIXTURES, MODEL_DIR
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_server import LoopbackServer  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
+from test_server import LoopbackServer  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 KEY = "test-key-0123456789"
@@ -280,7 +280,7 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
     """`--voices FILE`: its voices speak; POST and DELETE get 403 pointing at --voices DIR."""
     from fastapi.testclient import TestClient
 
-    from cosyllama.server_voices import open_voice_store
+    from cosyllama.server.serving import open_voice_store
 
     bundle = VoiceStore()
     bundle.add("en", tts.make_voice(PROMPT_WAV, "Hello, this is my voice."))
@@ -301,8 +301,8 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
 
 
 def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
-    from cosyllama import server
     from cosyllama.cli import main
+    from cosyllama.server import app as server
 
     monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))
     base = ["serve", "--model-dir", str(MODEL_DIR)]

@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture
-from stage_checks import StageRecorder, check_stages, check_whole_waveform, run_case
 from cosyllama.engine import Token2Wav
 from cosyllama.flow import Flow
 from cosyllama.vocoder import HiFT
+from helpers import MODEL_DIR, load_fixture
+from stage_checks import StageRecorder, check_stages, check_whole_waveform, run_case
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ CPU, held to the dynamic-cache backend and the golden fixtures."""
 import pytest
 import torch
 
-from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 from cosyllama.config import load_config
 from cosyllama.errors import BackendBusyError, InputError
 from cosyllama.llm.backend import Prefill
@@ -12,6 +11,7 @@ from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.static_decode import StaticTorchLLM, buckets_for
 from cosyllama.llm.torch_backend import TorchLLM
 from cosyllama.weights import load_llm_weights
+from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 
 LOGP_ATOL = 1e-5  # static vs dynamic cache: the same arithmetic, attention summed over a masked window
 

@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import MODEL_DIR, load_fixture
 from cosyllama.config import load_config
 from cosyllama.engine import FlowPrompt, Token2Wav
 from cosyllama.errors import ModelDirError
 from cosyllama.flow import Flow, dit
 from cosyllama.vocoder import HiFT
+from helpers import MODEL_DIR, load_fixture
 
 MEL_SAMPLES = 480  # samples per mel frame at 24 kHz
 

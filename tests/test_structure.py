@@ -1,5 +1,6 @@
-"""The package's shape: modules stay small, the model directory is read once per TTS, and no two
-modules of the package import each other (directly or around a loop), lazily or not."""
+"""The package's shape: no module grows past a generous cap, the model directory is read once per TTS, and
+no two modules of the package import each other (directly or around a loop), lazily, eagerly or for type
+checking only."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from helpers import MODEL_DIR
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "cosyllama"
-MAX_LINES = 500  # a module past this holds two concerns
+# One concept per module is a judgement made in review (docs/architecture.md lists each module's one
+# concern); this cap only catches a module that has clearly grown two. It is generous on purpose, so
+# that a concept (the DiT with its step cache, HiFT with its streaming) is not split to fit it.
+MAX_LINES = 800
 
 
 def _modules() -> dict[str, Path]:
@@ -34,20 +38,13 @@ def test_no_module_over_the_size_limit():
 # Import cycles
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST):
-    """Every import statement, module-level or inside functions, except under ``if TYPE_CHECKING``."""
+    """Every import statement: module-level, inside functions, and under ``if TYPE_CHECKING`` (a
+    type-only import is a dependency too; a circle of them means two modules that should be one, or a
+    protocol that belongs on one side)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
@@ -124,6 +121,7 @@ def test_the_cycle_finder_finds_one():
 def test_no_import_cycle_in_the_package():
     graph = import_graph()
     assert "cosyllama.llm.gguf_read" in graph["cosyllama.llm.llamacpp_backend"]  # the graph sees imports
+    assert len(list(_imports(ast.parse("if TYPE_CHECKING:\n    import x\nelse:\n    import y\n")))) == 2
     assert cycles(graph) == []
 
 

@@ -2,12 +2,20 @@
 
 import pytest
 
-from helpers import MODEL_DIR, load_fixture
 from cosyllama.errors import InputError, ModelDirError
-from cosyllama.text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, ENDOFPROMPT_ID, SPECIAL_TOKENS, TEXT_VOCAB_SIZE,
-                            TextNormalizer, TextTokenizer, instruct_prompt_text, is_only_punctuation, replace_blank,
-                            spell_out_number, split_paragraph, zero_shot_prompt_text)
-from cosyllama.text_ru import expand_numbers_ru
+from cosyllama.text.normalize import (
+    DEFAULT_PROMPT_PREFIX,
+    TextNormalizer,
+    instruct_prompt_text,
+    is_only_punctuation,
+    replace_blank,
+    spell_out_number,
+    split_paragraph,
+    zero_shot_prompt_text,
+)
+from cosyllama.text.russian import expand_numbers_ru
+from cosyllama.text.tokenizer import ENDOFPROMPT, ENDOFPROMPT_ID, SPECIAL_TOKENS, TEXT_VOCAB_SIZE, TextTokenizer
+from helpers import MODEL_DIR, load_fixture
 
 _, META = load_fixture("frontend")
 META = META["meta"]

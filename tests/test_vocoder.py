@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import MODEL_DIR, load_fixture, maxdiff
-from stage_checks import check_whole_waveform
 from cosyllama.config import load_config
 from cosyllama.errors import CheckpointError, DeviceError, InputError
 from cosyllama.flow import Flow
 from cosyllama.vocoder import HiFT, replay_source_rng, source_noise, source_noise_state
+from helpers import MODEL_DIR, load_fixture, maxdiff
+from stage_checks import check_whole_waveform
 
 F0_RTOL = 1e-5
 SOURCE_ATOL = 1e-4

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import MODEL_DIR, load_fixture
 from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.vocoder import HiFT, ResBlock, Snake, source_noise_state
 from cosyllama.vocoder.fast import _FastConv, _FastResBlock, _FastSnake, _FastUpsample
 from cosyllama.vocoder.modules import causal_conv
+from helpers import MODEL_DIR, load_fixture
 
 CL = torch.channels_last
 # Fast vs reference waveform on the fixture model. The two paths differ only by float rounding

@@ -16,8 +16,14 @@ import torch
 
 from cosyllama.errors import InputError
 from cosyllama.frontend import PromptFeatures
-from cosyllama.voices import (ReadOnlyVoicesError, VoiceDirectory, VoiceExistsError, VoiceStore, check_voice_id,
-                              read_voice_file)
+from cosyllama.voices import (
+    ReadOnlyVoicesError,
+    VoiceDirectory,
+    VoiceExistsError,
+    VoiceStore,
+    check_voice_id,
+    read_voice_file,
+)
 
 SRC = str(Path(__import__("cosyllama").__file__).resolve().parents[1])
 

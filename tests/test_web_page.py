@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR
+from helpers import FIXTURES, MODEL_DIR, slow_backend
 
 CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():
@@ -29,8 +29,8 @@ pytest.importorskip("playwright", reason="the web page's browser tests need play
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from cosyllama.limits import RequestLimits  # noqa: E402
-from cosyllama.server import create_app  # noqa: E402
-from cosyllama.server_wire import wav_header  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.wire import wav_header  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from test_server_holes import Server  # noqa: E402
 
@@ -46,29 +46,12 @@ FAKE_MIC = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-strea
 WAIT_MS = 60_000  # generous: the machine may be busy
 
 
-class Slow:
-    """The LLM backend with an optional pause per decode step (``delay`` seconds), so that a
-    request is still decoding when the page's Stop button is pressed."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.delay = 0.0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def step(self, batch):
-        if self.delay:
-            time.sleep(self.delay)
-        return self.inner.step(batch)
-
-
 @pytest.fixture(scope="module")
 def tts():
     from cosyllama.tts import TTS
 
     t = TTS(MODEL_DIR, threads=1, precision="fp32")
-    t.llm = Slow(t.llm)  # create_app makes its scheduler over tts.llm
+    t.llm = slow_backend(t.llm, piecewise=True)  # create_app makes its scheduler over tts.llm
     return t
 
 
@@ -209,7 +192,7 @@ def test_a_whole_file_format_downloads_the_apis_bytes(page, server):
 def test_stop_frees_the_sequence(page, server, tts):
     _register(page, "anna")
     page.fill("#text", "A long sentence that keeps the model busy for a good while, one word after another word.")
-    tts.llm.delay = 0.02  # ~500 decode steps: about 10 s
+    tts.llm.step_delay = 0.02  # ~500 decode steps: about 10 s
     try:
         page.click("#speak")
         expect(page.locator("#status")).to_have_attribute("data-state", "playing")
@@ -220,7 +203,7 @@ def test_stop_frees_the_sequence(page, server, tts):
                      "Stop did not free the sequence", timeout=5)
         assert time.monotonic() - cut < 5
     finally:
-        tts.llm.delay = 0.0
+        tts.llm.step_delay = 0.0
     expect(page.locator("#status")).to_have_text("Stopped")
     expect(page.locator("#speak")).to_be_enabled()
     assert page.problems == []

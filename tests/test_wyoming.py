@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from helpers import FIXTURES, MODEL_DIR
@@ -22,10 +21,9 @@ from wyoming.audio import AudioChunk, AudioStart  # noqa: E402
 from wyoming.client import AsyncTcpClient  # noqa: E402
 from wyoming.error import Error  # noqa: E402
 from wyoming.info import Describe, Info  # noqa: E402
-from wyoming.tts import (Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop,  # noqa: E402
-                         SynthesizeStopped, SynthesizeVoice)
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice  # noqa: E402
 
-from cosyllama.server import create_app  # noqa: E402
+from cosyllama.server.app import create_app  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TIMEOUT = 120  # seconds for any one event: generous, only a hang reaches it
@@ -310,7 +308,7 @@ def test_bad_requests_get_error_events(server):
 
 
 def test_sentences_of_streamed_text():
-    from cosyllama.text import take_sentences
+    from cosyllama.text.normalize import take_sentences
 
     assert take_sentences("Hello there. How are") == (["Hello there."], " How are")
     assert take_sentences("It costs 3.") == ([], "It costs 3.")  # 3.5 or the end of a sentence: wait
@@ -322,8 +320,8 @@ def test_sentences_of_streamed_text():
 
 
 def test_wyoming_command_refuses_bad_options_before_loading(capsys, monkeypatch, tmp_path):
-    from cosyllama import serving
     from cosyllama.cli import main
+    from cosyllama.server import serving
 
     monkeypatch.setattr(serving, "load_tts", lambda args: pytest.fail("the model was loaded"))
     base = ["wyoming", "--model-dir", str(MODEL_DIR)]
@@ -359,7 +357,7 @@ def test_a_taken_port_is_a_clear_error(server):
     from types import SimpleNamespace
 
     from cosyllama.errors import InputError
-    from cosyllama.wyoming_server import start_wyoming
+    from cosyllama.server.wyoming import start_wyoming
 
     state = server.app.state
     serving = SimpleNamespace(tts=state.tts, max_concurrent=2, max_queue=0, limits=state.limits.request)

@@ -3,13 +3,12 @@
 ``import cosyllama`` is light; the models load on first use of :func:`load`.
 """
 
-from .errors import (CheckpointError, CosyllamaError, DeviceError, InputError, MissingDependencyError,
-                     ModelDirError)
+from .errors import CheckpointError, CosyllamaError, DeviceError, InputError, MissingDependencyError, ModelDirError
 
 __version__ = "0.1.0"
 
 _LAZY = {"load": "tts", "TTS": "tts", "SynthesisOptions": "tts", "Synthesis": "tts",
-         "AudioChunk": "engine", "PromptFeatures": "frontend"}
+         "AudioChunk": "engine", "PromptFeatures": "frontend", "LoadOptions": "options"}
 
 
 def __getattr__(name):
@@ -20,5 +19,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'cosyllama' has no attribute {name!r}")
 
 
-__all__ = ["AudioChunk", "CheckpointError", "CosyllamaError", "DeviceError", "InputError", "MissingDependencyError",
-           "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions", "TTS", "load", "__version__"]
+__all__ = ["AudioChunk", "CheckpointError", "CosyllamaError", "DeviceError", "InputError", "LoadOptions",
+           "MissingDependencyError", "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions", "TTS", "load",
+           "__version__"]

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
+from .options import LoadOptions
 from .tts import TTS, SynthesisOptions
 from .voices import VoiceStore
 
@@ -39,8 +40,8 @@ class CosyVoice3:
                  device: str = "cpu", threads: int | None = None, n_gpu_layers: int = 0, precision: str = "auto",
                  load_trt: bool = False, load_vllm: bool = False, fp16: bool = False, trt_concurrent: int = 1):
         self.model_dir = str(model_dir)
-        self.tts = TTS(model_dir, llm="llamacpp" if load_llama_cpp else "torch", gguf=gguf_model_path,
-                       device=device, threads=threads, n_gpu_layers=n_gpu_layers, precision=precision)
+        self.tts = TTS(LoadOptions(model_dir, llm="llamacpp" if load_llama_cpp else "torch", gguf=gguf_model_path,
+                                   device=device, threads=threads, n_gpu_layers=n_gpu_layers, precision=precision))
         self.sample_rate = self.tts.sample_rate
         spk = Path(model_dir) / SPKINFO_NAME
         if spk.is_file():
@@ -80,8 +81,8 @@ class CosyVoice3:
                                              options=opts))
 
     def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0) -> Iterator[dict]:
-        return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav,
-                                                     options=SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())))
+        opts = SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())
+        return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav, options=opts))
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav, zero_shot_spk_id: str) -> bool:
         self.tts.add_voice(zero_shot_spk_id, prompt_wav, prompt_text)

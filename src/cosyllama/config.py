@@ -444,7 +444,8 @@ def _check_reference_constants(doc: dict, flow: FlowConfig, pre: dict, w: str) -
     """Refuse a yaml whose values the reference would combine in a way cosyllama does not reproduce.
 
     The reference reads some values from the yaml and fixes others in code
-    (docs/reference.md#yaml-values-the-reference-ignores). Where a yaml value disagrees with such a constant, the reference runs with a mismatch
+    (docs/reference.md#yaml-values-the-reference-ignores). Where a yaml value disagrees with such a constant, the
+    reference runs with a mismatch
     (a prompt trimmed 2:1 fed to a flow of another ratio, a look-ahead layer of another length than the
     wrapper's) that cosyllama would not compute alike: it says so instead of producing other audio.
     """

@@ -178,7 +178,8 @@ def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: st
         return "auto: this CPU computes bf16 natively (" + "/".join(
             n for f, n in ISA_FLAGS if f in NATIVE_BF16_FLAGS and f in cpu_flags()) + ")"
     if chosen == "int8":
-        return "auto: int8 matrix products (no native bf16 on this CPU, where bf16 is emulated and several times slower)"
+        return ("auto: int8 matrix products (no native bf16 on this CPU, where bf16 is emulated and several times "
+                "slower)")
     return "auto: no native bf16 on this CPU, where bf16 is emulated and several times slower"
 
 

@@ -23,6 +23,7 @@ MAX_INPUT_CHARS = 4096  # characters of input text per request
 MAX_INPUT_TOKENS = 4096  # text tokens of the input, all segments together
 MAX_INSTRUCTIONS_CHARS = 1000  # characters of an instruct-mode instruction
 MAX_INSTRUCTIONS_TOKENS = 256  # its text tokens, system prefix included
-MAX_TRANSCRIPT_CHARS = 1000  # characters of a voice's transcript (a prompt clip is at most 30 s; 30 s of speech is ~500)
+# characters of a voice's transcript (a prompt clip is at most 30 s; 30 s of speech is ~500)
+MAX_TRANSCRIPT_CHARS = 1000
 MAX_TRANSCRIPT_TOKENS = 512  # its text tokens, system prefix included (odd characters can take several each)
 MAX_SEQ_TOKENS = 4096  # LLM positions of one sequence: its prompt plus the speech tokens it may decode

@@ -95,7 +95,8 @@ class Token2Wav:
 
     ``stream_cache_mb``: bound of each streaming request's flow K/V cache in MiB (see
     :class:`~cosyllama.flow.FlowStreamCache`; its size per frame: see
-    docs/benchmarks.md#memory-of-the-streaming-caches; past the bound the frames after it are recomputed every chunk); 0 turns the cache off
+    docs/benchmarks.md#memory-of-the-streaming-caches; past the bound the frames after it are recomputed every
+    chunk); 0 turns the cache off
     (the reference's recompute-everything behaviour). None (default): ``DEFAULT_STREAM_CACHE_MB``
     (2048) when the flow runs at reduced precision, off at fp32. Why off at fp32: the reference
     itself does not give an earlier block bit-identical values in successive calls (attention over

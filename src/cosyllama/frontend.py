@@ -15,18 +15,26 @@ instruction without the marker becomes ``"You are a helpful assistant. <instruct
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence, Union
 
 import torch
 
-from .audio import (MAX_PROMPT_SECONDS, TOKENIZER_SAMPLE_RATE, AudioSource, check_prompt_audio, describe,
-                    load_prompt_audio, mel_spectrogram, read_audio, resample)
-from .config import PROMPT_MEL_PER_TOKEN, ModelConfig, load_config
+from .audio import (
+    MAX_PROMPT_SECONDS,
+    TOKENIZER_SAMPLE_RATE,
+    AudioSource,
+    check_prompt_audio,
+    describe,
+    load_prompt_audio,
+    mel_spectrogram,
+    read_audio,
+    resample,
+)
+from .config import PROMPT_MEL_PER_TOKEN, ModelConfig
 from .errors import InputError
 from .prompt import PromptEncoder
-from .text import (DEFAULT_PROMPT_PREFIX, ENDOFPROMPT, TextNormalizer, TextTokenizer, instruct_prompt_text,
-                   zero_shot_prompt_text)
+from .text.normalize import DEFAULT_PROMPT_PREFIX, TextNormalizer, instruct_prompt_text, zero_shot_prompt_text
+from .text.tokenizer import ENDOFPROMPT, TextTokenizer
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
 
@@ -129,9 +137,9 @@ class Frontend:
     ``onnx_threads``: intra-op threads per ONNX session (None: onnxruntime's default).
     """
 
-    def __init__(self, model_dir: str | Path, config: ModelConfig | None = None,
-                 providers: Sequence[str] = ("CPUExecutionProvider",), onnx_threads: int | None = None):
-        self.config = config or load_config(model_dir)
+    def __init__(self, config: ModelConfig, providers: Sequence[str] = ("CPUExecutionProvider",),
+                 onnx_threads: int | None = None):
+        self.config = config
         self.tokenizer = TextTokenizer(self.config.qwen_dir)
         self.normalizer = TextNormalizer(self.tokenizer)
         self.encoder = PromptEncoder(self.config.model_dir, providers=providers, threads=onnx_threads)

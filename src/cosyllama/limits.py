@@ -14,8 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .defaults import (MAX_INPUT_CHARS, MAX_INPUT_TOKENS, MAX_INSTRUCTIONS_CHARS, MAX_INSTRUCTIONS_TOKENS,
-                       MAX_SEQ_TOKENS, MAX_TRANSCRIPT_CHARS, MAX_TRANSCRIPT_TOKENS)
+from .defaults import (
+    MAX_INPUT_CHARS,
+    MAX_INPUT_TOKENS,
+    MAX_INSTRUCTIONS_CHARS,
+    MAX_INSTRUCTIONS_TOKENS,
+    MAX_SEQ_TOKENS,
+    MAX_TRANSCRIPT_CHARS,
+    MAX_TRANSCRIPT_TOKENS,
+)
 from .errors import InputError
 
 TEXT_FIELDS = ("input", "instructions", "transcript")

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .defaults import LLM_PRECISION, LLM_WEIGHTS
 from .errors import InputError
 
 SUBTYPES = {"pcm16": "PCM_16", "float": "FLOAT"}
@@ -37,18 +36,14 @@ def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, out_forma
 
 
 def run_synth(args, progress: Callable[[str], None] = print) -> int:
-    from .llm.factory import choose_llm
+    from .options import LoadOptions
     from .tts import TTS, SynthesisOptions, choose_mode
 
     if not args.text or not args.text.strip():
         raise InputError("--text is empty; give the text to speak")
     mode = choose_mode(args.mode, args.instruct, bool(args.prompt_text))
-    try:
-        llm = choose_llm(args.llm, args.gguf)
-    except InputError:  # the same rule, in the CLI's words
-        if args.llm == "torch":
-            raise InputError("--gguf is for --llm llamacpp; drop --gguf or pass --llm llamacpp") from None
-        raise InputError("--llm llamacpp needs --gguf FILE (make one with `cosyllama convert`)") from None
+    options = LoadOptions.from_args(args)
+    llm = options.llm
     if args.prompt_wav is None:
         raise InputError(f"{mode} mode needs --prompt-wav (a 16 kHz+ clip of the voice, up to 30 s)")
     if mode == "zero-shot" and not args.prompt_text:
@@ -63,10 +58,7 @@ def run_synth(args, progress: Callable[[str], None] = print) -> int:
     check_out_path(args.out)
 
     t0 = time.perf_counter()
-    tts = TTS(args.model_dir, llm=llm, gguf=args.gguf, device=args.device, threads=args.threads,
-              precision=args.precision, llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
-              n_gpu_layers=getattr(args, "n_gpu_layers", None),
-              llm_precision=getattr(args, "llm_precision", LLM_PRECISION))
+    tts = TTS(options)
     load_s = time.perf_counter() - t0
     progress(f"loaded {args.model_dir} (llm: {llm}{', ' + Path(args.gguf).name if args.gguf else ''}, "
              f"device: {tts.device}) in {load_s:.1f} s")

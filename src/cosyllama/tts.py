@@ -22,16 +22,17 @@ import torch
 
 from .audio import AudioSource
 from .config import load_config
-from .defaults import LLM_CHOICES, LLM_PRECISION, LLM_WEIGHTS, N_SEQ_MAX, PRECISION
+from .defaults import LLM_CHOICES
 from .device import resolve_device
 from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed
 from .errors import InputError
 from .flow import Flow
 from .frontend import Frontend, ModelInput, PromptFeatures
-from .llm.backend import LLMBackend, Prefill
 from .limits import RequestLimits
+from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
+from .options import LoadOptions
 from .vocoder import HiFT
 from .voices import VoiceStore
 
@@ -121,65 +122,39 @@ def choose_mode(mode: str | None = None, instruction: str | None = None, has_tra
 class TTS:
     """CosyVoice3 synthesis from an official model directory.
 
-    llm: ``"torch"`` (PyTorch) or ``"llamacpp"`` (needs ``gguf``). device: ``"cpu"`` or
-    ``"cuda"`` for the flow and vocoder (and the torch LLM, whose decode steps run as CUDA graphs
-    there); n_gpu_layers: llama.cpp layers on the GPU (None: all of them with ``device="cuda"``,
-    else none). llm_precision: the torch LLM's weights, ``"fp32"`` (parity) or ``"bf16"``/``"fp16"``
-    (for a GPU). threads: torch CPU threads (process-wide) and llama.cpp threads. precision: flow
-    compute, ``"auto"`` (per CPU class, checked on the loaded weights: bf16 where the CPU/GPU
-    does it natively, int8 on other x86 CPUs, else fp32; see :mod:`cosyllama.precision`),
-    ``"fp32"`` (the reference path), ``"bf16"`` or ``"int8"``; the vocoder stays fp32 unless
-    ``"bf16"`` is asked for.
-    stream_cache_mb: bound in MiB of each streaming request's flow K/V cache (earlier attention
-    blocks are not recomputed for later chunks); None: 2048 at bf16, off at fp32 (reference
-    parity); 0: off. prompt_cache_mb: bound in MiB of the flow frames that streaming requests with
-    the same voice share (their first chunk skips them); None: 512 whenever the streaming cache is
-    on, else off; 0: off. What they hold per frame and per voice: see
+    ``TTS(options)`` with a :class:`~cosyllama.options.LoadOptions`, or ``TTS(model_dir, **fields)`` with
+    the fields of :class:`~cosyllama.options.LoadOptions` as keywords (``TTS(options, **fields)``: those
+    fields changed); see there for what each means: llm, gguf, llm_weights, device, n_gpu_layers,
+    llm_precision, precision, threads, parallel, max_seq_tokens, limits, stream_cache_mb,
+    prompt_cache_mb. ``llm_backend``: an LLM backend already built (tests, tools), used instead of
+    building one from the options. What the streaming caches hold per frame and per voice: see
     docs/benchmarks.md#memory-of-the-streaming-caches.
-    llm_weights: the LLM checkpoint in the model directory (``"llm.pt"``, or the RL-tuned
-    ``"llm.rl.pt"`` the official directory also ships); a llama.cpp GGUF must have been converted
-    from the same file. parallel: sequences one llama.cpp context decodes together.
-    max_seq_tokens: LLM positions one text segment may use (prompt + speech tokens); given, the
-    llama.cpp context is made at load for ``parallel`` such sequences and never grows; None: the
-    model's context length. limits: a :class:`~cosyllama.limits.RequestLimits` every call and
-    :meth:`make_voice` is checked against (the server's); None: no limits but the LLM's.
 
     The model directory's config is read once, here; every stage is built from it.
     """
 
-    def __init__(self, model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None,
-                 device: str = "cpu", threads: int | None = None, n_gpu_layers: int | None = None,
-                 llm_backend: LLMBackend | None = None, precision: str = PRECISION,
-                 stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
-                 llm_weights: str | Path = LLM_WEIGHTS, parallel: int = N_SEQ_MAX,
-                 llm_precision: str = LLM_PRECISION, max_seq_tokens: int | None = None,
-                 limits: RequestLimits | None = None):
-        if llm not in LLM_CHOICES:
-            raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
+    def __init__(self, model_dir: str | Path | LoadOptions, *, llm_backend: LLMBackend | None = None, **options):
+        self.options = opts = LoadOptions.of(model_dir, **options)
         if llm_backend is None:
-            choose_llm(llm, gguf)  # refuse a mismatched llm/gguf pair before loading anything
-        elif llm == "torch" and gguf is not None:
-            raise InputError("a GGUF file was given but llm='torch'; pass llm='llamacpp' to use it")
-        self.device = resolve_device(device)
-        if threads is not None:
-            if threads < 1:
-                raise InputError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
-        self.config = config = load_config(model_dir)
+            choose_llm(opts.llm, opts.gguf)  # refuse llama.cpp without a GGUF before loading anything
+        self.device = resolve_device(opts.device)
+        if opts.threads is not None:
+            torch.set_num_threads(opts.threads)
+        self.config = config = load_config(opts.model_dir)
         self.model_dir = config.model_dir
         self.sample_rate = config.sample_rate
-        self.frontend = Frontend(self.model_dir, config)
+        self.frontend = Frontend(config)
         self.llm = llm_backend if llm_backend is not None else make_llm(
-            config, llm, gguf=gguf, llm_weights=llm_weights, device=self.device, threads=threads,
-            n_gpu_layers=n_gpu_layers, n_seq_max=parallel, llm_precision=llm_precision,
-            max_seq_tokens=max_seq_tokens)
+            config, opts.llm, gguf=opts.gguf, llm_weights=opts.llm_weights, device=self.device, threads=opts.threads,
+            n_gpu_layers=opts.n_gpu_layers, n_seq_max=opts.parallel, llm_precision=opts.llm_precision,
+            max_seq_tokens=opts.max_seq_tokens)
         self.token2wav = Token2Wav.from_config(
-            config, Flow.from_config(config, self.device, precision=precision),
-            HiFT.from_config(config, self.device, precision=precision),
-            stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb)
+            config, Flow.from_config(config, self.device, precision=opts.precision),
+            HiFT.from_config(config, self.device, precision=opts.precision),
+            stream_cache_mb=opts.stream_cache_mb, prompt_cache_mb=opts.prompt_cache_mb)
         self.token_source = make_token_source(self.llm)
         self.voices = VoiceStore()
-        self.limits = limits
+        self.limits = opts.limits
 
     def with_token_source(self, token_source) -> TTS:
         """A view of this TTS (same models, same voices) whose LLM tokens come from
@@ -190,7 +165,7 @@ class TTS:
 
     def with_text_worker(self) -> TTS:
         """A view of this TTS whose frontend normalizes long texts in a helper process (see
-        :meth:`~cosyllama.text.TextNormalizer.with_worker_process`; same text, but a long text no
+        :meth:`~cosyllama.text.normalize.TextNormalizer.with_worker_process`; same text, but a long text no
         longer holds the GIL for seconds); ``view.frontend.normalizer.close_worker()`` ends it."""
         view = copy.copy(self)
         view.frontend = copy.copy(self.frontend)
@@ -400,11 +375,7 @@ class TTS:
         timings.token2wav = time.perf_counter() - start - timings.llm
 
 
-def load(model_dir: str | Path, llm: str = "torch", gguf: str | Path | None = None, device: str = "cpu",
-         threads: int | None = None, n_gpu_layers: int | None = None, precision: str = PRECISION,
-         stream_cache_mb: float | None = None, prompt_cache_mb: float | None = None,
-         llm_weights: str | Path = LLM_WEIGHTS, llm_precision: str = LLM_PRECISION) -> TTS:
-    """Load a CosyVoice3 model directory; see :class:`TTS`."""
-    return TTS(model_dir, llm=llm, gguf=gguf, device=device, threads=threads, n_gpu_layers=n_gpu_layers,
-               precision=precision, stream_cache_mb=stream_cache_mb, prompt_cache_mb=prompt_cache_mb,
-               llm_weights=llm_weights, llm_precision=llm_precision)
+def load(model_dir: str | Path | LoadOptions, **options) -> TTS:
+    """Load a CosyVoice3 model directory: ``load(options)`` with a :class:`~cosyllama.options.LoadOptions`,
+    or ``load(model_dir, **fields)`` with its fields as keywords; see :class:`TTS`."""
+    return TTS(model_dir, **options)

@@ -125,7 +125,8 @@ def flow_key_table(cfg: FlowConfig) -> dict[str, tuple[int, ...]]:
         "spk_embed_affine_layer.weight": (cfg.output_size, cfg.spk_embed_dim),
         "spk_embed_affine_layer.bias": (cfg.output_size,),
         "pre_lookahead_layer.conv1.weight": (pc, cfg.input_size, k), "pre_lookahead_layer.conv1.bias": (pc,),
-        "pre_lookahead_layer.conv2.weight": (cfg.input_size, pc, 3), "pre_lookahead_layer.conv2.bias": (cfg.input_size,),
+        "pre_lookahead_layer.conv2.weight": (cfg.input_size, pc, 3),
+        "pre_lookahead_layer.conv2.bias": (cfg.input_size,),
     }
     e = "decoder.estimator."
     table.update({

@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..commands.flags import add_gpu_options, add_llm_weights_option
 from ..errors import InputError
+from ..options import LoadOptions
 from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files
 from .manifest import Manifest, read_manifest
 from .output import FORMATS, RESULTS, DirLock, ResultsLog, compact_results, is_done, prepare_out_dir, read_results
@@ -43,7 +45,8 @@ def add_parser(sub) -> None:
     b.add_argument("--flow-slots", type=int, default=0,
                    help="rows in the flow + vocoder at once, the others keep decoding (default 0: no limit)")
     b.add_argument("--retry-failed", action="store_true", help="synthesize again the rows that failed before")
-    b.add_argument("--dry-run", action="store_true", help="check the manifest and show what would run; synthesize nothing")
+    b.add_argument("--dry-run", action="store_true",
+                   help="check the manifest and show what would run; synthesize nothing")
     b.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     r = b.add_argument_group("Ray (pip install 'cosyllama[ray]')")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
@@ -54,6 +57,13 @@ def add_parser(sub) -> None:
     r.add_argument("--ray-gpus", type=float, default=0.0, help="GPUs reserved per actor (default 0)")
     r.add_argument("--ray-batch-size", type=int, default=None,
                    help="rows handed to an actor at once (default: 2 x --concurrency)")
+    add_llm_weights_option(b)
+    add_gpu_options(b)
+    b.set_defaults(func=run)
+
+
+def run(args) -> int:
+    return run_batch(args)
 
 
 def _check_args(args) -> EngineOptions:
@@ -61,8 +71,6 @@ def _check_args(args) -> EngineOptions:
         raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.flow_slots < 0:
         raise InputError(f"--flow-slots must be >= 0, got {args.flow_slots}")
-    if args.threads is not None and args.threads < 1:
-        raise InputError(f"--threads must be >= 1, got {args.threads}")
     model_dir = Path(args.model_dir)
     if not model_dir.is_dir():
         raise InputError(f"model directory {args.model_dir!r} does not exist")
@@ -76,15 +84,14 @@ def _check_args(args) -> EngineOptions:
         if args.ray_cpus < 0 or args.ray_gpus < 0:
             raise InputError("--ray-cpus and --ray-gpus must be >= 0")
     voices = str(Path(args.voices).resolve()) if args.voices else None
-    threads = args.threads
-    if threads is None and args.ray is not None:
-        threads = max(1, int(args.ray_cpus))  # an actor computes on the CPUs it reserved
-    return EngineOptions(model_dir=str(model_dir.resolve()),
-                         gguf=str(Path(args.gguf).resolve()) if args.gguf else None, device=args.device,
-                         threads=threads, precision=args.precision, voices=voices,
-                         concurrency=args.concurrency, llm_weights=args.llm_weights, fmt=args.format,
-                         flow_slots=args.flow_slots, n_gpu_layers=getattr(args, "n_gpu_layers", None),
-                         llm_precision=getattr(args, "llm_precision", "fp32"))
+    changes = {}
+    if args.threads is None and args.ray is not None:
+        changes["threads"] = max(1, int(args.ray_cpus))  # an actor computes on the CPUs it reserved
+    load = LoadOptions.from_args(args, model_dir=str(model_dir.resolve()),
+                                 gguf=str(Path(args.gguf).resolve()) if args.gguf else None,
+                                 parallel=args.concurrency, **changes)
+    return EngineOptions(load, voices=voices, concurrency=args.concurrency, fmt=args.format,
+                         flow_slots=args.flow_slots)
 
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:
@@ -187,7 +194,7 @@ def _run_local(todo, opts: EngineOptions, out_dir: Path, on_result, err, on_load
 
     t0 = time.perf_counter()
     engine = BatchEngine(opts, out_dir)
-    print(f"loaded {opts.model_dir} (llm: {'llamacpp' if opts.gguf else 'torch'}, device {engine.tts.device}, "
+    print(f"loaded {opts.load.model_dir} (llm: {opts.load.llm}, device {engine.tts.device}, "
           f"flow {engine.tts.token2wav.flow.precision}) in {time.perf_counter() - t0:.1f} s; "
           f"{opts.concurrency} rows at a time", file=err)
     on_loaded()

@@ -1,7 +1,7 @@
 """Synthesis of manifest rows on one model: several rows at once, their LLM decode steps batched.
 
 :class:`BatchEngine` loads a :class:`~cosyllama.tts.TTS`, puts a
-:class:`~cosyllama.scheduler.BatchScheduler` in front of its LLM (as the server does) and runs
+:class:`~cosyllama.llm.scheduler.BatchScheduler` in front of its LLM (as the server does) and runs
 ``concurrency`` rows in worker threads: while some rows decode together, others run the flow and
 the vocoder. Each finished row is written (atomically) to the output directory and described by
 one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.batch.ray_runner`).
@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..defaults import LLM_WEIGHTS
 from ..errors import CosyllamaError, InputError
+from ..options import LoadOptions
 from .manifest import Row
 from .output import audio_name, write_audio
 
@@ -29,20 +29,15 @@ VOICE_CACHE = 128  # prompt clips whose features are kept (one per distinct prom
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """What every engine (this process or a Ray actor) loads; paths absolute, picklable."""
+    """What every engine (this process or a Ray actor) loads and runs; paths absolute, picklable.
 
-    model_dir: str
-    gguf: str | None = None
-    device: str = "cpu"
-    threads: int | None = None
-    precision: str = "auto"
+    ``load``: the TTS (its ``parallel``: one LLM sequence per concurrent row)."""
+
+    load: LoadOptions
     voices: str | None = None  # a voice file (VoiceStore.save) or a directory of them
     concurrency: int = DEFAULT_CONCURRENCY
-    llm_weights: str = LLM_WEIGHTS  # the LLM checkpoint in model_dir (e.g. llm.rl.pt)
     fmt: str = "wav"
     flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
-    n_gpu_layers: int | None = None  # llama.cpp layers on the GPU (None: all with device cuda)
-    llm_precision: str = "fp32"  # the torch LLM's weights (bf16/fp16 for a GPU)
 
 
 def voice_files(path: str | Path) -> list[Path]:
@@ -66,12 +61,10 @@ def load_voices(store, path: str | Path | None) -> None:
 
 
 def load_tts(opts: EngineOptions):
-    """The TTS an engine runs; a GGUF LLM gets one llama.cpp sequence per concurrent row."""
+    """The TTS an engine runs, with the voices of ``opts.voices``."""
     from ..tts import TTS
 
-    tts = TTS(opts.model_dir, llm="llamacpp" if opts.gguf else "torch", gguf=opts.gguf, device=opts.device,
-              threads=opts.threads, precision=opts.precision, llm_weights=opts.llm_weights,
-              parallel=opts.concurrency, n_gpu_layers=opts.n_gpu_layers, llm_precision=opts.llm_precision)
+    tts = TTS(opts.load)
     load_voices(tts.voices, opts.voices)
     return tts
 
@@ -127,7 +120,7 @@ class RowSynthesizer:
 
     def run(self, row: Row, cancel=None) -> dict | None:
         """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
-        from ..scheduler import CancelToken, RequestCancelled
+        from ..llm.scheduler import CancelToken, RequestCancelled
         from ..tts import SynthesisOptions
 
         cancel = cancel or CancelToken()
@@ -175,7 +168,7 @@ class BatchEngine:
     """
 
     def __init__(self, opts: EngineOptions, out_dir: Path, tts=None):
-        from ..scheduler import BatchScheduler
+        from ..llm.scheduler import BatchScheduler
 
         self.opts = opts
         self.tts = tts if tts is not None else load_tts(opts)
@@ -207,7 +200,7 @@ class BatchEngine:
 
     def run(self, rows: Iterable[Row], on_result: Callable[[dict], None],
             on_interrupt: Callable[[int], None] | None = None) -> None:
-        from ..scheduler import CancelToken
+        from ..llm.scheduler import CancelToken
 
         it = iter(rows)
         in_flight: dict[str, CancelToken] = {}  # row id -> its cancel token

@@ -20,6 +20,7 @@ from ..errors import CosyllamaError, MissingDependencyError
 from .engine import EngineOptions, error_record
 from .manifest import Row
 
+
 class RayJobError(CosyllamaError, RuntimeError):
     """Ray could not be reached, or the job failed outside any one row (an actor could not load
     the model, a node died); the rows recorded so far are kept."""

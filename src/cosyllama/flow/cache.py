@@ -45,16 +45,17 @@ class FlowStreamCache:
 
     Held (per Euler step): for each DiT block K and V of the cached frames for both CFG rows,
     each ``(2, frames, inner)`` in the storage dtype the solver names (float32 for the float32
-    reference solver; bfloat16 for the bf16 and int8 solvers, see :data:`LOWP_KV_DTYPE`); the last ``CONV_CONTEXT`` (60) input-projection
-    frames ``(2, 60, dim)`` float32 (what the position convs of the next frames read back); plus the
+    reference solver; bfloat16 for the bf16 and int8 solvers, see :data:`LOWP_KV_DTYPE`); the last
+    ``CONV_CONTEXT`` (60) input-projection frames ``(2, 60, dim)`` float32 (what the position convs of
+    the next frames read back); plus the
     finished mel of the cached frames and the prompt/token ids they came from. K/V dominate:
     ``steps x blocks x 2 rows x 2 x inner`` values per frame (:meth:`CFM.kv_bytes_per_frame`;
     sizes at full size: see docs/benchmarks.md#memory-of-the-streaming-caches).
 
-    Bound: the K/V kept never exceed ``max_mb`` megabytes (MiB; default
-    ``DEFAULT_STREAM_CACHE_MB`` = 2048) nor ``max_frames`` frames if given. Past the bound the cache keeps its prefix and
-    later calls recompute the frames after it every time (slower, same result); a bound below one
-    block (e.g. ``max_mb=0``) disables caching. The count is rounded down to whole blocks.
+    Bound: the K/V kept never exceed ``max_mb`` megabytes (MiB; default ``DEFAULT_STREAM_CACHE_MB`` =
+    2048) nor ``max_frames`` frames if given. Past the bound the cache keeps its prefix and later calls
+    recompute the frames after it every time (slower, same result); a bound below one block (e.g.
+    ``max_mb=0``) disables caching. The count is rounded down to whole blocks.
 
     Validity: every call checks that the cache belongs to it — same module and weights (any
     ``load_state_dict`` / ``.to()`` / ``set_precision`` invalidates), compute dtype, steps, prompt
@@ -136,7 +137,7 @@ class FlowStreamCache:
         self._ids = ids.clone()
 
     # Sharing frames between requests. Entries are only ever replaced, never written in place
-    # (``_StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
+    # (``StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
     # tensors: a copy costs two small dicts, and a later call of either cache leaves the other intact.
 
     def prefix(self, n_ids: int, frames: int | None = None) -> FlowStreamCache | None:
@@ -173,7 +174,7 @@ def _same(a, b) -> bool:
     return a is b or a == b
 
 
-class _StepCache:
+class StepCache:
     """One Euler step of a solve that resumes from ``cache`` at frame ``start = cache.frames`` (a
     whole number of attention blocks) and leaves the cache holding frames ``0..keep-1``. Both
     solvers (reference DiT and :class:`FastDiT`) call it at the same two places:

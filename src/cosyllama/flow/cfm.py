@@ -10,10 +10,9 @@ from ..config import FlowConfig
 from ..derived import DerivedWeights, weights_key
 from ..errors import InputError
 from ..precision import INT8
-from .cache import LOWP_KV_DTYPE, FlowStreamCache, _StepCache
+from .cache import LOWP_KV_DTYPE, FlowStreamCache, StepCache
 from .dit import DiT
 from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT
-
 
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
 NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
@@ -150,7 +149,7 @@ class CFM(nn.Module):
 
         With ``cache`` (from :meth:`forward_cached`, which checks it belongs to these inputs; B = 1
         only): only frames ``cache.frames..N-1`` are computed and returned, and the cache is
-        extended to frames ``0..keep-1`` (see :class:`_StepCache`)."""
+        extended to frames ``0..keep-1`` (see :class:`StepCache`)."""
         b, n = mu.shape[0], mu.shape[2]
         self._check_length(n)
         if cache is not None and b != 1:
@@ -173,7 +172,7 @@ class CFM(nn.Module):
         t = t_span[0:1]
         dt = t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            past = None if cache is None else _StepCache(cache, step - 1, keep, streaming, self.kv_cache_dtype())
+            past = None if cache is None else StepCache(cache, step - 1, keep, streaming, self.kv_cache_dtype())
             v = self.estimator(torch.cat([x, x]), mu_in, t.expand(2 * b), spks_in, cond_in, streaming, past=past)
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)

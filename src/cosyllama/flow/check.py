@@ -27,14 +27,28 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from ..cachedir import cache_dir
+from ..config import FlowConfig
 from ..precision import precision_name
+from ..timing import timed
+from .cfm import CFM
 
-if TYPE_CHECKING:
-    from .model import Flow
+
+class Flow(Protocol):
+    """What the check and the timing use of a :class:`~cosyllama.flow.model.Flow` (which passes itself):
+    its config, device and solver, and ``inference`` (a whole solve); ``weights_file`` and
+    ``weights_file_key`` (the file it was loaded from and its weights' key then) where it has them."""
+
+    cfg: FlowConfig
+    device: torch.device
+    decoder: CFM
+
+    def inference(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
+                  embedding: torch.Tensor, streaming: bool = False, finalize: bool = True) -> torch.Tensor: ...
 
 MEAN_BOUND = 0.01
 MAX_BOUND = 0.1
@@ -65,12 +79,6 @@ class CheckResult:
                 f"(bound {MEAN_BOUND}/{MAX_BOUND}{', cached' if self.cached else ''})")
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("COSYLLAMA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cosyllama")
-    return Path(base)
-
-
 @dataclass(frozen=True)
 class Candidate:
     """A flow path ``auto`` can choose: a compute dtype and, at int8, PyTorch's int8 engine."""
@@ -83,11 +91,11 @@ class Candidate:
         n = precision_name(self.dtype)
         return f"{n}/{self.int8_engine}" if self.int8_engine else n
 
-    def apply(self, flow: "Flow") -> None:
+    def apply(self, flow: Flow) -> None:
         flow.decoder.set_compute_dtype(self.dtype, self.int8_engine)
 
 
-def _file_key(flow: "Flow", candidate: torch.dtype | Candidate, what: str = "check") -> str | None:
+def _file_key(flow: Flow, candidate: torch.dtype | Candidate, what: str = "check") -> str | None:
     from ..cpu import cpu_class, cpu_model
 
     path = getattr(flow, "weights_file", None)
@@ -104,7 +112,10 @@ def _file_key(flow: "Flow", candidate: torch.dtype | Candidate, what: str = "che
     name = precision_name(cand.dtype)
     scheme = (cand.int8_engine or fast_dit.INT8_ENGINE, fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX,
               fast_dit.INT8_FP32_LAST_STEPS)
-    where = (cpu_class() if what == "check" else cpu_model()) if dev == "cpu" else torch.cuda.get_device_name(flow.device)
+    if dev == "cpu":
+        where = cpu_class() if what == "check" else cpu_model()
+    else:
+        where = torch.cuda.get_device_name(flow.device)
     return "|".join(str(x) for x in (what if what != "check" else "", Path(path).resolve(), st.st_size, st.st_mtime_ns,
                                      name, scheme if name == "int8" else "", dev, where,
                                      torch.__version__, flow.decoder.n_timesteps, CHECK_VERSION)).lstrip("|")
@@ -130,7 +141,7 @@ def _save_disk(key: str, value: dict) -> None:
         pass  # a read-only cache only costs the check again next time
 
 
-def synthetic_input(flow: "Flow") -> tuple[torch.Tensor, ...]:
+def synthetic_input(flow: Flow) -> tuple[torch.Tensor, ...]:
     """The check's deterministic input: random speech tokens, a random prompt mel around -5 and a
     random speaker embedding (token, prompt_token, prompt_feat, embedding)."""
     c = flow.cfg
@@ -150,7 +161,7 @@ def _cached(key: str | None) -> dict | None:
     return hit
 
 
-def check_candidate(flow: "Flow", candidate: torch.dtype | Candidate) -> CheckResult:
+def check_candidate(flow: Flow, candidate: torch.dtype | Candidate) -> CheckResult:
     """Solve :func:`synthetic_input` at float32 and at ``candidate``; leaves the flow's solver at
     ``candidate``. Uses (and fills) the per-file cache described in the module docstring."""
     cand = candidate if isinstance(candidate, Candidate) else Candidate(candidate)
@@ -179,7 +190,7 @@ def check_candidate(flow: "Flow", candidate: torch.dtype | Candidate) -> CheckRe
 # Timing: auto keeps the fastest path that passed
 
 
-def candidates(flow: "Flow") -> list[Candidate]:
+def candidates(flow: Flow) -> list[Candidate]:
     """What ``auto`` times on this flow's device, float32 first (docstring: emulated bf16 is left out)."""
     from ..precision import INT8, cpu_has_native_bf16
     from .fast_dit import INT8_ENGINES
@@ -194,7 +205,7 @@ def candidates(flow: "Flow") -> list[Candidate]:
     return out
 
 
-def timing_input(flow: "Flow") -> tuple[torch.Tensor, ...]:
+def timing_input(flow: Flow) -> tuple[torch.Tensor, ...]:
     """The timed solve's input: like :func:`synthetic_input`, :data:`TIME_PROMPT_TOKENS` + :data:`TIME_TOKENS`."""
     c = flow.cfg
     g = torch.Generator().manual_seed(CHECK_SEED + 1)
@@ -204,11 +215,9 @@ def timing_input(flow: "Flow") -> tuple[torch.Tensor, ...]:
     return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
 
 
-def time_candidate(flow: "Flow", cand: Candidate) -> tuple[float, bool]:
+def time_candidate(flow: Flow, cand: Candidate) -> tuple[float, bool]:
     """Seconds of one warm solve of :func:`timing_input` on ``cand`` (leaves the flow's solver on it), and
     whether the number came from the cache."""
-    import time
-
     key = _file_key(flow, cand, what="time")
     cand.apply(flow)
     hit = _cached(key)
@@ -216,13 +225,7 @@ def time_candidate(flow: "Flow", cand: Candidate) -> tuple[float, bool]:
         return float(hit["seconds"]), True
     inp = timing_input(flow)
     flow.inference(*inp)  # warm: kernels chosen, buffers sized
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        flow.inference(*inp)
-        if flow.device.type == "cuda":
-            torch.cuda.synchronize(flow.device)
-        best = min(best, time.perf_counter() - t0)
+    best = min(timed(lambda: flow.inference(*inp), flow.device)[0] for _ in range(2))
     if key is not None:
         _memory[key] = {"seconds": best}
         _save_disk(key, {"seconds": best})
@@ -250,7 +253,7 @@ class AutoChoice:
         return out
 
 
-def choose_fastest(flow: "Flow") -> AutoChoice:
+def choose_fastest(flow: Flow) -> AutoChoice:
     """Check every :func:`candidates` entry's fidelity, time those that pass and float32, and leave the
     flow on the fastest."""
     checks: dict[str, CheckResult] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,17 @@ from torch import nn
 
 from ..config import FlowConfig
 
-if TYPE_CHECKING:
-    from .cache import _StepCache
+
+class StreamStep(Protocol):
+    """What a streaming solve's Euler step hands the DiT as ``past`` (:class:`~cosyllama.flow.cache.StepCache`
+    implements it): the first new frame, the position embedding of the new frames, and each block's K/V
+    with the cached frames in front."""
+
+    start: int
+
+    def conv_pos(self, cpe: CausalConvPositionEmbedding, h: torch.Tensor) -> torch.Tensor: ...
+
+    def kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 TIME_EMBED_DIM = 256  # sinusoidal time features fed to the DiT's time MLP
@@ -105,7 +114,7 @@ class InputEmbedding(nn.Module):
         self.proj = nn.Linear(in_dim, dim)
         self.conv_pos_embed = CausalConvPositionEmbedding(dim)
 
-    def forward(self, x, cond, mu, spks, past: "_StepCache | None" = None):
+    def forward(self, x, cond, mu, spks, past: StreamStep | None = None):
         h = self.proj(torch.cat([x, cond, mu, spks], dim=-1))
         return (self.conv_pos_embed(h) if past is None else past.conv_pos(self.conv_pos_embed, h)) + h
 
@@ -218,7 +227,7 @@ class DiT(nn.Module):
     """Velocity estimator. All tensors channels-first like upstream: x, mu, cond ``(B, 80, N)``,
     spks ``(B, 80)``, t ``(B,)``; returns ``(B, 80, N)``.
 
-    With ``past`` (a :class:`_StepCache`, streaming only) x, mu, cond hold only frames
+    With ``past`` (a :class:`StreamStep`, streaming only) x, mu, cond hold only frames
     ``past.start..N-1`` and so does the result: the same operations on fewer rows, the earlier
     frames' K/V and conv input coming from the cache."""
 
@@ -235,7 +244,7 @@ class DiT(nn.Module):
         self.proj_out = nn.Linear(dim, cfg.out_channels)
 
     def forward(self, x, mu, t, spks, cond, streaming: bool = False,
-                past: "_StepCache | None" = None) -> torch.Tensor:
+                past: StreamStep | None = None) -> torch.Tensor:
         m = x.shape[2]
         start = 0 if past is None else past.start
         n = start + m

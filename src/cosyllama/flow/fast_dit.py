@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import INT8
-from .cache import FlowStreamCache, _StepCache
+from .cache import FlowStreamCache, StepCache
 from .dit import LN_EPS, DiT, chunk_attention_mask
 
 
@@ -149,7 +149,7 @@ class FastDiT:
     are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
 
     Streaming cache: :meth:`solve_from` resumes from a :class:`FlowStreamCache` the way the
-    reference DiT does (see :class:`_StepCache`).
+    reference DiT does (see :class:`StepCache`).
     """
 
     # The residual stream's dtype. float32; scripts/bench_flow_vocoder.py sets bfloat16 on an
@@ -233,7 +233,7 @@ class FastDiT:
         int8, whose per-call activation scale spans all rows (see :class:`_Int8Linear`): callers
         solve int8 rows one at a time. With ``cache`` (streaming only, B = 1) only frames
         ``cache.frames..N-1`` are computed and returned, and the cache is extended to frames
-        ``0..keep-1`` (see :class:`_StepCache`), its K/V kept in ``kv_dtype`` (the caller's
+        ``0..keep-1`` (see :class:`StepCache`), its K/V kept in ``kv_dtype`` (the caller's
         :meth:`CFM.kv_cache_dtype`, which also sizes the cache's bound)."""
         dit, dt_, res = self.dit, self.act_dtype, self.residual_dtype
         b, n = mu.shape[0], mu.shape[2]
@@ -253,7 +253,7 @@ class FastDiT:
         ones = torch.ones(dim, device=mu.device)
         x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
-            past = None if cache is None else _StepCache(cache, s, keep, streaming, kv_dtype)
+            past = None if cache is None else StepCache(cache, s, keep, streaming, kv_dtype)
             # x is the same in both CFG branches: its projection is added to each.
             h = (const + F.linear(x.transpose(1, 2), self.w_in_x)).flatten(0, 1)  # (2B, m, dim) float32
             cpe = dit.input_embed.conv_pos_embed

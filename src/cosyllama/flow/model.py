@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,6 @@ from .cache import FlowStreamCache
 from .cfm import CFM
 from .check import AUTO_ENV, AutoChoice, CheckResult, check_candidate, choose_fastest
 from .dit import PreLookaheadLayer
-
 
 log = logging.getLogger("cosyllama.flow")
 

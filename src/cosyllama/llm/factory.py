@@ -3,7 +3,7 @@ CLI and the server all come through here.
 
 A *token source* has ``generate(prefill, n_text_tokens, options) -> Iterator[int]``:
 :class:`~cosyllama.llm.decode.DirectTokens` decodes each request on its own (the API's default),
-:class:`~cosyllama.scheduler.BatchScheduler` advances concurrent requests in one backend step
+:class:`~cosyllama.llm.scheduler.BatchScheduler` advances concurrent requests in one backend step
 (the server's).
 """
 
@@ -92,7 +92,7 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
         if on_cuda:
             if not import_llama_cpp().llama_supports_gpu_offload():
                 raise DeviceError("device cuda puts llama.cpp's layers on the GPU, but this llama-cpp-python "
-                                  "build has no GPU support: install a CUDA build (README, section 'GPU') or "
+                                  "build has no GPU support: install a CUDA build (docs/gpu.md) or "
                                   "pass n_gpu_layers=0 (--n-gpu-layers 0) to run the LLM on the CPU")
             n_gpu_layers = ALL_LAYERS
     return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
@@ -103,14 +103,14 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
 def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None,
                       prefill_chunk: int | None = None):
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
-    :class:`~cosyllama.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
+    :class:`~cosyllama.llm.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
     wait for a sequence and prefilling ``prefill_chunk`` prompt positions between two decode steps
     (its defaults if None); the caller closes it."""
     if not batched:
         from .decode import DirectTokens
 
         return DirectTokens(backend)
-    from ..scheduler import BatchScheduler
+    from .scheduler import BatchScheduler
 
     kw = {k: v for k, v in (("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)) if v is not None}
     return BatchScheduler(backend, **kw)

@@ -37,9 +37,20 @@ from ..defaults import LLM_WEIGHTS
 from ..errors import CheckpointError, InputError, ModelDirError
 from ..progress import StageProgress as Progress
 from ..weights import load_llm_weights
-from .gguf_names import (ARCH, FORMAT_VERSION, KEY_PREFIX, LAYOUTS, SPEECH_TOKEN_FORMAT, TEXT_TABLE, TYPE_NAMES,
-                         VOCAB_TENSORS, file_type_ids, import_gguf, tensor_table)
-from .gguf_read import GGUFInfo, _read_header, inspect_gguf, llm_fingerprint  # noqa: F401 (re-exported)
+from .gguf_names import (
+    ARCH,
+    FORMAT_VERSION,
+    KEY_PREFIX,
+    LAYOUTS,
+    SPEECH_TOKEN_FORMAT,
+    TEXT_TABLE,
+    TYPE_NAMES,
+    VOCAB_TENSORS,
+    file_type_ids,
+    import_gguf,
+    tensor_table,
+)
+from .gguf_read import llm_fingerprint
 from .llamacpp_lib import import_llama_cpp, llama_log_handler
 
 # Output type -> name of the llama.cpp ftype constant (None: written directly, no quantizer pass).
@@ -123,7 +134,7 @@ def _text_vocabulary(qwen_dir: Path, n_text: int) -> tuple[list[str], list[int],
             known[info["content"]] = i
     # CosyVoice3's tokenizer adds its specials at load time (see docs/reference.md#tokenizer): present ones
     # keep their id, the others get consecutive ids after the highest one. Same procedure, so ids agree.
-    from ..text import SPECIAL_TOKENS
+    from ..text.tokenizer import SPECIAL_TOKENS
 
     next_id = max(known.values(), default=-1) + 1
     for tok in SPECIAL_TOKENS:

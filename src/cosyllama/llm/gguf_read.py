@@ -14,9 +14,17 @@ import torch
 
 from ..config import LLMConfig
 from ..errors import CheckpointError, ModelDirError
-from .gguf_names import (ARCH, KEY_PREFIX, LAYOUTS, SPEECH_TOKEN_FORMAT, file_type_ids, import_gguf, output_norm_name,
-                         tensor_table, vocab_tensor_names)
-
+from .gguf_names import (
+    ARCH,
+    KEY_PREFIX,
+    LAYOUTS,
+    SPEECH_TOKEN_FORMAT,
+    file_type_ids,
+    import_gguf,
+    output_norm_name,
+    tensor_table,
+    vocab_tensor_names,
+)
 
 _FINGERPRINT_ROWS = 4
 
@@ -77,7 +85,7 @@ class _TensorInfo:
     n_bytes: int
 
 
-def _read_header(path: Path, buf) -> tuple[dict, list[_TensorInfo]]:
+def read_header(path: Path, buf) -> tuple[dict, list[_TensorInfo]]:
     """Parse a GGUF header (key/values and tensor infos) from ``buf`` (an mmap of the file).
 
     Our own small reader, because :class:`gguf.GGUFReader` materialises every element of the
@@ -197,7 +205,7 @@ def _check(path: Path, size: int, buf, cfg: LLMConfig, layout: str | None, finge
     gguf = import_gguf()
 
     try:
-        kv, tensors = _read_header(path, buf)
+        kv, tensors = read_header(path, buf)
     except (struct.error, ValueError, UnicodeDecodeError, OverflowError) as e:
         raise CheckpointError(f"{path}: unreadable GGUF header (truncated or damaged?): {e}") from e
     for t in tensors:

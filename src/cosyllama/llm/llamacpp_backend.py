@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..config import ModelConfig, load_config
+from ..config import ModelConfig
 from ..cpu import llama_extra_buffer_types, llama_flash_attention
 from ..defaults import LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import BackendBusyError, CheckpointError, DeviceError, InputError
 from ..weights import load_llm_weights
 from .backend import Prefill, check_max_seq_tokens
 from .gguf_read import inspect_gguf, llm_fingerprint
-from .llamacpp_lib import (INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint,
-                           set_llama_verbose)
+from .llamacpp_lib import INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint, set_llama_verbose
 
 DEFAULT_N_SEQ_MAX = N_SEQ_MAX  # concurrent sequences one context holds
 DEFAULT_N_BATCH = 512  # positions per llama_decode call (longer prefills are split)
@@ -93,9 +92,10 @@ class LlamaCppLLM:
     """The CosyVoice3 speech LLM from a GGUF (either layout), implementing :class:`LLMBackend`.
 
     ``gguf_path``: a file from :func:`cosyllama.llm.gguf.convert` or a published merged-layout GGUF.
-    ``model_dir``: the official model directory it belongs to, or its parsed :class:`ModelConfig`
-    (config; ``llm_weights``, default ``llm.pt``, for the prompt's text embedding rows in the speech
-    layout and for the fingerprint check: the GGUF must have been converted from that file).
+    ``config``: the :class:`ModelConfig` of the official model directory it belongs to (read once by the
+    caller, :func:`cosyllama.config.load_config`); ``llm_weights`` there, default ``llm.pt``, gives the
+    prompt's text embedding rows in the speech layout and the fingerprint check (the GGUF must have been
+    converted from that file).
     ``n_threads``: CPU threads (default: all available). ``n_gpu_layers``: layers offloaded to a GPU
     (a build without GPU support refuses values > 0). ``max_seq_tokens``: positions one sequence may
     use (prompt + new tokens; default: the model's context length); a request needing more is
@@ -112,13 +112,15 @@ class LlamaCppLLM:
 
     name = "llamacpp"
 
-    def __init__(self, gguf_path: str | os.PathLike, model_dir: str | os.PathLike | ModelConfig,
+    def __init__(self, gguf_path: str | os.PathLike, config: ModelConfig,
                  n_threads: int | None = None, n_gpu_layers: int = 0, n_ctx: int | None = None, *,
                  n_seq_max: int = DEFAULT_N_SEQ_MAX, n_batch: int = DEFAULT_N_BATCH, kv_type: str | None = None,
                  flash_attn: bool | None = None, layout: str | None = None, verbose: bool = False,
                  llm_weights: str | os.PathLike = LLM_WEIGHTS, max_seq_tokens: int | None = None):
-        cfg = model_dir if isinstance(model_dir, ModelConfig) else load_config(model_dir)
-        self.config = self.cfg = cfg.llm
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig (cosyllama.config.load_config), got {type(config).__name__}")
+        cfg = config
+        self.config = cfg.llm  # the LLMConfig, as every backend names it (LLMBackend.config)
         self.vocab_size = cfg.llm.vocab_size
         weights_path = cfg.model_dir / llm_weights
         weights = load_llm_weights(weights_path, cfg.llm)
@@ -236,7 +238,7 @@ class LlamaCppLLM:
 
     def _prefill_inputs(self, prefill: Prefill) -> tuple[np.ndarray | None, np.ndarray | None]:
         """``(tokens, None)`` for the merged layout, ``(None, embeddings)`` for the speech layout."""
-        cfg, n_text = self.cfg, self.cfg.qwen.vocab_size
+        cfg, n_text = self.config, self.config.qwen.vocab_size
         text = list(prefill.text_ids)
         speech = list(prefill.prompt_speech_tokens)
         bad = [t for t in text if not 0 <= t < n_text]

@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cachedir import cache_dir
 from ..errors import InputError
 from ..progress import LineProgress as Progress
 from ..progress import counting_progress
+from ..timing import rounds, timed
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
@@ -36,12 +38,6 @@ PARTS = ("llm", "flow", "vocoder", "pipeline")
 BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
               "behind the quiet hills of the old town.")
 
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("COSYLLAMA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cosyllama")
-    return Path(base)
 
 
 def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
@@ -57,9 +53,9 @@ def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
 
 
 def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
-    from ..llm.gguf import convert
-
     import hashlib
+
+    from ..llm.gguf import convert
 
     model_dir = Path(model_dir).resolve()
     key = f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
@@ -109,7 +105,7 @@ def peak_rss_mb() -> float:
 
 def _llm_prefill(cfg, prompt_tokens: int):
     from ..llm.backend import Prefill
-    from ..text import ENDOFPROMPT_ID
+    from ..text.tokenizer import ENDOFPROMPT_ID
 
     rng = np.random.default_rng(1)
     text = [int(x) for x in rng.integers(100, 1000, 40)]
@@ -168,14 +164,15 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
             from ..llm.factory import make_llm
 
             # on CUDA: the static-cache backend, its decode steps replayed as CUDA graphs
-            backend = make_llm(cfg, "torch", device=device, n_seq_max=1, llm_precision={"F32": "fp32", "BF16": "bf16"}[type_name])
+            llm_precision = {"F32": "fp32", "BF16": "bf16"}[type_name]
+            backend = make_llm(cfg, "torch", device=device, n_seq_max=1, llm_precision=llm_precision)
             where = device.type
         else:
             from ..llm.llamacpp_backend import LlamaCppLLM
 
             if gpu_layers is None:
                 gpu_layers = llamacpp_gpu_layers(device, progress)
-            backend = LlamaCppLLM(ensure_gguf(model_dir, layout, type_name, progress), model_dir, n_threads=threads,
+            backend = LlamaCppLLM(ensure_gguf(model_dir, layout, type_name, progress), cfg, n_threads=threads,
                                   n_seq_max=1, n_gpu_layers=gpu_layers)
             where = "cuda" if gpu_layers else "cpu"
         progress(f"llm: {label} ({where})")
@@ -236,23 +233,6 @@ def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
     return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
 
 
-def _time_once(fn, device: torch.device = torch.device("cpu")) -> tuple[float, object]:
-    """Wall time of one ``fn()`` (CUDA work waited for), and its output."""
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0, out
-
-
-def rounds(items: list, repeat: int) -> list:
-    """``items`` in ``repeat`` interleaved rounds, every other one reversed (A B C, C B A, ...): each
-    row is timed beside the others, so a machine that slows down or speeds up during the run moves
-    every row alike and the ratios between rows stay readable (the medians of the rounds are
-    reported)."""
-    return [x for r in range(repeat) for x in (items if r % 2 == 0 else items[::-1])]
-
-
 def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
                      progress: Progress, device: torch.device = torch.device("cpu"),
                      variants: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
@@ -283,7 +263,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
             ran[variant] = _variant_ran(flow)
             if variant == "auto":
                 progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
-        t, mels[variant] = _time_once(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
+        t, _, mels[variant] = timed(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
         secs[variant].append(t)
         if "flow" in parts:
             progress(f"flow {variant}: {t / output_s:.3f} s per audio second")
@@ -307,7 +287,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
         for variant in rounds(vnames, repeat):
             hift.set_precision(variant)
             hift.inference(mel_ref[:, :, :20])
-            t, wavs[variant] = _time_once(lambda: hift.inference(mel_ref), device)
+            t, _, wavs[variant] = timed(lambda: hift.inference(mel_ref), device)
             vsecs[variant].append(t)
         for variant in vnames:
             sps = _median(vsecs[variant]) / output_s
@@ -324,11 +304,12 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
 
 def pipeline_worker(spec: dict) -> dict:
     """Run in a child process: load a TTS, synthesize non-streaming then streaming once; report."""
+    from ..options import LoadOptions
     from ..tts import TTS, SynthesisOptions
 
-    torch.set_num_threads(spec["threads"])
-    tts = TTS(spec["model_dir"], llm=spec["llm"], gguf=spec.get("gguf"), threads=spec["threads"],
-              precision=spec["precision"], device=spec.get("device", "cpu"), n_gpu_layers=spec.get("n_gpu_layers", 0))
+    options = LoadOptions(**spec["load"])
+    torch.set_num_threads(options.threads)
+    tts = TTS(options)
     wav = spec["prompt_wav"]
     n = spec["decode_tokens"]
     opts = SynthesisOptions(greedy=True, ignore_stop=True, max_tokens=n)
@@ -363,19 +344,20 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
     gpu_layers = None
     configs = []
     for backend_name, layout, type_name, precision in PIPELINE_CONFIGS:
-        spec = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "prompt_wav": str(wav),
-                "decode_tokens": round(output_s * TOKEN_RATE), "precision": precision, "device": str(device)}
+        load = {"model_dir": str(model_dir), "llm": backend_name, "threads": threads, "precision": precision,
+                "device": str(device)}  # LoadOptions' fields, as JSON for the child
         label = "torch fp32" if backend_name == "torch" else f"llamacpp {layout} {type_name}"
         if layout:
-            spec["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
+            load["gguf"] = str(ensure_gguf(model_dir, layout, type_name, progress))
             if gpu_layers is None:
                 gpu_layers = llamacpp_gpu_layers(device, progress)
-            spec["n_gpu_layers"] = gpu_layers
+            load["n_gpu_layers"] = gpu_layers
+        spec = {"load": load, "prompt_wav": str(wav), "decode_tokens": round(output_s * TOKEN_RATE)}
         configs.append((len(configs), label, spec))
     runs: list[list[dict]] = [[] for _ in configs]
     for i, label, spec in rounds(configs, repeat):
         turn = f", round {len(runs[i]) + 1} of {repeat}" if repeat > 1 else ""
-        progress(f"pipeline: {label}, flow {spec['precision']} (child process{turn})")
+        progress(f"pipeline: {label}, flow {spec['load']['precision']} (child process{turn})")
         proc = subprocess.run([sys.executable, "-m", "cosyllama.tools.bench", "--pipeline-worker", json.dumps(spec)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
@@ -433,8 +415,8 @@ def format_table(res: dict) -> str:
             else " [bf16 emulated on this CPU: auto does not pick it]"
         ratio = f" {base / r['seconds_per_audio_second']:.2f}x fp32" if base and r["variant"] != "fp32" else ""
         lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio{ratio} "
-                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, max {r['mel_max_abs_diff_vs_fp32']:.4f})"
-                     + native)
+                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, "
+                     f"max {r['mel_max_abs_diff_vs_fp32']:.4f})" + native)
     for r in res["vocoder"]:
         lines.append(f"vocoder {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
                      f"(wav vs fp32: max {r['wav_max_abs_diff_vs_fp32']:.4f})")

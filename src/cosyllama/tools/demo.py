@@ -14,10 +14,12 @@ DEMO_TEXT = "Hello from cosyllama. This is the no-weights demo of the full CosyV
 
 
 def run_demo(args, progress: Callable[[str], None] = print) -> int:
-    from .bench import cache_dir, ensure_full_model, ensure_gguf, prompt_wav
+    from ..cachedir import cache_dir
     from ..cpu import tts_path
+    from ..options import LoadOptions
     from ..synth import write_wav
     from ..tts import TTS, SynthesisOptions
+    from .bench import ensure_full_model, ensure_gguf, prompt_wav
 
     model_dir = ensure_full_model(progress)
     gguf = ensure_gguf(model_dir, "speech", "Q8_0", progress)
@@ -28,7 +30,7 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
     rows = []
     for llm in ("torch", "llamacpp"):
         t0 = time.perf_counter()
-        tts = TTS(model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None, threads=args.threads)
+        tts = TTS(LoadOptions.from_args(args, model_dir=model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None))
         load_s = time.perf_counter() - t0
         progress(f"{llm}: loaded in {load_s:.1f} s; synthesizing (3 s prompt, up to {args.seconds:g} s of audio)")
         path = tts_path(tts, "auto", args.threads)
@@ -48,8 +50,9 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
         progress(f"  wrote {out}")
         del tts
     print(f"\n{'LLM backend':<12}{'frontend s':>11}{'LLM s':>8}{'tok/s':>8}{'flow+voc s':>11}{'audio s':>9}{'RTF':>7}")
-    for llm, fe, l, n, tw, secs, wall in rows:
-        print(f"{llm:<12}{fe:>11.2f}{l:>8.2f}{n / l if l else 0:>8.1f}{tw:>11.2f}{secs:>9.2f}{wall / secs:>7.2f}")
+    for llm, fe, llm_s, n, tw, secs, wall in rows:
+        print(f"{llm:<12}{fe:>11.2f}{llm_s:>8.2f}{n / llm_s if llm_s else 0:>8.1f}{tw:>11.2f}{secs:>9.2f}"
+              f"{wall / secs:>7.2f}")
     print("\n" + rtf_meaning(path, segments))
     print("\nThe model has the real Fun-CosyVoice3-0.5B shapes but random weights: the timings are real, the "
           "audio is noise.\nWith the official model directory: cosyllama synth --model-dir Fun-CosyVoice3-0.5B ...")

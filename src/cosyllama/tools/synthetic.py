@@ -277,7 +277,7 @@ def size_config(size: str) -> ModelConfig:
 def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, force: bool = False,
                progress: Callable[[str], None] = lambda msg: None) -> Path:
     """Write a random-weight CosyVoice3 model directory. Deterministic for a given ``seed``."""
-    from ..weights import flow_key_table, hift_key_table, llm_key_table, LLM_BODY_PREFIX, LLM_LM_HEAD
+    from ..weights import LLM_BODY_PREFIX, LLM_LM_HEAD, flow_key_table, hift_key_table, llm_key_table
 
     if size not in SIZES:
         raise InputError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")

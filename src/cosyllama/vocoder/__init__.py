@@ -7,7 +7,7 @@ look-ahead convs (f0 ``condnet.0``: 3 frames, ``conv_pre``: 4 frames), which is 
 streaming by "re-run on the whole mel, emit only the new samples" exact (see
 docs/reference.md#vocoder-streaming).
 
-Speed: :meth:`HiFT.decode` runs the conv stack channels-last (``fast``: :class:`_FastGenerator`; same
+Speed: :meth:`HiFT.decode` runs the conv stack channels-last (``fast``: :class:`FastGenerator`; same
 math as the module-by-module :meth:`HiFT.decode_reference`, up to float rounding). For streaming,
 :meth:`HiFT.stream_step` (``stream``) gives the samples of that re-run scheme while computing only
 the new frames plus the decoder's receptive field (:func:`decoder_history_frames`).
@@ -18,8 +18,18 @@ of ``hift.pt`` after weight-norm folding (:func:`cosyllama.weights.load_hift_wei
 """
 
 from .hift import HiFT
-from .modules import (F0_HISTORY, F0_LOOKAHEAD, NOISE_SAMPLES, F0Predictor, ResBlock, Snake, SourceModule,
-                      replay_source_rng, source_noise, source_noise_state)
+from .modules import (
+    F0_HISTORY,
+    F0_LOOKAHEAD,
+    NOISE_SAMPLES,
+    F0Predictor,
+    ResBlock,
+    Snake,
+    SourceModule,
+    replay_source_rng,
+    source_noise,
+    source_noise_state,
+)
 from .stream import VocoderStream, decoder_history_frames
 
 __all__ = ["F0_HISTORY", "F0_LOOKAHEAD", "NOISE_SAMPLES", "F0Predictor", "HiFT", "ResBlock", "Snake",

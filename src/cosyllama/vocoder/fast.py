@@ -13,16 +13,26 @@ summed into one weight beforehand (float rounding only).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import HiftConfig
 from .modules import SNAKE_EPS, ResBlock, Snake
 
-if TYPE_CHECKING:
-    from .hift import HiFT
+
+class ConvStack(Protocol):
+    """The modules of a :class:`~cosyllama.vocoder.hift.HiFT` that :class:`FastGenerator` re-lays out."""
+
+    cfg: HiftConfig
+    conv_pre: nn.Conv1d
+    ups: nn.ModuleList
+    source_downs: nn.ModuleList
+    source_resblocks: nn.ModuleList
+    resblocks: nn.ModuleList
+    conv_post: nn.Conv1d
 
 
 CHANNELS_LAST = torch.channels_last
@@ -123,11 +133,11 @@ class _FastResBlock:
         return x
 
 
-class _FastGenerator:
+class FastGenerator:
     """The conv stack of :class:`HiFT` (conv_pre .. resblocks, and conv_post in float32) prepared
     once per weights and dtype for the channels-last path."""
 
-    def __init__(self, hift: HiFT, dtype: torch.dtype):
+    def __init__(self, hift: ConvStack, dtype: torch.dtype):
         self.dtype = dtype
         with torch.no_grad():
             self.conv_pre = _FastConv(hift.conv_pre, dtype, causal=False)

@@ -15,9 +15,18 @@ from ..derived import DerivedWeights
 from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
 from ..precision import INT8, is_auto, resolve_precision
-from .fast import CHANNELS_LAST, _FastGenerator
-from .modules import (CONV_POST_KERNEL, F0_LOOKAHEAD, POST_SLOPE, F0Predictor, ResBlock, SourceModule, causal_conv,
-                      lookahead_conv, source_noise_state)
+from .fast import CHANNELS_LAST, FastGenerator
+from .modules import (
+    CONV_POST_KERNEL,
+    F0_LOOKAHEAD,
+    POST_SLOPE,
+    F0Predictor,
+    ResBlock,
+    SourceModule,
+    causal_conv,
+    lookahead_conv,
+    source_noise_state,
+)
 from .stream import VocoderStream, decoder_history_frames, new_stream, stream_step
 
 GENERATOR_PARTS = ("conv_pre", "ups", "source_downs", "source_resblocks", "resblocks")
@@ -68,15 +77,15 @@ class HiFT(nn.Module):
         # resblock) run on bf16 copies of their weights; f0 (float64), source, STFT, conv_post and
         # iSTFT stay as they are.
         self.compute_dtype = torch.float32
-        # True: the channels-last conv stack (_FastGenerator), prepared from the current weights on
+        # True: the channels-last conv stack (FastGenerator), prepared from the current weights on
         # first use. False: the module-by-module reference path (same math, ~1.5-2x slower on CPU).
         self.fast = True
         # Weight copies each path prepares, rebuilt when the weights change (cosyllama.derived).
-        self._fast_weights: DerivedWeights[_FastGenerator] = DerivedWeights(_FastGenerator)
+        self._fast_weights: DerivedWeights[FastGenerator] = DerivedWeights(FastGenerator)
         self._lowp_weights: DerivedWeights[dict[str, nn.Module]] = DerivedWeights(_lowp_copies)
 
     @property
-    def _fast(self) -> _FastGenerator | None:
+    def _fast(self) -> FastGenerator | None:
         """The prepared fast stack, if one is current (None before first use)."""
         return self._fast_weights.value
 
@@ -85,7 +94,7 @@ class HiFT(nn.Module):
         """The reference path's low-precision module copies, if prepared."""
         return self._lowp_weights.value
 
-    def _fast_generator(self) -> _FastGenerator:
+    def _fast_generator(self) -> FastGenerator:
         return self._fast_weights.get(self, self.compute_dtype)
 
     def _generator(self) -> dict[str, nn.Module]:
@@ -180,7 +189,7 @@ class HiFT(nn.Module):
 
     @on_true_fp32
     def decode_fast(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
-        """:meth:`decode` on the channels-last conv stack (see :class:`_FastGenerator`)."""
+        """:meth:`decode` on the channels-last conv stack (see :class:`FastGenerator`)."""
         g = self._fast_generator()
         dtype = g.dtype
         s = self._source_stft(source)

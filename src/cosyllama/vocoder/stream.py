@@ -5,16 +5,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..config import HiftConfig
 from ..errors import InputError
-from .modules import CONV_POST_KERNEL, F0_HISTORY, F0_LOOKAHEAD, NOISE_SAMPLES
+from .modules import CONV_POST_KERNEL, F0_HISTORY, F0_LOOKAHEAD, NOISE_SAMPLES, SourceModule
 
-if TYPE_CHECKING:
-    from .hift import HiFT
+
+class StreamingVocoder(Protocol):
+    """What :func:`stream_step` uses of a :class:`~cosyllama.vocoder.hift.HiFT` (which passes itself): its
+    config, device and frame geometry, the f0 predictor, the source module and the decoder."""
+
+    cfg: HiftConfig
+    device: torch.device
+    samples_per_frame: int
+    history_frames: int
+    m_source: SourceModule
+
+    def predict_f0(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor: ...
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor: ...
 
 
 def decoder_history_frames(cfg: HiftConfig) -> int:
@@ -63,13 +75,13 @@ class VocoderStream:
     noise: torch.Generator | None = None  # at row up * f0_frames of the source-noise buffer
 
 
-def new_stream(hift: HiFT) -> VocoderStream:
+def new_stream(hift: StreamingVocoder) -> VocoderStream:
     """A fresh per-utterance state for :func:`stream_step`."""
     g = torch.Generator(device="cpu")
     g.set_state(hift.m_source.noise_state)
     return VocoderStream(phase=torch.zeros(1, hift.m_source.harmonics, 1, dtype=torch.float64), noise=g)
 
-def stream_step(hift: HiFT, state: VocoderStream, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
+def stream_step(hift: StreamingVocoder, state: VocoderStream, mel: torch.Tensor, finalize: bool) -> torch.Tensor:
     """Vocode the next mel frames of an utterance without re-running the earlier ones.
 
     Appends ``mel`` ``(1, 80, n)`` (n >= 0) to the utterance and returns the samples that

@@ -1,5 +1,5 @@
 """The handlers that answer every error the way OpenAI's API does, as JSON ``{"error": {"message":
-str, "type": str, "param": str | None, "code": str | None}}`` (:func:`~cosyllama.server_common.error_body`),
+str, "type": str, "param": str | None, "code": str | None}}`` (:func:`~cosyllama.server.common.error_body`),
 and the answer for an exception raised while synthesizing. Needs the ``server`` extra."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import BackendBusyError, CosyllamaError, InputError
-from .limits import LimitExceeded
-from .scheduler import SchedulerBusyError
-from .server_common import ApiError, busy, error_body
+from ..errors import BackendBusyError, CosyllamaError, InputError
+from ..limits import LimitExceeded
+from ..llm.scheduler import SchedulerBusyError
+from .common import ApiError, busy, error_body
 
 log = logging.getLogger("cosyllama.server")
 

@@ -1,5 +1,5 @@
 """What the HTTP server (:mod:`cosyllama.server`) and the Wyoming server
-(:mod:`cosyllama.wyoming_server`) share, with neither's dependencies:
+(:mod:`cosyllama.server.wyoming`) share, with neither's dependencies:
 
 * :func:`load_tts` and :func:`check_options`: the model and the per-request limits that the
   ``serve`` / ``wyoming`` options ask for, checked before the minutes of loading a model;
@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .defaults import LLM_WEIGHTS, MAX_QUEUE, PRECISION, SERVE_PARALLEL
-from .errors import CosyllamaError, InputError
-from .limits import RequestLimits
-from .llm.factory import choose_llm, make_token_source
-from .scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
-from .voices import VoiceDirectory, VoiceStore
+from ..defaults import MAX_QUEUE, MAX_SEQ_TOKENS, SERVE_PARALLEL
+from ..errors import CosyllamaError, InputError
+from ..limits import RequestLimits
+from ..llm.factory import make_token_source
+from ..llm.scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
+from ..options import LoadOptions
+from ..voices import VoiceDirectory, VoiceStore
 
 log = logging.getLogger("cosyllama.server")
 
@@ -145,28 +146,17 @@ def check_options(args) -> tuple[RequestLimits, int | None]:
 
 def load_tts(args):
     """The TTS the ``serve`` / ``wyoming`` command asks for (llama.cpp when ``--gguf`` is given); its
-    LLM holds ``--parallel`` sequences of ``--max-seq-tokens`` positions."""
-    from .tts import TTS
+    LLM holds ``--parallel`` sequences of ``--max-seq-tokens`` positions. The options are checked
+    before the minutes of loading a model."""
+    from ..tts import TTS
 
-    for name in ("stream_cache_mb", "prompt_cache_mb"):  # before the minutes of loading a model
-        v = getattr(args, name, None)
-        if v is not None and not v >= 0:
-            raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-    limits = RequestLimits.from_args(args)
-    gguf = getattr(args, "gguf", None)
-    return TTS(args.model_dir, llm=choose_llm(None, gguf), gguf=gguf, device=getattr(args, "device", "cpu"),
-               threads=getattr(args, "threads", None), n_gpu_layers=getattr(args, "n_gpu_layers", None),
-               precision=getattr(args, "precision", PRECISION), parallel=getattr(args, "parallel", SERVE_PARALLEL),
-               llm_weights=getattr(args, "llm_weights", LLM_WEIGHTS),
-               llm_precision=getattr(args, "llm_precision", "fp32"),
-               stream_cache_mb=getattr(args, "stream_cache_mb", None),
-               prompt_cache_mb=getattr(args, "prompt_cache_mb", None), max_seq_tokens=limits.seq_tokens)
+    return TTS(LoadOptions.from_args(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}))
 
 
 def openmp_hint(tts) -> None:
     """Log, once at start, when the llama.cpp build threads with OpenMP (slower beside flow work)."""
     if getattr(tts.llm, "name", None) == "llamacpp":
-        from .llm.llamacpp_backend import openmp_serving_hint
+        from ..llm.llamacpp_backend import openmp_serving_hint
 
         hint = openmp_serving_hint()
         if hint:

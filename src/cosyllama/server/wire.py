@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .server_common import error_body
+from .common import error_body
 from .serving import pcm16
 
 PCM_BYTES = 2  # 16-bit samples on the wire

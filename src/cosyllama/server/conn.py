@@ -22,7 +22,7 @@ import json
 import logging
 from dataclasses import dataclass, fields
 
-from .errors import InputError
+from ..errors import InputError
 
 log = logging.getLogger("cosyllama.server")
 

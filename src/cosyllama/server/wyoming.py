@@ -14,7 +14,7 @@ What a connection may send (the `wyoming` package's events):
   makes them (24 kHz, 16-bit, mono), ``audio-stop``.
 * ``synthesize-start`` (optional voice), ``synthesize-chunk``s (text as it is written, e.g. by an
   LLM), ``synthesize-stop``: each sentence is spoken as soon as it is complete
-  (:func:`cosyllama.text.take_sentences`), in one voice, one after the other, as one audio stream
+  (:func:`cosyllama.text.normalize.take_sentences`), in one voice, one after the other, as one audio stream
   (one ``audio-start`` ... ``audio-stop``), then ``synthesize-stopped``. The ``synthesize`` a
   client sends inside the stream for older servers is ignored.
 
@@ -37,13 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from urllib.parse import urlparse
 
-from . import __version__
-from .errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
-from .heap import trim_heap
-from .limits import LimitExceeded
-from .scheduler import CancelToken, RequestCancelled, SchedulerBusyError
+from .. import __version__
+from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
+from ..heap import trim_heap
+from ..limits import LimitExceeded
+from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
+from ..text.normalize import is_only_punctuation, take_sentences
 from .serving import Gate, ServerBusyError, pcm16
-from .text import is_only_punctuation, take_sentences
 
 try:
     from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -98,12 +98,12 @@ def error_event(e: BaseException) -> Event:
 
 
 class WyomingService:
-    """The served TTS (a :class:`~cosyllama.serving.Serving`), its admission gate, the default
+    """The served TTS (a :class:`~cosyllama.server.serving.Serving`), its admission gate, the default
     voice, the synthesis options of every request (e.g. ``greedy``/``seed``, which the protocol
     cannot carry) and the threads that run model code (never the event loop)."""
 
     def __init__(self, serving, gate: Gate, *, default_voice: str | None = None, options=None):
-        from .tts import SynthesisOptions
+        from ..tts import SynthesisOptions
 
         self.serving, self.tts, self.gate = serving, serving.tts, gate
         self.default_voice = default_voice
@@ -379,7 +379,7 @@ def check_uri(uri: str) -> str:
 def wyoming_options_from_args(args) -> dict:
     """The Wyoming keyword arguments of :func:`start_wyoming` from parsed options, checked."""
     if getattr(args, "default_voice", None) is not None:
-        from .voices import check_voice_id
+        from ..voices import check_voice_id
 
         check_voice_id(args.default_voice)
     return {"default_voice": getattr(args, "default_voice", None)}
@@ -403,7 +403,7 @@ class WyomingServer:
 async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_voice: str | None = None,
                         options=None) -> WyomingServer:
     """Listen at ``uri`` in the running event loop and answer the Wyoming protocol from ``serving``
-    (a :class:`~cosyllama.serving.Serving`); ``gate``: the admission gate to share (default: a new
+    (a :class:`~cosyllama.server.serving.Serving`); ``gate``: the admission gate to share (default: a new
     one of ``serving``'s bounds). ``options``: the :class:`~cosyllama.tts.SynthesisOptions` of
     every request (always streaming). A TCP port 0 listens on a free port (see ``address``)."""
     check_uri(uri)

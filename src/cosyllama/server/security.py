@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
-from .defaults import API_KEY_ENV
-from .errors import InputError
+from ..defaults import API_KEY_ENV
+from ..errors import InputError
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})

@@ -1,6 +1,6 @@
 """Russian numbers in words (our deviation from the reference, which reads them in English).
 
-Applied by :class:`cosyllama.text.TextNormalizer` to sentences that contain Cyrillic letters,
+Applied by :class:`cosyllama.text.normalize.TextNormalizer` to sentences that contain Cyrillic letters,
 before wetext. Words come from ``num2words`` (lang "ru"); the patterns below decide which form:
 
 * years before a form of "год" (``в 2023 году``, ``2023 года``, ``1990-х годах``, ``2023 г.``):

@@ -11,12 +11,11 @@ import secrets
 from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from .errors import CosyllamaError, InputError
-from .limits import LimitExceeded, RequestLimits
-from .server_common import ApiError, gate
-from .server_errors import limit_error
-from .serving import open_voice_store, warm_voices  # noqa: F401  (their home before serving.py)
-from .voices import VoiceExistsError, check_voice_id
+from ..errors import CosyllamaError, InputError
+from ..limits import LimitExceeded, RequestLimits
+from ..voices import VoiceExistsError, check_voice_id
+from .common import ApiError, gate
+from .errors import limit_error
 
 log = logging.getLogger("cosyllama.server")
 

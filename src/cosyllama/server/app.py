@@ -1,7 +1,7 @@
 """HTTP server: an OpenAI-style ``/v1/audio/speech`` endpoint, voice registration and ``/health``.
 
 ``create_app(tts)`` builds the FastAPI app; ``serve(args)`` runs it with uvicorn (127.0.0.1 by
-default). Concurrent requests share one LLM context through a :class:`~cosyllama.scheduler.BatchScheduler`,
+default). Concurrent requests share one LLM context through a :class:`~cosyllama.llm.scheduler.BatchScheduler`,
 which advances all their sequences in one decode step; the routes find it, the TTS and the limits
 on ``app.state``.
 
@@ -11,9 +11,9 @@ pool, one audio chunk per call. A request that does not fit (``max_concurrent`` 
 (:class:`~cosyllama.limits.RequestLimits`: characters, text tokens, LLM positions per sequence;
 413 naming the limit and its flag). A client that goes away cancels its request at once: its LLM
 sequence is released at the next decode step or prefill piece. Errors are OpenAI's JSON
-``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server_errors`).
-``/`` is a web page to try voices (:mod:`cosyllama.server_page`); ``serve`` closes slow clients
-and caps open connections (:mod:`cosyllama.server_conn`).
+``{"error": {"message", "type", "param", "code"}}`` (see :mod:`cosyllama.server.errors`).
+``/`` is a web page to try voices (:mod:`cosyllama.server.page`); ``serve`` closes slow clients
+and caps open connections (:mod:`cosyllama.server.conn`).
 
 Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 """
@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from .defaults import MAX_QUEUE, MAX_VOICES
-from .errors import InputError, MissingDependencyError
-from .heap import bound_onednn_cache
-from .limits import RequestLimits
-from .scheduler import BatchScheduler
-from .serving import check_options, load_tts, open_voice_store, openmp_hint, pcm16, prepare, warm_voices
+from ..defaults import MAX_QUEUE, MAX_VOICES
+from ..errors import InputError, MissingDependencyError
+from ..heap import bound_onednn_cache
+from ..limits import RequestLimits
+from ..llm.scheduler import BatchScheduler
+from .serving import check_options, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
 
 try:
     from fastapi import APIRouter, FastAPI, Request
@@ -38,16 +38,14 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
-from .server_common import ApiError  # noqa: E402
-from .server_common import gate as _gate  # noqa: E402
-from .server_conn import ConnectionLimits, uvicorn_options  # noqa: E402
-from .server_errors import add_error_handlers  # noqa: E402
-from .server_page import PAGE_PATHS, add_page  # noqa: E402
-from .server_security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
-from .server_speech import SpeechRequest  # noqa: E402
-from .server_speech import router as speech_router  # noqa: E402
-from .server_voices import router as voices_router  # noqa: E402
-from .server_wire import BodyLimit, encode, wav_header  # noqa: E402
+from .common import gate as _gate  # noqa: E402
+from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from .errors import add_error_handlers  # noqa: E402
+from .page import PAGE_PATHS, add_page  # noqa: E402
+from .security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
+from .speech import router as speech_router  # noqa: E402
+from .voices import router as voices_router  # noqa: E402
+from .wire import BodyLimit  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
@@ -123,11 +121,11 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent`` requests wait for
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
     here runs between two decode steps. ``api_key`` and ``allow_origins``: see
-    :mod:`cosyllama.server_security`. Voices are registered in ``tts.voices`` (``serve`` sets it
-    with :func:`cosyllama.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it
-    gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server_page`). ``wyoming``: a
+    :mod:`cosyllama.server.security`. Voices are registered in ``tts.voices`` (``serve`` sets it
+    with :func:`cosyllama.server.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it
+    gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server.page`). ``wyoming``: a
     URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming protocol
-    (:mod:`cosyllama.wyoming_server`, with ``wyoming_options``) from the same TTS, scheduler, voices and
+    (:mod:`cosyllama.server.wyoming`, with ``wyoming_options``) from the same TTS, scheduler, voices and
     admission gate.
     """
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
@@ -140,7 +138,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     async def lifespan(app):
         wyoming_server = None
         if wyoming is not None:  # the same TTS view, scheduler and gate as the HTTP routes
-            from .wyoming_server import start_wyoming
+            from .wyoming import start_wyoming
 
             wyoming_server = await start_wyoming(wyoming, serving, gate=_gate(app), **(wyoming_options or {}))
             log.warning("Wyoming server listening on %s", wyoming)
@@ -189,7 +187,7 @@ def serve(args) -> None:
     wyoming = getattr(args, "wyoming", None)
     wyoming_options = None
     if wyoming is not None:
-        from .wyoming_server import check_uri, wyoming_options_from_args
+        from .wyoming import check_uri, wyoming_options_from_args
 
         check_uri(wyoming)
         wyoming_options = wyoming_options_from_args(args)  # checks the URI and the extra before loading
@@ -210,4 +208,4 @@ def serve(args) -> None:
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits))
 
 
-__all__ = ["create_app", "serve", "load_tts", "SpeechRequest", "ApiError", "encode", "pcm16", "wav_header"]
+__all__ = ["create_app", "serve"]

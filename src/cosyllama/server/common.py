@@ -1,5 +1,5 @@
 """What the server's route modules share: :class:`ApiError` (answered as a JSON error body by the
-handlers ``create_app`` installs, see :mod:`cosyllama.server_errors`), :func:`error_body` and the
+handlers ``create_app`` installs, see :mod:`cosyllama.server.errors`), :func:`error_body` and the
 admission gate, one per app on ``app.state.gate``. Needs the ``server`` extra."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def busy(message: str) -> ApiError:
 
 
 class Gate(_Gate):
-    """The app's :class:`~cosyllama.serving.Gate`: a refusal is answered 503 with ``Retry-After``."""
+    """The app's :class:`~cosyllama.server.serving.Gate`: a refusal is answered 503 with ``Retry-After``."""
 
     async def acquire(self) -> None:
         try:

@@ -3,7 +3,7 @@ thread pool, and the audio it answers with: a whole file, a raw audio stream, or
 Needs the ``server`` extra.
 
 The route reads what it shares with the rest of the app from ``app.state`` (``tts``, ``limits``,
-``gate``; see :func:`cosyllama.server.create_app`).
+``gate``; see :func:`cosyllama.server.app.create_app`).
 
 How the body arrives (``stream_format``, as in OpenAI's API; ``stream: true`` is the older way to
 ask for ``"audio"``):
@@ -31,15 +31,15 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from .defaults import SPEED_RANGE
-from .heap import trim_heap
-from .limits import LimitExceeded
-from .scheduler import CancelToken, RequestCancelled
-from .server_common import ApiError, error_body, gate
-from .server_errors import synthesis_error
-from .server_wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
-from .tts import MODES
-from .voices import describe_ids
+from ..defaults import SPEED_RANGE
+from ..heap import trim_heap
+from ..limits import LimitExceeded
+from ..llm.scheduler import CancelToken, RequestCancelled
+from ..tts import MODES
+from ..voices import describe_ids
+from .common import ApiError, error_body, gate
+from .errors import synthesis_error
+from .wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
 
 log = logging.getLogger("cosyllama.server")
 
@@ -108,7 +108,7 @@ class _Job:
         self.encoder = None
 
     def open(self) -> None:
-        from .tts import SynthesisOptions
+        from ..tts import SynthesisOptions
 
         r, tts = self.req, self.tts
         opts = SynthesisOptions(stream=self.streaming is not None, speed=r.speed, greedy=r.greedy, seed=r.seed)

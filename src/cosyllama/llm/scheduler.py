@@ -41,10 +41,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .defaults import PREFILL_CHUNK
-from .errors import BackendBusyError, CosyllamaError
-from .llm.backend import LLMBackend, PiecewisePrefill, Prefill
-from .llm.decode import DecodeOptions, TokenDecoder
+from ..defaults import PREFILL_CHUNK
+from ..errors import BackendBusyError, CosyllamaError
+from .backend import LLMBackend, PiecewisePrefill, Prefill
+from .decode import DecodeOptions, TokenDecoder
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
 DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence

@@ -1,0 +1,91 @@
+"""The flags several commands share, each defined once (the load options' flags are read back by
+:meth:`cosyllama.options.LoadOptions.from_args`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..defaults import LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, PRECISION, PREFILL_CHUNK, SERVE_PARALLEL
+
+
+def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm-weights", default=LLM_WEIGHTS, metavar="FILE",
+                   help=f"LLM checkpoint in the model directory (default {LLM_WEIGHTS}; the official directory "
+                        "also ships the RL-tuned llm.rl.pt); a GGUF must be converted from the same file")
+
+
+def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default=PRECISION, help=help)
+
+
+def add_gpu_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--n-gpu-layers", type=int, default=None, metavar="N",
+                   help="llama.cpp layers on the GPU (default: all of them with --device cuda, else 0)")
+    p.add_argument("--llm-precision", choices=LLM_PRECISIONS, default=LLM_PRECISION,
+                   help=f"torch LLM weights and KV cache (default {LLM_PRECISION}, the parity mode; bf16/fp16 "
+                        "for a GPU)")
+
+
+def add_limit_options(p: argparse.ArgumentParser) -> None:
+    """``--max-input-chars`` ... ``--max-seq-tokens``: the per-request bounds of the server."""
+    from dataclasses import fields
+
+    from ..limits import LIMIT_HELP, RequestLimits, limit_flag
+
+    g = p.add_argument_group("per-request limits (a request over one is refused naming it: 413 over HTTP, "
+                             "an error event over Wyoming)")
+    for f in fields(RequestLimits):
+        g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
+                       help=f"{LIMIT_HELP[f.name]} (default {f.default})")
+
+
+def add_connection_options(p: argparse.ArgumentParser) -> None:
+    """``--header-timeout``, ``--body-timeout``, ``--max-connections``: what a client may hold open."""
+    from dataclasses import fields
+
+    from ..server.conn import CONNECTION_HELP, ConnectionLimits
+
+    g = p.add_argument_group("connections (slow or idle clients are closed, 408)")
+    for f in fields(ConnectionLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       metavar="N" if f.name == "max_connections" else "S",
+                       help=f"{CONNECTION_HELP[f.name]} (default {f.default:g})")
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_serving_options(v: argparse.ArgumentParser) -> None:
+    """The model, precision, concurrency, limits and voices options of ``serve`` and ``wyoming``."""
+    v.add_argument("--model-dir", required=True)
+    v.add_argument("--gguf", help="serve the LLM from this GGUF through llama.cpp")
+    v.add_argument("--parallel", type=int, default=SERVE_PARALLEL,
+                   help=f"llama.cpp sequences decoded together in one batch (default {SERVE_PARALLEL})")
+    add_threads_option(v)
+    v.add_argument("--device", default="cpu", help="cpu or cuda for the flow and vocoder (and the torch LLM)")
+    add_gpu_options(v)
+    add_precision_option(v, f"flow compute precision (default {PRECISION})")
+    add_llm_weights_option(v)
+    v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                   help=f"requests that may wait; more are refused as busy (default {MAX_QUEUE})")
+    add_limit_options(v)
+    v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
+                        f"prompt does not stall them (default {PREFILL_CHUNK})")
+    v.add_argument("--voices", metavar="DIR|FILE",
+                   help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
+                        "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
+                        "(VoiceStore.save) served read-only; default: voices in memory only")
+    v.add_argument("--stream-cache-mb", type=float, default=None,
+                   help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
+                        "off at fp32; 0 = off)")
+    v.add_argument("--prompt-cache-mb", type=float, default=None,
+                   help="bound of the flow blocks shared between requests of one voice in MiB "
+                        "(default 512 when the streaming cache is on; 0 = off)")
+
+
+def add_wyoming_voice_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--default-voice", metavar="ID",
+                   help="Wyoming: the registered voice a request that names none (or names 'default') speaks "
+                        "with (default: the first registered voice in alphabetical order)")

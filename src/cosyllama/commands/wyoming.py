@@ -1,0 +1,27 @@
+"""``cosyllama wyoming``: the Wyoming server for Home Assistant (see :mod:`cosyllama.server.wyoming`)."""
+
+from __future__ import annotations
+
+from ..defaults import WYOMING_URI
+from .flags import add_serving_options, add_wyoming_voice_option
+
+
+def add_parser(sub) -> None:
+    """The ``wyoming`` command's arguments (``sub``: the CLI's sub-parsers)."""
+    w = sub.add_parser("wyoming", help="Wyoming protocol server (Home Assistant's voice pipeline), streaming")
+    add_serving_options(w)
+    w.add_argument("--uri", default=WYOMING_URI,
+                   help=f"where to listen: tcp://HOST:PORT or unix://PATH (default {WYOMING_URI}; "
+                        "tcp://0.0.0.0:10200 for Home Assistant on another machine)")
+    add_wyoming_voice_option(w)
+    w.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..heap import bound_onednn_cache
+
+    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
+    from ..server.wyoming import run_wyoming
+
+    run_wyoming(args)
+    return 0
