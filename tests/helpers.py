@@ -239,3 +239,32 @@ class _SlowPiecewiseBackend(SlowBackend):
 def slow_backend(inner, *, piecewise: bool = False, **delays) -> SlowBackend:
     """A :class:`SlowBackend` over ``inner``; ``piecewise``: offer ``inner``'s piecewise prefill."""
     return (_SlowPiecewiseBackend if piecewise else SlowBackend)(inner, **delays)
+
+
+class LoopbackServer:
+    """uvicorn serving ``app`` on a free 127.0.0.1 port in a background thread; ``config``: more
+    ``uvicorn.Config`` arguments (e.g. the connection guard's)."""
+
+    def __init__(self, app, **config):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()

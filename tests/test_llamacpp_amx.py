@@ -85,8 +85,9 @@ def test_the_backend_takes_the_class_default_unless_asked(on_amx, tiny_gguf, mod
 
     monkeypatch.setattr(llamacpp_backend, "llama_flash_attention", lambda: False if on_amx else None)
     path = tiny_gguf("speech", "Q8_0")
-    b = llamacpp_backend.LlamaCppLLM(path, model_dir)
-    asked = llamacpp_backend.LlamaCppLLM(path, model_dir, flash_attn=True)
+    config = load_config(model_dir)
+    b = llamacpp_backend.LlamaCppLLM(path, config)
+    asked = llamacpp_backend.LlamaCppLLM(path, config, flash_attn=True)
     try:
         assert b.flash_attn is (False if on_amx else None) and asked.flash_attn is True
     finally:

@@ -4,7 +4,6 @@ requests equal requests alone, disconnects free their sequence, bad input gets J
 from __future__ import annotations
 
 import io
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR, slow_backend
+from helpers import FIXTURES, MODEL_DIR, LoopbackServer, slow_backend
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
@@ -28,25 +27,6 @@ TEXTS = ["Hello there.", "Good morning!", "How are you?", "See you soon.", "One 
          "Nice to meet you.", "It is raining.", "Thank you."]
 
 
-class LoopbackServer:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port in a background thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
-from test_server import PROMPT_WAV, LoopbackServer, _speech, _wait_idle  # noqa: E402
+from helpers import LoopbackServer  # noqa: E402
+from test_server import PROMPT_WAV, _speech, _wait_idle  # noqa: E402
 
 PARALLEL, SEQ_TOKENS = 8, 4096
 PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs away into the "

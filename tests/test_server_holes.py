@@ -9,19 +9,15 @@ from __future__ import annotations
 import copy
 import io
 import logging
-import socket
-import threading
-import time
 
 import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR
+from helpers import FIXTURES, MODEL_DIR, LoopbackServer
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-import uvicorn  # noqa: E402
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
@@ -30,27 +26,6 @@ PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 KEY = "holes-key-0123456789"
 
 
-class Server:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port in a thread, with extra ``uvicorn.Config``
-    arguments (the connection guard)."""
-
-    def __init__(self, app, **config):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **config))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +45,7 @@ def server(tts, voice):
     view = copy.copy(tts)
     view.voices = VoiceStore()
     view.voices.add("en", voice)
-    srv = Server(create_app(view, max_prompt_bytes=1_000_000, max_voices=4))
+    srv = LoopbackServer(create_app(view, max_prompt_bytes=1_000_000, max_voices=4))
     yield srv
     srv.stop()
 

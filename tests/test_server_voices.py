@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
-from test_server import LoopbackServer  # noqa: E402
+from helpers import LoopbackServer  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 KEY = "test-key-0123456789"

@@ -5,18 +5,16 @@ to the HTTP endpoint's audio, two clients at once, a disconnect frees its sequen
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR
+from helpers import FIXTURES, MODEL_DIR, LoopbackServer
 
 pytest.importorskip("wyoming")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-import uvicorn  # noqa: E402
 from wyoming.audio import AudioChunk, AudioStart  # noqa: E402
 from wyoming.client import AsyncTcpClient  # noqa: E402
 from wyoming.error import Error  # noqa: E402
@@ -63,25 +61,6 @@ class Gated:
         self.inner.release(handle)
 
 
-class LoopbackServer:
-    """uvicorn serving ``app`` on a free 127.0.0.1 port in a background thread."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
