@@ -16,7 +16,8 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
-from test_server_holes import Server, _error, tts, voice  # noqa: E402,F401  (module fixtures)
+from helpers import LoopbackServer  # noqa: E402
+from test_server_holes import _error, tts, voice  # noqa: E402,F401  (module fixtures)
 
 LIMITS = ConnectionLimits(header_timeout=1.0, body_timeout=1.5, max_connections=6)
 
@@ -37,7 +38,7 @@ def guarded(request, tts, voice):
     view = copy.copy(tts)
     view.voices = VoiceStore()
     view.voices.add("en", voice)
-    srv = Server(create_app(view), **options)
+    srv = LoopbackServer(create_app(view), **options)
     yield srv
     srv.stop()
 

@@ -32,7 +32,7 @@ from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.wire import wav_header  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
-from test_server_holes import Server  # noqa: E402
+from helpers import LoopbackServer  # noqa: E402
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TRANSCRIPT = "Hello, this is my voice."
@@ -55,10 +55,11 @@ def tts():
     return t
 
 
-def _serve(tts, **kw) -> Server:
+def _serve(tts, **kw) -> LoopbackServer:
     view = copy.copy(tts)
     view.voices = VoiceStore()
-    return Server(create_app(view, max_prompt_bytes=1_000_000, limits=RequestLimits(input_chars=MAX_INPUT), **kw))
+    app = create_app(view, max_prompt_bytes=1_000_000, limits=RequestLimits(input_chars=MAX_INPUT), **kw)
+    return LoopbackServer(app)
 
 
 @pytest.fixture(scope="module")
