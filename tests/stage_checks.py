@@ -37,16 +37,18 @@ ATOL = 1e-3  # flow mel and vocoder waveform, as in test_flow.py / test_vocoder.
 # on every flow-mel element, every recorded case, worst of the seeds); the bound is about twice the worst
 # drift at the deviation the run's inputs can carry:
 # - "cpu": inputs recorded from the reference (no frontend). The flow's own float32 rounding across kernels,
-#   vendors and thread counts moves its mel by ~1e-6 (SIGMA 1e-6: 0.091, 0.019, 0.014).
+#   vendors and thread counts moves its mel by up to ~4e-6 (Intel AMX: 2.9-3.8e-6, native and forced to
+#   AVX2), the maximum of a SIGMA 1e-6 field over ~10^4 elements: 0.091, 0.019, 0.014 over 3 seeds on AVX2 AMD,
+#   0.18, 0.026, 0.021 over 12 seeds on Intel AMX (the drift is heavy-tailed: 3 seeds undersampled it).
 # - "cpu-frontend": inputs computed by our frontend from the prompt audio. Its float32 log-spectra round
 #   differently per CPU vendor (tests/helpers.py, log-spectrum error model), and the flow carries that into
 #   its mel: 1.9e-5 at most on Intel AMX (0 to 1e-6 on AMD), which a Gaussian field reaches at SIGMA 5e-6
-#   (its maximum over the ~10^4 elements is ~4 SIGMA): 0.44, 0.063, 0.045.
+#   (its maximum over the ~10^4 elements is ~4 SIGMA): 0.44, 0.063, 0.045 (the same over 4 and 12 seeds).
 # - "cuda": the flow's mel on CUDA is up to ~4e-6 from the CPU's, measured as a 4e-6 perturbation (0.29,
 #   0.051, 0.037).
 # A wrong token, a wrong DiT sign or a wrong hop gives at least 1.0, 0.49, 0.19 (test_stage_checks.py, which
 # also runs the wrong token against the "cpu-frontend" bounds).
-WAVE_TOLERANCES = {"cpu": {"max_abs": 0.15, "rel_rms": 0.04, "logmel": 0.03},
+WAVE_TOLERANCES = {"cpu": {"max_abs": 0.35, "rel_rms": 0.05, "logmel": 0.04},
                    "cpu-frontend": {"max_abs": 0.9, "rel_rms": 0.13, "logmel": 0.09},
                    "cuda": {"max_abs": 0.5, "rel_rms": 0.1, "logmel": 0.08}}
 
