@@ -207,11 +207,11 @@ def set_flow_variant(flow, variant: str) -> None:
 
 
 def _variant_ran(flow) -> str:
-    """What the flow runs, its int8 engine included (``int8/onednn``)."""
-    from ..precision import INT8, precision_name
+    """What the flow runs, its int8 engine included (``int8/onednn``): the name ``auto`` gives its candidates."""
+    from ..flow.check import Candidate
+    from ..precision import INT8
 
-    name = precision_name(flow.precision)
-    return f"{name}/{flow.decoder.int8_engine}" if flow.precision == INT8 else name
+    return Candidate(flow.precision, flow.decoder.int8_engine if flow.precision == INT8 else None).name
 
 
 def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
