@@ -231,9 +231,15 @@ def test_ctrl_c_keeps_finished_rows_and_leaves_no_partial_file(job, tmp_path, mo
 
     monkeypatch.setattr(batch_engine.RowSynthesizer, "run", synth_run)
     monkeypatch.setattr(batch_engine.BatchEngine, "run", engine_run)
+    # A terminal delivers Ctrl-C as KeyboardInterrupt; a shell that starts this suite in the background
+    # (CI does) leaves SIGINT ignored, and the signal would never arrive. Give the test what a terminal has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     th = threading.Thread(target=interrupter, daemon=True)
     th.start()
-    code = batch(m, out, job["voices"], "--concurrency", "2")
+    try:
+        code = batch(m, out, job["voices"], "--concurrency", "2")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     th.join(30)
     err = capsys.readouterr().err
     assert interrupted.is_set() and code == 130, err

@@ -10,6 +10,7 @@ one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.b
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -159,6 +160,33 @@ class RowSynthesizer:
 _STOP = object()
 
 
+class _CtrlC:
+    """Ctrl-C seen as a flag while rows run, so the interrupt never lands between taking a row's
+    result and recording it (a row lost that way would be waited for forever). Only where the
+    signal reaches Python as KeyboardInterrupt today (main thread, the default handler): a SIGINT
+    that the shell ignores (a job started in the background) stays ignored."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous = None
+
+    def __enter__(self) -> _CtrlC:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.seen = True
+
+    def second_quits(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def __exit__(self, *exc) -> None:
+        self.second_quits()
+
+
 class BatchEngine:
     """Runs rows ``concurrency`` at a time on one TTS; decode steps of concurrent rows are batched.
 
@@ -205,36 +233,41 @@ class BatchEngine:
         it = iter(rows)
         in_flight: dict[str, CancelToken] = {}  # row id -> its cancel token
         more = True
-        try:
-            while True:
-                while more and len(in_flight) < self.opts.concurrency:
-                    row = next(it, None)
-                    if row is None:
-                        more = False
-                        break
-                    token = CancelToken()
-                    in_flight[row.id] = token
-                    self._jobs.put((row, token))
-                if not in_flight:
-                    return
-                try:
-                    row, rec = self._done.get(timeout=0.25)  # short waits: Ctrl-C is seen at once
-                except queue.Empty:
-                    continue
-                del in_flight[row.id]
-                if rec is not None:
-                    on_result(rec)
-        except KeyboardInterrupt:
+        with _CtrlC() as ctrl_c:
+            try:
+                while not ctrl_c.seen:
+                    while more and len(in_flight) < self.opts.concurrency:
+                        row = next(it, None)
+                        if row is None:
+                            more = False
+                            break
+                        token = CancelToken()
+                        in_flight[row.id] = token
+                        self._jobs.put((row, token))
+                    if not in_flight:
+                        return
+                    self._take_one(in_flight, on_result)
+            except KeyboardInterrupt:  # raised by another handler: stop the rows, wait for none
+                for token in in_flight.values():
+                    token.cancel()
+                raise
             if on_interrupt is not None:
                 on_interrupt(len(in_flight))
             for token in in_flight.values():
                 token.cancel()
-            while in_flight:  # a second Ctrl-C leaves this loop (and the daemon workers) at once
-                row, rec = self._done.get()
-                del in_flight[row.id]
-                if rec is not None:
-                    on_result(rec)
-            raise
+            ctrl_c.second_quits()  # the daemon workers are then left behind
+            while in_flight:
+                self._take_one(in_flight, on_result)
+        raise KeyboardInterrupt
+
+    def _take_one(self, in_flight: dict, on_result: Callable[[dict], None]) -> None:
+        try:
+            row, rec = self._done.get(timeout=0.25)  # short waits: Ctrl-C is seen at once
+        except queue.Empty:
+            return
+        del in_flight[row.id]
+        if rec is not None:
+            on_result(rec)
 
     def close(self) -> None:
         for _ in self._threads:
