@@ -27,7 +27,7 @@ from helpers import load_fixture, maxdiff
 
 ATOL = 1e-3  # flow mel and vocoder waveform, as in test_flow.py / test_vocoder.py
 
-# The whole-waveform bounds (module docstring; the numbers are in docs/benchmarks.md, section
+# The whole-waveform bounds (module docstring; the numbers are in docs/development.md, section
 # "End-to-end waveform drift"). max_abs: worst sample; rel_rms: RMS of the difference over RMS of the
 # recording; logmel: mean abs difference of the natural-log mel spectra (phase-blind: drift moves it
 # little, a wrong stage a lot).
