@@ -223,3 +223,37 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
             assert llm.stats()["active_sequences"] == 0
     finally:
         llm.close()
+
+
+def test_interleave_holds_decode_steps_while_a_flow_turn_is_held(torch_llm, prefills):
+    """With ``interleave`` no decode step runs while a request's flow work holds its turn; the
+    tokens are the same as alone; without it the turn is a no-op."""
+    p, n = prefills[0]
+    opts = DecodeOptions(greedy=True, max_len=40)
+    alone = list(generate(torch_llm, p, n, opts))
+    with BatchScheduler(Watched(torch_llm), interleave=True) as sched:
+        it = sched.generate(p, n, opts)
+        got = [next(it)]
+        with sched.flow_turn():
+            held_at = sched.stats()["steps"]
+            # the worker may finish the step it was in; none starts after it, however long we hold
+            assert not _wait(lambda: sched.stats()["steps"] > held_at + 1, 1.0)
+        got += list(it)
+    assert got == alone
+    with BatchScheduler(Watched(torch_llm)) as sched:
+        it = sched.generate(p, n, opts)
+        got = [next(it)]
+        with sched.flow_turn():  # no interleave: decoding goes on beside the flow
+            assert _wait(lambda: sched.stats()["steps"] > 3, 60.0)
+        assert got + list(it) == alone
+
+
+def _wait(cond, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()

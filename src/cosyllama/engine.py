@@ -24,7 +24,9 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -231,17 +233,22 @@ class Token2Wav:
                                   prompt.embedding, streaming=streaming, finalize=finalize, cache=cache)
         return mel[:, :, self.token_mel_ratio * offset:]
 
-    def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0) -> np.ndarray:
-        """Non-streaming: all tokens -> (480 * 2 * len(tokens) / speed,) samples."""
+    def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0,
+             turn: Callable[[], ContextManager] = nullcontext) -> np.ndarray:
+        """Non-streaming: all tokens -> (480 * 2 * len(tokens) / speed,) samples. ``turn()`` is held
+        around the flow and vocoder work (a batching scheduler's ``flow_turn``)."""
         if not tokens:
             return np.zeros(0, dtype=np.float32)
-        mel = self._mel(tokens, prompt, 0, streaming=False, finalize=True)
-        if speed != 1.0:  # at least one frame: a one-token output at speed > 2 would have none
-            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
-        return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
+        with turn():
+            mel = self._mel(tokens, prompt, 0, streaming=False, finalize=True)
+            if speed != 1.0:  # at least one frame: a one-token output at speed > 2 would have none
+                mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+            return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
-    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int) -> Iterator[AudioChunk]:
-        """Consume tokens as they are decoded and yield audio as soon as each chunk exists."""
+    def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
+               turn: Callable[[], ContextManager] = nullcontext) -> Iterator[AudioChunk]:
+        """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``turn()``
+        is held around each chunk's flow and vocoder work, never while waiting for tokens."""
         p = prompt.tokens.shape[1]
         first_hop = self.token_hop
         st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
@@ -262,13 +269,14 @@ class Token2Wav:
                 while len(st.tokens) - st.token_offset >= st.next_hop() + self.lookahead:
                     hop = st.next_hop()
                     end = st.token_offset + hop + self.lookahead
-                    mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
-                                    cache=st.flow_cache)
-                    if keep_key is not None:
-                        self._keep_prompt_frames(keep_key, st.flow_cache.prefix(p, shared))
-                        st.flow_cache.unmark_prefix()
-                        keep_key = None
-                    samples = self._vocode_new(st, mel, finalize=False)
+                    with turn():
+                        mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
+                                        cache=st.flow_cache)
+                        if keep_key is not None:
+                            self._keep_prompt_frames(keep_key, st.flow_cache.prefix(p, shared))
+                            st.flow_cache.unmark_prefix()
+                            keep_key = None
+                        samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
                     st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
                     if samples.size:
@@ -278,8 +286,9 @@ class Token2Wav:
             self._drop_cache(st)
             samples = np.zeros(0, dtype=np.float32)
             if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens
-                mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)
-                samples = self._vocode_new(st, mel, finalize=True)
+                with turn():
+                    mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)
+                    samples = self._vocode_new(st, mel, finalize=True)
             yield AudioChunk(samples, self.sample_rate, segment, True, tuple(st.tokens))
         finally:  # finished, failed, or closed by the consumer: free the cache now, not at GC
             self._drop_cache(st)

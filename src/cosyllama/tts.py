@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -352,11 +353,12 @@ class TTS:
     def _generate(self, inputs: list[ModelInput], opts: SynthesisOptions, timings: Timings) -> Iterator[AudioChunk]:
         start = time.perf_counter()
         llm_acc = [0.0]
+        turn = getattr(self.token_source, "flow_turn", nullcontext)  # a batching scheduler may pause for the flow
         for i, inp in enumerate(inputs):
             prompt = self._flow_prompt(inp)
             tokens = _timed(self.segment_tokens(inp, opts, i), llm_acc)
             if opts.stream:
-                for chunk in self.token2wav.stream(tokens, prompt, i):
+                for chunk in self.token2wav.stream(tokens, prompt, i, turn=turn):
                     timings.audio_seconds += chunk.samples.size / self.sample_rate
                     if timings.first_chunk is None and chunk.samples.size:
                         timings.first_chunk = time.perf_counter() - start + timings.frontend
@@ -365,7 +367,7 @@ class TTS:
                     yield chunk
             else:
                 toks = list(tokens)
-                samples = self.token2wav.full(toks, prompt, opts.speed)
+                samples = self.token2wav.full(toks, prompt, opts.speed, turn=turn)
                 timings.tokens.append(toks)
                 timings.audio_seconds += samples.size / self.sample_rate
                 if timings.first_chunk is None:

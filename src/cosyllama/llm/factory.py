@@ -101,11 +101,12 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
 
 
 def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None,
-                      prefill_chunk: int | None = None):
+                      prefill_chunk: int | None = None, interleave: bool = False):
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
     :class:`~cosyllama.llm.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
     wait for a sequence and prefilling ``prefill_chunk`` prompt positions between two decode steps
-    (its defaults if None); the caller closes it."""
+    (its defaults if None), pausing its decode steps during flow calls if ``interleave``; the caller
+    closes it."""
     if not batched:
         from .decode import DirectTokens
 
@@ -113,4 +114,4 @@ def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting
     from .scheduler import BatchScheduler
 
     kw = {k: v for k, v in (("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)) if v is not None}
-    return BatchScheduler(backend, **kw)
+    return BatchScheduler(backend, interleave=interleave, **kw)

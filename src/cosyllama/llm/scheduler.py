@@ -127,7 +127,8 @@ class BatchScheduler:
     """
 
     def __init__(self, backend: LLMBackend, *, max_active: int | None = None,
-                 max_waiting: int = DEFAULT_MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK):
+                 max_waiting: int = DEFAULT_MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK,
+                 interleave: bool = False):
         if max_active is None:
             max_active = int(getattr(backend, "n_seq_max", DEFAULT_MAX_ACTIVE))
         if max_active < 1 or max_waiting < 0 or prefill_chunk < 1:
@@ -147,6 +148,8 @@ class BatchScheduler:
         self._wake = False  # a cancellation or admission the worker has not seen yet
         self._backend_full = False  # the backend refused a start; admit again after a release
         self._closed = False
+        self.interleave = interleave
+        self._flows = 0  # flow_turn()s held now (interleave only)
         # counters for /health and tests
         self.steps = 0
         self.tokens = 0
@@ -185,6 +188,23 @@ class BatchScheduler:
                 yield item
         finally:
             self._cancel(req, wait=True)
+
+    @contextlib.contextmanager
+    def flow_turn(self) -> Iterator[None]:
+        """Held by a request's thread around its flow and vocoder work. With ``interleave`` the
+        worker takes no decode step and no prefill piece while one is held (it finishes the step it
+        is in), so the two stages take turns on the cores instead of sharing them; without, nothing."""
+        if not self.interleave:
+            yield
+            return
+        with self._cond:
+            self._flows += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._flows -= 1
+                self._cond.notify_all()
 
     def stats(self) -> dict:
         """Active sequences, waiting requests and batching counters."""
@@ -279,6 +299,8 @@ class BatchScheduler:
         with self._cond:
             while not self._closed and not self._wake and not any(r.next_tok is not None or r.prefilling
                                                                   for r in self._active):
+                self._cond.wait()
+            while self._flows and not self._closed:  # interleave: a flow call has the cores
                 self._cond.wait()
             if self._closed:
                 return False
