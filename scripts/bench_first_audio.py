@@ -6,6 +6,10 @@ one voice from the bench's prompt clip, ``--requests`` streamed cross-lingual ca
 length, each closed after its first non-empty chunk:
 
     python scripts/bench_first_audio.py --threads 2 --prompt-cache-mb 0,512
+    python scripts/bench_first_audio.py --threads 2 --prompt-cache-mb 512 --warm --breakdown
+
+``--breakdown`` splits each first audio into its serial parts: text front end and LLM prefill up to the first
+speech token, the rest of the tokens the first chunk needs, the chunk's flow call and its vocoder call.
 """
 
 from __future__ import annotations
@@ -20,14 +24,50 @@ from cosyllama.tools.bench import BENCH_TEXT, ensure_full_model, ensure_gguf, pr
 from cosyllama.tts import SynthesisOptions
 
 
-def first_audio_s(tts, voice, seed: int) -> float:
+class Marks:
+    """Instruments a loaded TTS: when its first speech token came, and the first flow and vocoder
+    calls' start and end (a benchmark's wrapper; the engine is unchanged)."""
+
+    def __init__(self, tts):
+        self.t: dict[str, float] = {}
+        t2w, source = tts.token2wav, tts.token_source
+        mel, vocode, generate = t2w._mel, t2w._vocode_new, source.generate
+
+        def timed(name, fn):
+            def call(*a, **kw):
+                self.t.setdefault(name + "_start", time.perf_counter())
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.t.setdefault(name + "_end", time.perf_counter())
+            return call
+
+        def tokens(*a, **kw):
+            for n, tok in enumerate(generate(*a, **kw)):
+                if n == 0:
+                    self.t.setdefault("first_token", time.perf_counter())
+                yield tok
+
+        t2w._mel, t2w._vocode_new, source.generate = timed("flow", mel), timed("vocoder", vocode), tokens
+
+    def split(self, t0: float, end: float) -> dict:
+        t = self.t
+        return {"to_first_token_s": t["first_token"] - t0, "more_tokens_s": t["flow_start"] - t["first_token"],
+                "flow_s": t["flow_end"] - t["flow_start"], "vocoder_s": t["vocoder_end"] - t["vocoder_start"],
+                "rest_s": end - t["vocoder_end"]}
+
+
+def first_audio_s(tts, voice, seed: int, marks: Marks | None = None) -> tuple[float, dict | None]:
     opts = SynthesisOptions(seed=seed, stream=True, ignore_stop=True, max_tokens=250)
+    if marks is not None:
+        marks.t.clear()
     t0 = time.perf_counter()
     chunks = iter(tts.cross_lingual(BENCH_TEXT, voice=voice, options=opts))
     try:
         while next(chunks).samples.size == 0:
             pass
-        return time.perf_counter() - t0
+        end = time.perf_counter()
+        return end - t0, (marks.split(t0, end) if marks is not None else None)
     finally:
         chunks.close()
 
@@ -46,6 +86,7 @@ def main(argv=None) -> int:
                                                    "build has GPU support)")
     p.add_argument("--llm-precision", default="fp32", help="torch LLM precision (fp32|bf16|fp16)")
     p.add_argument("--precision", default="auto", help="flow precision")
+    p.add_argument("--breakdown", action="store_true", help="split each first audio into its serial parts")
     p.add_argument("--json", help="append one JSON line per setting here")
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
@@ -63,13 +104,18 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             kept = tts.warm_voice(voice)
             warm = f" (warmed first: {time.perf_counter() - t0:.2f} s, {'kept' if kept else 'nothing kept'})"
-        times = [first_audio_s(tts, voice, i) for i in range(args.requests)]
+        marks = Marks(tts) if args.breakdown else None
+        runs = [first_audio_s(tts, voice, i, marks) for i in range(args.requests)]
+        times = [t for t, _ in runs]
         print(f"prompt_cache_mb={mb:g}{warm}: first audio " + ", ".join(f"{t:.2f}" for t in times) + " s",
               flush=True)
+        for _, parts in runs:
+            if parts is not None:
+                print("  " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in parts.items()) + " s")
         if args.json:
             row = {"llm": args.llm, "type": args.type if gguf else args.llm_precision, "device": args.device,
                    "flow": precision_name(tts.token2wav.flow.precision), "prompt_cache_mb": mb, "warm": args.warm,
-                   "first_audio_s": times}
+                   "first_audio_s": times, "breakdown": [parts for _, parts in runs if parts is not None]}
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
         del tts
