@@ -36,15 +36,19 @@ def _mock_times(monkeypatch, seconds: dict[str, float]):
 
 
 @pytest.mark.parametrize("native,times,want,engine", [
-    (True, {"fp32": 3.0, "bf16": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 1.5}, torch.bfloat16, None),
-    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5}, INT8, "onednn"),
+    (True, {"fp32": 3.0, "bf16": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.2},
+     torch.bfloat16, None),
+    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.7}, INT8,
+     "onednn"),
+    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.4}, INT8,
+     "onednn+bf16"),
     (False, {"fp32": 3.0, "int8/fbgemm": 2.0, "int8/onednn": 2.5}, INT8, "fbgemm"),
     (False, {"fp32": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 2.5}, torch.float32, None),
 ])
 def test_auto_keeps_the_fastest_candidate(native, times, want, engine, monkeypatch, measuring):
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: native)
     times = {k: v for k, v in times.items() if k.split("/")[-1] in ("fp32", "bf16") or
-             k.split("/")[-1] in torch.backends.quantized.supported_engines}
+             fast_dit.int8_library(k.split("/")[-1]) in torch.backends.quantized.supported_engines}
     timed = _mock_times(monkeypatch, times)
     flow = Flow.from_dir(MODEL_DIR, precision="auto")
     c = flow.precision_choice

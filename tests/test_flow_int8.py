@@ -138,3 +138,41 @@ def test_the_check_reruns_for_changed_weights(monkeypatch, isolated_cache):
     flow.load_state_dict(sd)  # same values, but no longer what the file's cached outcome was taken on
     flow.set_precision("auto")
     assert not flow.precision_choice.check.cached
+
+
+@pytest.fixture(scope="module")
+def flow_mixed():
+    if "onednn" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this PyTorch build has no oneDNN int8 engine")
+    flow = Flow.from_dir(MODEL_DIR)
+    with pytest.MonkeyPatch.context() as mp:  # bf16 may be emulated here: slow, but the arithmetic is the same
+        mp.setattr(prec, "cpu_has_native_bf16", lambda: True)
+        flow.set_precision("int8")
+        flow.decoder.set_compute_dtype(INT8, "onednn+bf16")
+    return flow
+
+
+def test_mixed_int8_bf16_path_stays_within_bound_and_runs_in_bf16(flow_mixed, monkeypatch):
+    """``onednn+bf16``: int8 products, everything between them (attention, the K/V cache, the tail
+    steps' products) in bfloat16; the same fidelity bound as every lossy path."""
+    solver = flow_mixed.decoder._fast_solver()
+    assert solver.act_dtype is torch.bfloat16 and solver.tail_steps == fast_dit.INT8_FP32_LAST_STEPS
+    assert all(b["qkv"].bias.dtype is torch.bfloat16 for b in solver.tail_blocks)
+    seen = set()
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **kw: seen.add(q.dtype) or real(q, *a, **kw))
+    mean, mx = _worst(flow_mixed)
+    print(f"flow int8/onednn+bf16 vs upstream fp32 mel: mean {mean:.2e} max {mx:.2e}")
+    assert seen == {torch.bfloat16}
+    assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)
+
+
+def test_mixed_path_is_refused_where_bf16_is_emulated(monkeypatch):
+    from cosyllama.errors import InputError
+
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
+    flow = Flow.from_dir(MODEL_DIR)
+    with pytest.raises(InputError, match="only emulates"):
+        flow.decoder.set_compute_dtype(INT8, "onednn+bf16")
+    assert "onednn+bf16" not in [c.int8_engine for c in check.candidates(flow)]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import precision
 from ..config import FlowConfig
 from ..derived import DerivedWeights, weights_key
 from ..errors import InputError
 from ..precision import INT8
 from .cache import LOWP_KV_DTYPE, FlowStreamCache, StepCache
 from .dit import DiT
-from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT
+from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_is_mixed, int8_library
 
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
 NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
@@ -59,9 +60,13 @@ class CFM(nn.Module):
         engine = int8_engine or INT8_ENGINE
         if engine not in INT8_ENGINES:
             raise InputError(f"unknown int8 engine {engine!r}; allowed: {', '.join(INT8_ENGINES)}")
-        if dtype == INT8 and engine not in torch.backends.quantized.supported_engines:
+        if dtype == INT8 and int8_library(engine) not in torch.backends.quantized.supported_engines:
             raise InputError(f"int8 engine {engine!r} is not in this PyTorch build "
                              f"(engines: {', '.join(torch.backends.quantized.supported_engines)})")
+        if dtype == INT8 and int8_is_mixed(engine) and self.rand_noise.device.type == "cpu" \
+                and not precision.cpu_has_native_bf16():
+            raise InputError(f"int8 engine {engine!r} computes in bfloat16, which this CPU only emulates; "
+                             f"use {', '.join(e for e in INT8_ENGINES if not int8_is_mixed(e))}")
         self.compute_dtype, self.int8_engine = dtype, engine
         self._fast.drop()
         if dtype != torch.float32:

@@ -54,7 +54,21 @@ class _LowpLinear:
 # same speed at the DiT's shapes on an AVX2 CPU; on Intel AMX oneDNN runs AMX-INT8 (2.3x fbgemm's products). `auto`
 # times both where both exist (cosyllama.flow.check); an explicit "int8" uses this one.
 INT8_ENGINE = "fbgemm"
-INT8_ENGINES = ("fbgemm", "onednn")
+# "onednn+bf16" is the mixed path: int8 products on oneDNN (AMX-INT8 where the CPU has it) with the activations
+# between them, attention, the K/V cache and the tail steps' products in bfloat16, where the other two keep float32
+# (on AMX float32 attention alone costs more than the bf16 path's whole attention). Only on CPUs with native bf16.
+INT8_ENGINES = ("fbgemm", "onednn", "onednn+bf16")
+
+
+def int8_library(engine: str) -> str:
+    """PyTorch's quantized engine an int8 engine name runs on (``onednn+bf16`` -> ``onednn``)."""
+    return engine.split("+", 1)[0]
+
+
+def int8_is_mixed(engine: str) -> bool:
+    """The int8 engine keeps everything but its int8 products in bfloat16."""
+    return engine.endswith("+bf16")
+
 # Activations are quantized to 8 bits (u8), weights to 8 (+-127). On CPUs without VNNI the 8-bit
 # dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which can saturate (2 * 255 *
 # 127 > 32767); 7-bit activations (True) avoid that. Measured on an AVX2 CPU: the tiny fixture model
@@ -94,8 +108,10 @@ class _Int8Linear:
     the quantization step; the streaming cache's frames then equal recomputed ones within that
     error, as at bf16, not bit for bit."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False, engine: str = INT8_ENGINE):
-        self.gelu = gelu
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, gelu: bool = False, engine: str = INT8_ENGINE,
+                 io_dtype: torch.dtype = torch.float32):
+        self.gelu, self.io_dtype = gelu, io_dtype  # io_dtype: of x and of the result (the kernel's are float32)
+        engine = int8_library(engine)
         w = weight.detach().float().cpu()
         n = w.shape[0]
         scale = (w.abs().amax(dim=1).clamp_min(1e-12) / INT8_WEIGHT_MAX).double()
@@ -108,8 +124,9 @@ class _Int8Linear:
             self.packed = torch.ops.quantized.linear_prepack(qw, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic(x, self.packed, INT8_REDUCE_RANGE)
-        return torch.ops.aten.gelu_(y, approximate="tanh") if self.gelu else y  # in place: y is ours
+        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, INT8_REDUCE_RANGE)
+        y = torch.ops.aten.gelu_(y, approximate="tanh") if self.gelu else y  # in place: y is ours
+        return y.to(self.io_dtype)
 
 
 class _Fp32Linear:
@@ -159,11 +176,12 @@ class FastDiT:
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE):
         self.dtype = dtype
         self.int8_engine = int8_engine
-        # dtype of the activations between the products: float32 on the int8 path
-        self.act_dtype = torch.float32 if dtype == INT8 else dtype
+        mixed = dtype == INT8 and int8_is_mixed(int8_engine)
+        # dtype of the activations between the products: float32 on the int8 path, bf16 on the mixed one
+        self.act_dtype = torch.bfloat16 if mixed else torch.float32 if dtype == INT8 else dtype
         if dtype == INT8:
             def lin(w, b, gelu=False):
-                return _Int8Linear(w, b, gelu, int8_engine)
+                return _Int8Linear(w, b, gelu, int8_engine, self.act_dtype)
         else:
             def lin(w, b, gelu=False):
                 return _LowpLinear(w, b, dtype, gelu)
@@ -189,9 +207,15 @@ class FastDiT:
                     out=lin(a.to_out[0].weight, a.to_out[0].bias),
                     ff1=lin(ff[0][0].weight, ff[0][0].bias, gelu=True),
                     ff2=lin(ff[2].weight, ff[2].bias)))
-            # int8: the float32 products of the last INT8_FP32_LAST_STEPS steps
+            # int8: the float32 products of the last INT8_FP32_LAST_STEPS steps (bf16 on the mixed path)
             self.tail_steps = INT8_FP32_LAST_STEPS if dtype == INT8 else 0
             self.tail_blocks = [dict(
+                qkv=_LowpLinear(torch.cat([a.to_q.weight, a.to_k.weight, a.to_v.weight]),
+                                torch.cat([a.to_q.bias, a.to_k.bias, a.to_v.bias]), torch.bfloat16),
+                out=_LowpLinear(a.to_out[0].weight, a.to_out[0].bias, torch.bfloat16),
+                ff1=_LowpLinear(ff[0][0].weight, ff[0][0].bias, torch.bfloat16, gelu=True),
+                ff2=_LowpLinear(ff[2].weight, ff[2].bias, torch.bfloat16))
+                for a, ff in ((b.attn, b.ff.ff) for b in dit.transformer_blocks)] if mixed else [dict(
                 qkv=_Fp32Linear([(a.to_q.weight, a.to_q.bias), (a.to_k.weight, a.to_k.bias),
                                  (a.to_v.weight, a.to_v.bias)]),
                 out=_Fp32Linear([(a.to_out[0].weight, a.to_out[0].bias)]),

@@ -192,7 +192,7 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 
 FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # on the CPU; a GPU has no int8 path
 # Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).
-ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm"}
+ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm", "int8-onednn+bf16": "onednn+bf16"}
 
 
 def set_flow_variant(flow, variant: str) -> None:
@@ -214,6 +214,13 @@ def _variant_ran(flow) -> str:
     return Candidate(flow.precision, flow.decoder.int8_engine if flow.precision == INT8 else None).name
 
 
+def _engine_ok(engine: str, engines: list[str]) -> bool:
+    from ..flow.fast_dit import int8_is_mixed, int8_library
+    from ..precision import cpu_has_native_bf16
+
+    return int8_library(engine) in engines and (not int8_is_mixed(engine) or cpu_has_native_bf16())
+
+
 def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
     """The flow precisions to time: ``spec`` (a comma list) or the default for ``device``; fp32 is
     always timed first, because every row's fidelity is measured against it."""
@@ -222,11 +229,11 @@ def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
     engines = torch.backends.quantized.supported_engines
     if spec is None:
         names = [v for v in FLOW_VARIANTS if device.type == "cpu" or not v.startswith("int8")]
-        names = [v for v in names if ENGINE_VARIANTS.get(v, "fbgemm") in engines]
+        names = [v for v in names if _engine_ok(ENGINE_VARIANTS.get(v, "fbgemm"), engines)]
     else:
         names = [v.strip().lower() for v in spec.split(",") if v.strip()]
         allowed = tuple(PRECISIONS) + tuple(ENGINE_VARIANTS)
-        bad = [v for v in names if v not in allowed or ENGINE_VARIANTS.get(v, "fbgemm") not in engines]
+        bad = [v for v in names if v not in allowed or not _engine_ok(ENGINE_VARIANTS.get(v, "fbgemm"), engines)]
         if bad or not names:
             raise InputError(f"--flow-precisions {spec!r}: choose from {', '.join(allowed)} "
                              f"(int8 engines in this PyTorch: {', '.join(engines)})")
