@@ -257,3 +257,31 @@ def _wait(cond, timeout: float) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeypatch):
+    """The rule (docs/amx.md, "Two cores, streaming"): the stages take turns when their threads do not
+    fit the cores, overlap when they do, and never hold the LLM back for a flow on a GPU; ``serve``
+    and ``wyoming`` follow it unless told (``--interleave on|off``)."""
+    import argparse
+
+    import cosyllama
+    from cosyllama import cpu
+    from cosyllama.server import serving
+
+    assert cpu.interleave_stages(2, 2, cores=2)[0] and cpu.interleave_stages(2, 2, cores=4)[0] is False
+    assert cpu.interleave_stages(1, 1, cores=2)[0] is False
+    assert cpu.interleave_stages(8, 8, "cuda", cores=2)[0] is False
+    assert [serving.interleave_choice(argparse.Namespace(interleave=v)) for v in ("auto", "on", "off")] == \
+        [None, True, False]
+    tts = cosyllama.load(MODEL_DIR, precision="fp32")
+    for cores, want in ((1, True), (64, False)):
+        monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        s = serving.prepare(tts)
+        try:
+            assert s.scheduler.interleave is want
+        finally:
+            s.close()
+    s = serving.prepare(tts, interleave=False)
+    assert s.scheduler.interleave is False
+    s.close()

@@ -138,6 +138,21 @@ def llama_flash_attention(flags: frozenset[str] | None = None) -> bool | None:
     return False if cpu_class(flags) == "AMX" else None
 
 
+def interleave_stages(llm_threads: int, flow_threads: int, device: str = "cpu",
+                      cores: int | None = None) -> tuple[bool, str]:
+    """Whether a server's scheduler pauses decoding while a request's flow runs (see
+    :meth:`cosyllama.llm.scheduler.BatchScheduler.flow_turn`), and why. Overlapping the two stages
+    only pays where each has cores of its own; where their threads together outnumber the cores they
+    slow each other (on 2 cores: docs/amx.md, "Two cores, streaming"), so they take turns."""
+    if device != "cpu":
+        return False, "the flow runs on the GPU: the LLM decodes beside it"
+    cores = cores or len(os.sched_getaffinity(0))
+    if llm_threads + flow_threads > cores:
+        return True, (f"LLM {llm_threads} + flow {flow_threads} threads > {cores} cores: "
+                      "the stages take turns")
+    return False, f"LLM {llm_threads} + flow {flow_threads} threads fit {cores} cores: the stages overlap"
+
+
 def llama_cpp_features() -> str | None:
     """The llama.cpp build's CPU features as it reports them (``AVX2 = 1 | F16C = 1 | ...`` reduced to
     the features that are on), or None when llama-cpp-python is not installed. Imports llama_cpp only

@@ -73,6 +73,10 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
                         f"prompt does not stall them (default {PREFILL_CHUNK})")
+    v.add_argument("--interleave", choices=("auto", "on", "off"), default="auto",
+                   help="pause LLM decoding while a request's flow and vocoder run, so the two stages take turns "
+                        "on the cores instead of sharing them (auto: when their threads together outnumber the "
+                        "cores; the log says which)")
     v.add_argument("--voices", metavar="DIR|FILE",
                    help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
                         "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
@@ -89,3 +93,4 @@ def add_wyoming_voice_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-voice", metavar="ID",
                    help="Wyoming: the registered voice a request that names none (or names 'default') speaks "
                         "with (default: the first registered voice in alphabetical order)")
+

@@ -30,7 +30,7 @@ from ..errors import InputError, MissingDependencyError
 from ..heap import bound_onednn_cache
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
-from .serving import check_options, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
+from .serving import check_options, interleave_choice, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
 
 try:
     from fastapi import APIRouter, FastAPI, Request
@@ -107,7 +107,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES, limits: RequestLimits | None = None,
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
-               wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES) -> FastAPI:
+               wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
+               interleave: bool | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -120,7 +121,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is checked
     by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent`` requests wait for
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
-    here runs between two decode steps. ``api_key`` and ``allow_origins``: see
+    here runs between two decode steps, pausing while a flow runs if ``interleave`` (None: by threads
+    and cores, :func:`cosyllama.server.serving.prepare`). ``api_key`` and ``allow_origins``: see
     :mod:`cosyllama.server.security`. Voices are registered in ``tts.voices`` (``serve`` sets it
     with :func:`cosyllama.server.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it
     gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server.page`). ``wyoming``: a
@@ -131,7 +133,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
     serving = prepare(tts, max_concurrent=max_concurrent, max_queue=max_queue, limits=limits, scheduler=scheduler,
-                      prefill_chunk=prefill_chunk)
+                      prefill_chunk=prefill_chunk, interleave=interleave)
     limits = serving.limits
 
     @asynccontextmanager
@@ -197,7 +199,7 @@ def serve(args) -> None:
     warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
-                     wyoming_options=wyoming_options, max_voices=max_voices)
+                     wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args))
     openmp_hint(tts)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",

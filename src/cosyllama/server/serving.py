@@ -101,12 +101,14 @@ class Serving:
 
 def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEUE,
             limits: RequestLimits | None = None, scheduler: BatchScheduler | None = None,
-            prefill_chunk: int | None = None) -> Serving:
+            prefill_chunk: int | None = None, interleave: bool | None = None) -> Serving:
     """Serve ``tts`` (a :class:`cosyllama.TTS`, left as it is): requests decode through
     ``scheduler``, else ``tts.token_source`` when that is a :class:`BatchScheduler`, else one made
     here over ``tts.llm`` (prefilling ``prefill_chunk`` positions between two decode steps; closed
     by :meth:`Serving.close`). ``max_concurrent`` defaults to twice the scheduler's sequence slots,
-    so the LLM stays busy while other requests are in the flow and vocoder."""
+    so the LLM stays busy while other requests are in the flow and vocoder. ``interleave``: whether
+    that scheduler pauses decoding while a request's flow runs (None: :func:`cosyllama.cpu.interleave_stages`
+    decides from the threads and cores)."""
     limits = RequestLimits() if limits is None else limits
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
@@ -121,8 +123,11 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
         raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
                          f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
     if owns_scheduler:
+        if interleave is None:
+            interleave, why = stage_turns(tts)
+            log.info("scheduler: %s", why)
         scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
-                                      prefill_chunk=prefill_chunk)
+                                      prefill_chunk=prefill_chunk, interleave=interleave)
     elif scheduler.max_waiting < max_concurrent:
         raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
                          f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
@@ -133,6 +138,23 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
 
 # ----------------------------------------------------------------------------------------------
 # Options and loading
+
+
+def stage_turns(tts) -> tuple[bool, str]:
+    """:func:`cosyllama.cpu.interleave_stages` for a loaded TTS: its LLM's threads (llama.cpp's own
+    count; the torch LLM shares PyTorch's) and PyTorch's."""
+    import torch
+
+    from ..cpu import interleave_stages
+
+    flow_threads = torch.get_num_threads()
+    llm_threads = int(getattr(tts.llm, "n_threads", 0) or flow_threads)
+    return interleave_stages(llm_threads, flow_threads, torch.device(tts.device).type)
+
+
+def interleave_choice(args) -> bool | None:
+    """``--interleave``: None for auto (:func:`prepare` decides from threads and cores), else on/off."""
+    return {"auto": None, "on": True, "off": False}[getattr(args, "interleave", "auto")]
 
 
 def check_options(args) -> tuple[RequestLimits, int | None]:
@@ -211,5 +233,5 @@ def _warm_all(tts) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["Gate", "ServerBusyError", "Serving", "check_options", "load_tts", "open_voice_store", "pcm16",
-           "prepare", "warm_voices"]
+__all__ = ["Gate", "ServerBusyError", "Serving", "check_options", "interleave_choice", "load_tts",
+           "open_voice_store", "pcm16", "prepare", "stage_turns", "warm_voices"]

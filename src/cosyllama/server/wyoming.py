@@ -422,7 +422,7 @@ async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_
 
 def run_wyoming(args) -> None:
     """Run ``cosyllama wyoming`` until interrupted."""
-    from .serving import check_options, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
+    from .serving import check_options, interleave_choice, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
 
     uri = check_uri(args.uri)
     limits, chunk = check_options(args)
@@ -431,7 +431,8 @@ def run_wyoming(args) -> None:
     tts = load_tts(args)
     tts.voices = voices
     warm_voices(tts)
-    serving = prepare(tts, max_queue=args.max_queue, limits=limits, prefill_chunk=chunk)
+    serving = prepare(tts, max_queue=args.max_queue, limits=limits, prefill_chunk=chunk,
+                      interleave=interleave_choice(args))
     openmp_hint(tts)
 
     async def main():
