@@ -11,6 +11,7 @@ decodes a forced ``--max-tokens`` (random weights have no natural stop), as
 
     python scripts/bench_wyoming.py --threads 2                 # full-size random model, Q8_0 GGUF
     python scripts/bench_wyoming.py --model-dir DIR --llm torch --json out.jsonl
+    python scripts/bench_wyoming.py --threads 2 --interleave on,off   # the scheduler's two modes, in turns
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main(argv=None) -> int:
     from cosyllama.precision import precision_name
     from cosyllama.server.serving import load_tts, prepare
     from cosyllama.server.wyoming import start_wyoming
+    from cosyllama.timing import rounds
     from cosyllama.tools.bench import ensure_full_model, ensure_gguf, prompt_wav
     from cosyllama.tts import SynthesisOptions
 
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=250, help="speech tokens each sentence decodes (forced)")
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one event")
+    p.add_argument("--interleave", default="auto",
+                   help="comma list of the server's --interleave settings (auto, on, off), timed in turns")
     p.add_argument("--json", help="append one JSON line with the result here")
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
@@ -75,32 +79,44 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     kept = tts.warm_voice(VOICE)
     warm_s = time.perf_counter() - t0
-    serving = prepare(tts)
     options = SynthesisOptions(ignore_stop=True, max_tokens=args.max_tokens)
+    settings = [x.strip() for x in args.interleave.split(",") if x.strip()]
+    modes = {"auto": None, "on": True, "off": False}
+    if not settings or any(x not in modes for x in settings):
+        p.error(f"--interleave {args.interleave!r}: a comma list of auto, on, off")
 
-    async def run() -> list[float]:
-        server = await start_wyoming("tcp://127.0.0.1:0", serving, options=options)
+    async def one(setting: str, timed: bool = True) -> tuple[float, bool]:
+        serving = prepare(tts, interleave=modes[setting])  # a scheduler of its own, closed after the request
         try:
-            port = server.address[1]
-            await first_audio_s(port, args.timeout)  # untimed: first-call costs
-            return [await first_audio_s(port, args.timeout) for _ in range(args.requests)]
+            server = await start_wyoming("tcp://127.0.0.1:0", serving, options=options)
+            try:
+                return await first_audio_s(server.address[1], args.timeout), serving.scheduler.interleave
+            finally:
+                await server.stop()
         finally:
-            await server.stop()
+            serving.close()
 
-    try:
-        times = asyncio.run(run())
-    finally:
-        serving.close()
+    async def run() -> dict[str, list[float]]:
+        await one(settings[0])  # untimed: first-call costs
+        out: dict[str, list[float]] = {x: [] for x in settings}
+        for setting in rounds(settings, args.requests):
+            t, on = await one(setting)
+            out[setting].append(t)
+            print(f"  --interleave {setting} ({'on' if on else 'off'}): first audio {t:.2f} s", flush=True)
+        return out
+
+    results = asyncio.run(run())
     flow = precision_name(tts.token2wav.flow.precision)
-    print(f"wyoming first audio ({args.llm} {args.type if gguf else 'fp32'}, flow {flow}, voice warmed in "
-          f"{warm_s:.2f} s, {'kept' if kept else 'nothing kept'}): " + ", ".join(f"{t:.2f}" for t in times) + " s",
-          flush=True)
-    if args.json:
-        row = {"llm": args.llm, "type": args.type if gguf else "fp32", "flow": flow, "threads": args.threads,
-               "warm_kept": kept, "max_tokens": args.max_tokens, "first_audio_s": times,
-               "version": cosyllama.__version__}
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    for setting, times in results.items():
+        print(f"wyoming first audio ({args.llm} {args.type if gguf else 'fp32'}, flow {flow}, --interleave {setting}, "
+              f"voice warmed in {warm_s:.2f} s, {'kept' if kept else 'nothing kept'}): "
+              + ", ".join(f"{t:.2f}" for t in times) + " s", flush=True)
+        if args.json:
+            row = {"llm": args.llm, "type": args.type if gguf else "fp32", "flow": flow, "threads": args.threads,
+                   "interleave": setting, "warm_kept": kept, "max_tokens": args.max_tokens, "first_audio_s": times,
+                   "version": cosyllama.__version__}
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
     return 0
 
 
