@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     from cosyllama.device import resolve_device
     from cosyllama.flow import Flow
     from cosyllama.precision import precision_name
-    from cosyllama.tools.bench import ensure_full_model
+    from cosyllama.tools.kit import ensure_full_model
 
     t_start = time.perf_counter()
     dev = resolve_device(args.device)

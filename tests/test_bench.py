@@ -39,7 +39,7 @@ def test_make_model_deterministic_and_refuses_overwrite(tiny_model, tmp_path, ca
 
 def test_made_model_synthesizes(tiny_model):
     import cosyllama
-    from cosyllama.tools.bench import prompt_wav
+    from cosyllama.tools.kit import prompt_wav
 
     tts = cosyllama.load(tiny_model)
     audio = tts.cross_lingual("Hello there.", prompt_wav(2.0), greedy=True, max_tokens=30, ignore_stop=True).audio()

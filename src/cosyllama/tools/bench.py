@@ -1,7 +1,7 @@
 """``cosyllama bench``: LLM, flow, vocoder and whole-pipeline speed, side by side in one run.
 
-Without ``--model-dir`` it uses a full-size random-weight model (real Fun-CosyVoice3-0.5B shapes,
-so real speed; the audio is noise), made once with its GGUFs in the user cache directory.
+Without ``--model-dir`` it uses the bench kit's full-size random-weight model (:mod:`.kit`: real
+Fun-CosyVoice3-0.5B shapes, so real speed; the audio is noise), made once with its GGUFs.
 Generation length is forced (stop ids masked) so every configuration does equal work:
 a 3 s prompt and 10 s of output unless told otherwise. ``rtf`` = wall seconds / audio seconds,
 25 speech tokens = 1 s of audio. Pipeline runs happen in child processes so each has its own
@@ -22,66 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cachedir import cache_dir
 from ..errors import InputError
 from ..progress import LineProgress as Progress
-from ..progress import counting_progress
 from ..timing import rounds, timed
+from .kit import BENCH_TEXT, TOKEN_RATE, ensure_full_model, ensure_gguf, machine_info, peak_rss_mb, prompt_wav
 
-TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
 LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged") for t in LLM_TYPES]
 # (LLM backend, GGUF layout, GGUF type, flow precision): the all-reference path, then the product default
 PIPELINE_CONFIGS = [("torch", None, None, "fp32"), ("llamacpp", "speech", "Q8_0", "fp32"),
                     ("llamacpp", "speech", "Q8_0", "auto")]
 PARTS = ("llm", "flow", "vocoder", "pipeline")
-BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
-              "behind the quiet hills of the old town.")
-
-
-
-def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
-    """The cached full-size random model directory (made on first use, ~4 GB)."""
-    from .synthetic import make_model
-
-    d = cache_dir() / f"full-random-seed{seed}"
-    if not (d / ".complete").exists():
-        progress(f"making the full-size random-weight model in {d} (once)")
-        make_model(d, size="full", seed=seed, force=True, progress=progress)
-        (d / ".complete").write_text("ok\n")
-    return d
-
-
-def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
-    import hashlib
-
-    from ..llm.gguf import convert
-
-    model_dir = Path(model_dir).resolve()
-    key = f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
-    out = cache_dir() / "gguf" / key / f"llm-{layout}-{type_name}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        progress(f"converting the LLM to {out.name} (once)")
-
-        convert(model_dir, out, layout=layout, type=type_name, progress=counting_progress(progress))
-    return out
-
-
-def prompt_wav(seconds: float) -> Path:
-    """A deterministic voiced-like test clip (16 kHz) standing in for a real prompt."""
-    import soundfile as sf
-
-    path = cache_dir() / f"bench-prompt-{seconds:g}s.wav"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(0)
-        t = np.arange(int(16000 * seconds)) / 16000
-        f0 = 120 + 30 * np.sin(2 * np.pi * 0.7 * t)
-        wav = 0.3 * np.sin(2 * np.pi * np.cumsum(f0) / 16000) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
-        wav += 0.01 * rng.standard_normal(t.size)
-        sf.write(path, wav.astype(np.float32), 16000)
-    return path
 
 
 def _median(xs: list[float]) -> float:
@@ -91,12 +42,6 @@ def _median(xs: list[float]) -> float:
 def _median_or_none(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return _median(xs) if xs else None
-
-
-def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,16 +321,6 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
 
 
 # ----------------------------------------------------------------------------------------------
-
-
-def machine_info(threads: int, device: torch.device = torch.device("cpu"), llm: bool = True) -> dict:
-    """The machine and the CPU path (class, ISA, torch kernels, llama.cpp build) the rows ran on."""
-    from ..cpu import CpuPath
-
-    info = CpuPath(threads=threads, device=str(device), llm="llamacpp" if llm else "torch").as_dict()
-    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    info["torch"] = torch.__version__
-    return info
 
 
 def format_table(res: dict) -> str:
