@@ -62,7 +62,7 @@ def _llm_prefill(cfg, prompt_tokens: int):
 def bench_llm_backend(backend, prompt_tokens: int, decode_tokens: int, repeat: int) -> dict:
     from ..llm.decode import DecodeOptions, generate
 
-    prefill, n_text = _llm_prefill(backend.config, prompt_tokens)
+    prefill, n_text = _llm_prefill(backend.cfg, prompt_tokens)
     opts = DecodeOptions(greedy=True, ignore_stop=True, max_len=decode_tokens)
     list(generate(backend, prefill, n_text, DecodeOptions(greedy=True, ignore_stop=True, max_len=4)))  # warm up
     walls, decodes = [], []
