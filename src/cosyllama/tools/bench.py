@@ -24,7 +24,8 @@ import torch
 
 from ..errors import InputError
 from ..progress import LineProgress as Progress
-from ..timing import rounds, timed
+from ..timing import rounds
+from .bench_flow import batch_sizes, flow_variants, format_lines, run_flow_batch, run_flow_vocoder, vocoder_variants
 from .kit import BENCH_TEXT, TOKEN_RATE, ensure_full_model, ensure_gguf, machine_info, peak_rss_mb, prompt_wav
 
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
@@ -32,7 +33,7 @@ LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("spee
 # (LLM backend, GGUF layout, GGUF type, flow precision): the all-reference path, then the product default
 PIPELINE_CONFIGS = [("torch", None, None, "fp32"), ("llamacpp", "speech", "Q8_0", "fp32"),
                     ("llamacpp", "speech", "Q8_0", "auto")]
-PARTS = ("llm", "flow", "vocoder", "pipeline")
+PARTS = ("llm", "flow", "vocoder", "pipeline", "flow-batch")  # flow-batch: opt-in (not in --parts' default)
 
 
 def _median(xs: list[float]) -> float:
@@ -129,118 +130,6 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
         del backend
         gc.collect()
     return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# Flow and vocoder
-
-
-FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # on the CPU; a GPU has no int8 path
-# Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).
-ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm"}
-
-
-def set_flow_variant(flow, variant: str) -> None:
-    """``flow.set_precision(variant)``, with the int8 engine of an ``int8-<engine>`` variant."""
-    from ..precision import INT8
-
-    if variant in ENGINE_VARIANTS:
-        flow.set_precision("int8")
-        flow.decoder.set_compute_dtype(INT8, ENGINE_VARIANTS[variant])
-    else:
-        flow.set_precision(variant)
-
-
-def _variant_ran(flow) -> str:
-    """What the flow runs, its int8 engine included (``int8/onednn``): the name ``auto`` gives its candidates."""
-    from ..flow.check import Candidate
-    from ..precision import INT8
-
-    return Candidate(flow.precision, flow.decoder.int8_engine if flow.precision == INT8 else None).name
-
-
-def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
-    """The flow precisions to time: ``spec`` (a comma list) or the default for ``device``; fp32 is
-    always timed first, because every row's fidelity is measured against it."""
-    from ..precision import PRECISIONS
-
-    engines = torch.backends.quantized.supported_engines
-    if spec is None:
-        names = [v for v in FLOW_VARIANTS if device.type == "cpu" or not v.startswith("int8")]
-        names = [v for v in names if ENGINE_VARIANTS.get(v, "fbgemm") in engines]
-    else:
-        names = [v.strip().lower() for v in spec.split(",") if v.strip()]
-        allowed = tuple(PRECISIONS) + tuple(ENGINE_VARIANTS)
-        bad = [v for v in names if v not in allowed or ENGINE_VARIANTS.get(v, "fbgemm") not in engines]
-        if bad or not names:
-            raise InputError(f"--flow-precisions {spec!r}: choose from {', '.join(allowed)} "
-                             f"(int8 engines in this PyTorch: {', '.join(engines)})")
-    return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
-
-
-def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
-                     progress: Progress, device: torch.device = torch.device("cpu"),
-                     variants: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
-    """Flow per precision (fidelity vs fp32 on the same inputs; ``auto`` runs its fidelity check
-    first and says what it chose), then the vocoder, fp32 and bf16."""
-    from ..flow import Flow
-    from ..vocoder import HiFT
-
-    p, n = round(prompt_s * TOKEN_RATE), round(output_s * TOKEN_RATE)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 6561, (1, n), generator=g, dtype=torch.int32)
-    prompt_tokens = torch.randint(0, 6561, (1, p), generator=g, dtype=torch.int32)
-    prompt_feat = torch.randn(1, 2 * p, 80, generator=g) - 5
-    emb = torch.randn(1, 192, generator=g)
-    flow_rows, voc_rows = [], []
-    flow = Flow.from_dir(model_dir, device)
-    names = list(variants or flow_variants(None, device)) if "flow" in parts else ["fp32"]
-    ran: dict[str, str] = {}
-    secs: dict[str, list[float]] = {v: [] for v in names}
-    mels: dict[str, torch.Tensor] = {}
-    for variant in rounds(names, repeat):
-        if len(names) > 1 or variant not in ran:
-            t0 = time.perf_counter()
-            set_flow_variant(flow, variant)  # a switch re-packs the weight copies: outside the timing
-            setup = time.perf_counter() - t0
-            flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up
-        if variant not in ran:
-            ran[variant] = _variant_ran(flow)
-            if variant == "auto":
-                progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
-        t, _, mels[variant] = timed(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
-        secs[variant].append(t)
-        if "flow" in parts:
-            progress(f"flow {variant}: {t / output_s:.3f} s per audio second")
-    mel_ref = mels["fp32"]
-    if "flow" in parts:
-        for variant in names:
-            diff = (mels[variant] - mel_ref).abs()
-            flow_rows.append({"variant": variant if variant != "auto" else f"auto={ran[variant]}",
-                              "seconds_per_audio_second": _median(secs[variant]) / output_s,
-                              "rounds_seconds_per_audio_second": [t / output_s for t in secs[variant]],
-                              "mel_mean_abs_diff_vs_fp32": float(diff.mean()),
-                              "mel_max_abs_diff_vs_fp32": float(diff.max())})
-            progress(f"flow {variant}: median {_median(secs[variant]) / output_s:.3f} s per audio second "
-                     f"(mel vs fp32: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f})")
-    del flow
-    if "vocoder" in parts:
-        hift = HiFT.from_dir(model_dir, device)
-        vnames = ["fp32", "bf16"]
-        vsecs: dict[str, list[float]] = {v: [] for v in vnames}
-        wavs: dict[str, torch.Tensor] = {}
-        for variant in rounds(vnames, repeat):
-            hift.set_precision(variant)
-            hift.inference(mel_ref[:, :, :20])
-            t, _, wavs[variant] = timed(lambda: hift.inference(mel_ref), device)
-            vsecs[variant].append(t)
-        for variant in vnames:
-            sps = _median(vsecs[variant]) / output_s
-            voc_rows.append({"variant": variant, "seconds_per_audio_second": sps,
-                             "rounds_seconds_per_audio_second": [t / output_s for t in vsecs[variant]],
-                             "wav_max_abs_diff_vs_fp32": float((wavs[variant] - wavs["fp32"]).abs().max())})
-            progress(f"vocoder {variant}: {sps:.3f} s per audio second")
-    return flow_rows, voc_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,19 +231,7 @@ def format_table(res: dict) -> str:
         for t in LLM_TYPES:
             if ("speech", t) in by and ("merged", t) in by:
                 lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
-    if res["flow"] or res["vocoder"]:
-        lines.append("")
-    base = next((r["seconds_per_audio_second"] for r in res["flow"] if r["variant"] == "fp32"), None)
-    for r in res["flow"]:
-        native = "" if "bf16" not in r["variant"] or m.get("device", "cpu") != "cpu" or m.get("native_bf16", True) \
-            else " [bf16 emulated on this CPU: auto does not pick it]"
-        ratio = f" {base / r['seconds_per_audio_second']:.2f}x fp32" if base and r["variant"] != "fp32" else ""
-        lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio{ratio} "
-                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, "
-                     f"max {r['mel_max_abs_diff_vs_fp32']:.4f})" + native)
-    for r in res["vocoder"]:
-        lines.append(f"vocoder {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
-                     f"(wav vs fp32: max {r['wav_max_abs_diff_vs_fp32']:.4f})")
+    lines += format_lines(res)
     if res["pipeline"]:
         lines += ["", f"{'pipeline LLM':<24}{'flow':<6}{'RTF':>8}{'first chunk s':>15}{'peak RSS MB':>13}"]
         for r in res["pipeline"]:
@@ -389,20 +266,27 @@ def run_bench(args, progress: Progress = print) -> int:
 
     device = resolve_device(getattr(args, "device", "cpu"))
     variants = flow_variants(getattr(args, "flow_precisions", None), device)
+    batch_variants = flow_variants(getattr(args, "flow_precisions", None), device, reference=False)
+    vocoder_names = vocoder_variants(getattr(args, "vocoder_precisions", None))
+    sizes = batch_sizes(getattr(args, "batch_sizes", None))
     model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
     from ..config import load_config
 
     load_config(model_dir)
     machine = machine_info(threads, device, llm=bool(parts & {"llm", "pipeline"}))
     res = {"machine": machine, "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
-           "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": []}
+           "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": [],
+           "flow_batch": []}
     if "llm" in parts:
         res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
                              configs=llm_configs(getattr(args, "llm_types", None)), device=device)
     if parts & {"flow", "vocoder"}:
         res["flow"], res["vocoder"] = run_flow_vocoder(
             model_dir, args.prompt_seconds, args.output_seconds, args.repeat, parts, progress, device,
-            variants)
+            variants, vocoder_names, profile=getattr(args, "profile", False), stream=getattr(args, "stream", False))
+    if "flow-batch" in parts:
+        res["flow_batch"] = run_flow_batch(model_dir, args.prompt_seconds, args.output_seconds, args.repeat,
+                                           progress, device, batch_variants, sizes)
     if "pipeline" in parts:
         res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
                                        progress, device)
