@@ -289,7 +289,7 @@ def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: 
     streams: dict[str, dict[str, list[dict]]] = {v: {"cache": [], "recompute": []} for v in names}
     mels: dict[str, torch.Tensor] = {}
     prompt = FlowPrompt(prompt_tokens, prompt_feat, emb)
-    for variant in rounds(names, repeat):
+    for variant in rounds(names, repeat if "flow" in parts else 1):  # vocoder alone: fp32's mel, once
         v = parsed[variant]
         if len(names) > 1 or variant not in ran:
             t0 = time.perf_counter()
