@@ -20,7 +20,7 @@ import time
 
 import cosyllama
 from cosyllama.precision import precision_name
-from cosyllama.tools.bench import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
+from cosyllama.tools.kit import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
 from cosyllama.tts import SynthesisOptions
 
 

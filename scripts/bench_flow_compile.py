@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from cosyllama.timing import best_of
+
 D, H, N, B = 1024, 16, 650, 2
 
 
@@ -36,16 +38,6 @@ class Block(torch.nn.Module):
         return h + self.ff2(F.gelu(self.ff1(n2), approximate="tanh")).float() * g_f
 
 
-def best(fn, repeats: int) -> float:
-    fn()
-    out = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="default,max-autotune")
@@ -60,7 +52,7 @@ def main(argv=None) -> int:
     blk = Block().to(torch.bfloat16).eval()
     inputs = (torch.randn(B, N, D), *[torch.randn(D) * 0.1 for _ in range(6)])
     with torch.no_grad():
-        eager = best(lambda: blk(*inputs), args.repeats)
+        eager = best_of(lambda: blk(*inputs), args.repeats)
         ref = blk(*inputs)
         print(f"eager: {eager * 1e3:.2f} ms per block")
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
@@ -68,7 +60,7 @@ def main(argv=None) -> int:
             compiled = torch.compile(blk, mode=None if mode == "default" else mode)
             out = compiled(*inputs)
             setup = time.perf_counter() - t0
-            t = best(lambda: compiled(*inputs), args.repeats)
+            t = best_of(lambda: compiled(*inputs), args.repeats)
             print(f"{mode}: compile {setup:.1f} s, {t * 1e3:.2f} ms per block ({eager / t:.2f}x eager), "
                   f"max diff {float((out - ref).abs().max()):.1e}")
     return 0

@@ -33,9 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from cosyllama.cachedir import cache_dir
-
-GGUF_DIR = cache_dir() / "gguf"
+from cosyllama.tools.kit import full_model_dir
+from cosyllama.tools.kit import gguf_path as kit_gguf_path
 
 BASE = {"type": "Q8_0", "torch": "matmul", "threads": "2", "kv": "f16", "fa": "auto", "repack": "1",
         "load": "mmap", "batch": "1", "caller": "main", "hog": "0"}
@@ -92,10 +91,10 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 def gguf_path(v: dict) -> Path:
     if v.get("gguf"):
         return Path(v["gguf"])
-    found = sorted(GGUF_DIR.glob(f"full-random-seed0-*/llm-speech-{v['type']}.gguf"))
-    if not found:
-        raise SystemExit(f"no speech {v['type']} GGUF under {GGUF_DIR} (run `cosyllama bench` once, or pass gguf=PATH)")
-    return found[0]
+    path = kit_gguf_path(full_model_dir(), "speech", v["type"])
+    if not path.exists():
+        raise SystemExit(f"no {path} (run `cosyllama bench` once, or pass gguf=PATH)")
+    return path
 
 
 def bytes_per_token(path: Path) -> int:
@@ -128,7 +127,7 @@ def child_bandwidth(threads: int) -> dict:
     return out
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> float:  # not cosyllama.timing: a child of a torch=none variant must not import torch
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0

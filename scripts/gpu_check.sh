@@ -11,10 +11,10 @@
 #      before step 1: the full-size random model, made once [180];
 #   1. pytest -m gpu (every stage on CUDA against the golden fixtures, the CUDA-graph LLM included) [240];
 #   2. cosyllama bench --device cuda: torch LLM rows (fp32 parity, bf16), flow, vocoder, pipeline [240];
-#   2b. N = 1..16 concurrent non-streaming flows, serialized vs one batch, bf16 then fp32: does
-#      batching concurrent flows pay on this GPU? [100; no new row after 60 s, rows done are kept;
-#      expected ~70 s: at the H200's 0.4 s per 10 s flow solve, the serialized side of one round
-#      for N = 1+2+4+8+16 is ~12 s per precision];
+#   2b. bench's flow-batch part: N = 1..16 concurrent non-streaming flows, one after another vs one
+#      batch, bf16 then fp32: does batching concurrent flows pay on this GPU? [150; expected ~70 s: at
+#      the H200's 0.4 s per 10 s flow solve, the serialized side of one round for N = 1+2+4+8+16 is
+#      ~12 s per precision];
 #   3. aggregate LLM decode of 1, 4 and 16 concurrent streams (scheduler over the CUDA-graph backend) [2 x 120];
 #   4. first streamed audio for a registered, warmed voice [120];
 #   5. the HTTP server under 1 and 16 concurrent streaming requests [180];
@@ -62,15 +62,16 @@ if [ -n "$sdist" ]; then
 fi
 
 # The full-size random model the benchmarks use (made once, ~1 min).
-step 180 "full-size random model" python3 -c "from cosyllama.tools.bench import ensure_full_model; ensure_full_model(print)"
-model=$(python3 -c "from cosyllama.tools.bench import ensure_full_model; print(ensure_full_model(lambda *_: None))")
+step 180 "full-size random model" python3 -c "from cosyllama.tools.kit import ensure_full_model; ensure_full_model(print)"
+model=$(python3 -c "from cosyllama.tools.kit import ensure_full_model; print(ensure_full_model(lambda *_: None))")
 
 step 240 "1. GPU tests" env COSYLLAMA_GPU_REPORT="$out/gpu-tests.json" \
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpu_llm.py
 step 240 "2. bench --device cuda" python3 -m cosyllama.cli bench --device cuda --model-dir "$model" \
   --parts llm,flow,vocoder,pipeline --llm-types Q8_0 --json "$out/bench-cuda.json"
-step 100 "2b. concurrent flows, serialized vs batched" python3 scripts/bench_flow_batch.py --device cuda \
-  --model-dir "$model" --precision bf16,fp32 --n 1,2,4,8,16 --rounds 2 --time-limit 60 --json "$tmp/flow-batch.json"
+step 150 "2b. concurrent flows, serialized vs batched" python3 -m cosyllama.cli bench --device cuda \
+  --model-dir "$model" --parts flow-batch --flow-precisions bf16,fp32 --batch-sizes 1,2,4,8,16 --repeat 2 \
+  --json "$tmp/flow-batch.json"
 for p in fp32 bf16; do
   step 120 "3. concurrent decode, torch $p" python3 scripts/bench_concurrency.py --model-dir "$model" \
     --device cuda --llm-precision "$p" --streams 1,4,16 --tokens 200 --repeat 1 --json "$tmp/concurrency-$p.json"

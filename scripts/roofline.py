@@ -28,33 +28,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from cosyllama.cpu import has_native_bf16
+from cosyllama.timing import best_of
 from cosyllama.tools.synthetic import SIZES
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 MEL_RATE = 50  # mel frames per second
 
 
-def best_time(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def read_bandwidth(threads: int, repeats: int) -> float:
     """GB/s of a streaming read (a sum over 1 GiB) with ``threads`` threads."""
     torch.set_num_threads(threads)
     a = torch.ones(1 << 28, dtype=torch.float32)
-    t = best_time(lambda: a.sum(), repeats)
+    t = best_of(lambda: a.sum(), repeats)
     return a.numel() * 4 / t / 1e9
 
 
@@ -92,7 +82,7 @@ def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> tu
             for x, w, b in shapes:
                 torch.nn.functional.linear(x, w, b)
 
-    return flops / best_time(run, repeats) / 1e9, kernel
+    return flops / best_of(run, repeats) / 1e9, kernel
 
 
 def attention_tflops(dtype: torch.dtype, frames: int, threads: int, repeats: int, block: int = 0) -> float:
@@ -105,7 +95,7 @@ def attention_tflops(dtype: torch.dtype, frames: int, threads: int, repeats: int
     heads, dh = s.dit_heads, s.dit_dim // s.dit_heads
     q, k, v = (torch.randn(2, heads, frames, dh).to(dtype) for _ in range(3))
     mask = chunk_attention_mask(frames, block, q.device) if block else None
-    t = best_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
+    t = best_of(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), repeats)
     return 2 * 2 * 2 * heads * frames * frames * dh / t / 1e12
 
 
@@ -127,9 +117,9 @@ def int8_gemm_gops(rows: int, threads: int, repeats: int, engine: str = "fbgemm"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)
         qx = [torch.quantize_per_tensor(x, float(x.abs().max()) / 63, 64, torch.quint8) for x, _ in layers]
-    out = {"dynamic": flops / best_time(lambda: [lin(x) for x, lin in layers], repeats) / 1e9}
+    out = {"dynamic": flops / best_of(lambda: [lin(x) for x, lin in layers], repeats) / 1e9}
     try:  # static int8 linear: u8 in, int8 product, requantized u8 out (no float pass on either side)
-        out["prequantized"] = flops / best_time(
+        out["prequantized"] = flops / best_of(
             lambda: [torch.ops.quantized.linear(q, lin.packed, 1.0, 0) for q, (_, lin) in zip(qx, layers)],
             repeats) / 1e9
     except (RuntimeError, AttributeError):
@@ -161,10 +151,9 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 
 def default_ggufs() -> list[Path]:
-    from cosyllama.cachedir import cache_dir
+    from cosyllama.tools.kit import full_model_dir, gguf_path
 
-    root = cache_dir() / "gguf"
-    return sorted(root.glob("full-random-seed*/llm-*.gguf"))
+    return sorted(gguf_path(full_model_dir(), "speech", "F16").parent.glob("llm-*.gguf"))
 
 
 def main() -> int:

@@ -84,7 +84,7 @@ def generate_many(backend: LLMBackend, requests: Sequence[tuple[Prefill, int, De
     :class:`~cosyllama.llm.decode.TokenDecoder`; the product's is the server's scheduler."""
     from cosyllama.llm.decode import TokenDecoder
 
-    decoders = [TokenDecoder(backend.config, n, opt) for _, n, opt in requests]
+    decoders = [TokenDecoder(backend.cfg, n, opt) for _, n, opt in requests]
     handles: list[object] = []
     try:
         pending: list[tuple[int, object]] = []  # (request, its log-prob row)
@@ -200,7 +200,7 @@ class SlowBackend:
         self.prefilling = False
         self.pieces = 0
 
-    def __getattr__(self, attr):  # config, n_seq_max, max_seq_tokens, release, stats, ...
+    def __getattr__(self, attr):  # cfg, n_seq_max, max_seq_tokens, release, stats, ...
         if attr in ("inner", "begin", "prefill_step"):
             raise AttributeError(attr)
         return getattr(self.inner, attr)

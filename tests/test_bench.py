@@ -7,6 +7,7 @@ import torch
 
 from cosyllama.cli import main
 from cosyllama.config import load_config
+from cosyllama.errors import InputError
 from cosyllama.weights import load_flow_weights, load_hift_weights, load_llm_weights
 from helpers import MODEL_DIR
 
@@ -39,7 +40,7 @@ def test_make_model_deterministic_and_refuses_overwrite(tiny_model, tmp_path, ca
 
 def test_made_model_synthesizes(tiny_model):
     import cosyllama
-    from cosyllama.tools.bench import prompt_wav
+    from cosyllama.tools.kit import prompt_wav
 
     tts = cosyllama.load(tiny_model)
     audio = tts.cross_lingual("Hello there.", prompt_wav(2.0), greedy=True, max_tokens=30, ignore_stop=True).audio()
@@ -130,7 +131,7 @@ def test_bench_rejects_bad_parts(capsys):
 
 
 def test_bench_flow_precisions(capsys):
-    from cosyllama.tools.bench import flow_variants
+    from cosyllama.tools.bench_flow import flow_variants
 
     cpu = torch.device("cpu")
     assert flow_variants("int8, auto,int8", cpu) == ("fp32", "int8", "auto")  # fp32 first: the fidelity reference
@@ -169,3 +170,77 @@ def test_llm_types_choose_the_llamacpp_rows():
                                    ("llamacpp", "merged", "Q8_0")]
     with pytest.raises(InputError, match="Q9"):
         llm_configs("Q8_0,Q9")
+
+
+def test_bench_profile_stream_and_research_variants(tiny_model, tmp_path, monkeypatch, capsys):
+    """--profile splits a flow and a vocoder call by op kind, --stream times one streaming synthesis per
+    flow variant with the flow cache and without; the research variants run and change what they claim."""
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model-dir", str(tiny_model), "--json", str(out), "--parts", "flow,vocoder",
+                 "--flow-precisions", "bf16,bf16-res16,bf16-steps2,fp32-autocast", "--vocoder-precisions", "fp32-ref",
+                 "--profile", "--stream", "--prompt-seconds", "1", "--output-seconds", "2", "--threads", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "op time shares of one call" in table and "streaming (fp32 vocoder)" in table
+    res = json.loads(out.read_text())
+    flow = {r["variant"]: r for r in res["flow"]}
+    assert list(flow) == ["fp32", "bf16", "bf16-res16", "bf16-steps2", "fp32-autocast"]
+    for r in res["flow"]:
+        share = r["time_share"]
+        assert set(share) == {"gemm", "attention", "conv", "other"} and share["gemm"] > 0
+        assert sum(share.values()) == pytest.approx(1, abs=0.01)
+        s = r["stream"]  # 1 s prompt + 2 s: one 25-token chunk, then the final call
+        assert s["flow_calls"] == 2 and s["peak_cache_mb"] > 0 and s["wav_max_abs_diff_cache_vs_recompute"] < 1e-4
+        for mode in ("cache", "recompute"):
+            assert 0 < s[mode]["first_chunk_s"] <= s[mode]["total_s"] and 0 < s[mode]["flow_s"] <= s[mode]["total_s"]
+    diffs = {v: r["mel_mean_abs_diff_vs_fp32"] for v, r in flow.items()}
+    assert diffs["fp32"] == 0 and all(d > 0 for v, d in diffs.items() if v != "fp32")
+    assert diffs["bf16-res16"] != diffs["bf16"] and diffs["bf16-steps2"] > 10 * diffs["bf16"]
+    assert [r["variant"] for r in res["vocoder"]] == ["fp32", "fp32-ref"]
+    assert all("conv" in r["time_share"] for r in res["vocoder"])
+    assert 0 < res["vocoder"][1]["wav_max_abs_diff_vs_fp32"] < 1e-3  # the reference path: same math
+
+
+def test_flow_variant_names():
+    from cosyllama.flow.fast_dit import FastDiT
+    from cosyllama.tools.bench_flow import FlowVariant, batch_sizes, flow_variants, vocoder_variants
+
+    cpu = torch.device("cpu")
+    assert FlowVariant.parse("bf16-steps5") == FlowVariant("bf16-steps5", "bf16", steps=5)
+    assert FlowVariant.parse("int8-onednn") == FlowVariant("int8-onednn", "int8", engine="onednn")
+    assert FlowVariant.parse("fp32-autocast").autocast and FlowVariant.parse("bf16-res16").residual_bf16
+    assert all(FlowVariant.parse(n) is None for n in ("bf16-steps0", "bf16-steps101", "auto-steps3", "fp16"))
+    assert flow_variants("bf16-res16,bf16-steps7", cpu) == ("fp32", "bf16-res16", "bf16-steps7")
+    assert flow_variants("bf16,fp32", cpu, reference=False) == ("bf16", "fp32")
+    with pytest.raises(InputError, match="bf16-steps0"):
+        flow_variants("bf16-steps0", cpu)
+    with FlowVariant.parse("bf16-res16").running(cpu):
+        assert FastDiT.residual_dtype == torch.bfloat16
+    assert FastDiT.residual_dtype == torch.float32  # restored
+    assert vocoder_variants(None) == ("fp32", "bf16") and vocoder_variants("bf16-ref") == ("fp32", "bf16-ref")
+    with pytest.raises(InputError, match="--vocoder-precisions 'int8'"):
+        vocoder_variants("int8")
+    assert batch_sizes(None) == (1, 2, 4, 8, 16) and batch_sizes("4,1,4") == (4, 1)
+    with pytest.raises(InputError, match="--batch-sizes"):
+        batch_sizes("1,x")
+
+
+def test_kit_paths_follow_the_cache_dir_and_are_light(tmp_path, monkeypatch):
+    """The kit's files live in the cache directory; a GGUF already there is reused, not converted
+    again; importing the kit loads neither torch nor numpy (scripts set threads after importing it)."""
+    import subprocess
+    import sys
+
+    from cosyllama.tools import kit
+
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
+    assert kit.full_model_dir(3) == tmp_path / "full-random-seed3"
+    path = kit.gguf_path(MODEL_DIR, "speech", "Q8_0")
+    assert path.parent.parent == tmp_path / "gguf" and path.name == "llm-speech-Q8_0.gguf"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"made before")
+    said = []
+    assert kit.ensure_gguf(MODEL_DIR, "speech", "Q8_0", said.append) == path and said == []
+    code = "import sys, cosyllama.tools.kit; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"

@@ -86,22 +86,21 @@ def test_unequal_lengths_and_a_shared_cache_are_refused(flow):
         flow.decoder(*two, streaming=True, cache=FlowStreamCache(), keep=50)
 
 
-def test_bench_script_runs_on_the_tiny_model(tmp_path, capsys):
-    """scripts/bench_flow_batch.py end to end at a toy size (what the GPU check runs at full size)."""
-    import importlib.util
+def test_bench_flow_batch_part_on_the_tiny_model(tmp_path, monkeypatch, capsys):
+    """`cosyllama bench --parts flow-batch` end to end at a toy size (what the GPU check runs at full
+    size): a row per N, the batched mels as close to the one-by-one ones as the batch test allows."""
     import json
-    from pathlib import Path
 
-    path = Path(__file__).parents[1] / "scripts" / "bench_flow_batch.py"
-    spec = importlib.util.spec_from_file_location("bench_flow_batch", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    with pytest.raises(SystemExit) as e:
-        mod.main(["--help"])
-    assert e.value.code == 0 and "serialized" in capsys.readouterr().out
+    from cosyllama.cli import main
+
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "fb.json"
-    assert mod.main(["--model-dir", str(MODEL_DIR), "--n", "1,2", "--rounds", "1", "--prompt-s", "0.4",
-                     "--out-s", "0.8", "--json", str(out)]) == 0
+    assert main(["bench", "--model-dir", str(MODEL_DIR), "--parts", "flow-batch", "--flow-precisions", "fp32",
+                 "--batch-sizes", "1,2", "--prompt-seconds", "0.4", "--output-seconds", "0.8", "--threads", "1",
+                 "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [r["n"] for r in res["rows"]] == [1, 2] and res["mel_frames_per_request"] == 60
-    assert all(r["max_abs_diff_batched_vs_serial"] <= TOL["fp32"] and r["speedup"] > 0 for r in res["rows"])
+    assert [(r["variant"], r["n"]) for r in res["flow_batch"]] == [("fp32", 1), ("fp32", 2)]
+    assert all(r["max_abs_diff_batched_vs_serial"] <= TOL["fp32"] and r["speedup"] > 0 for r in res["flow_batch"])
+    assert res["flow"] == [] and "one after another vs one batch" in capsys.readouterr().out
+    assert main(["bench", "--parts", "flow-batch", "--batch-sizes", "2,0"]) == 2
+    assert "--batch-sizes '2,0'" in capsys.readouterr().err

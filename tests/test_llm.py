@@ -63,13 +63,13 @@ def test_greedy_tokens_equal_fixture(llm):
 def test_greedy_stop_id_and_scores(llm):
     a, meta = load_fixture("llm_greedy")
     pf = fixture_prefill(a)
-    dec = TokenDecoder(llm.config, a["text"].shape[1], DecodeOptions(greedy=True))
+    dec = TokenDecoder(llm.cfg, a["text"].shape[1], DecodeOptions(greedy=True))
     seq, lp = llm.start(pf, dec.max_len)
     step = 0
     while True:
         masked = lp.clone()
         if step < dec.min_len:
-            masked[llm.config.speech_token_size:] = float("-inf")
+            masked[llm.cfg.speech_token_size:] = float("-inf")
         top = torch.topk(masked, 5)
         np.testing.assert_array_equal(top.indices.numpy(), a["step_top5_ids"][step])
         np.testing.assert_allclose(top.values.numpy(), a["step_top5_scores"][step], atol=1e-4)
@@ -84,7 +84,7 @@ def test_greedy_stop_id_and_scores(llm):
 
 def test_min_len_masks_every_special_id(llm):
     """Deviation Q1: before min_len no special id can stop decoding, not only 6561."""
-    cfg = llm.config
+    cfg = llm.cfg
     dec = TokenDecoder(cfg, 3, DecodeOptions(greedy=True))
     logp = torch.full((cfg.vocab_size,), -50.0)
     logp[cfg.eos] = 0.0

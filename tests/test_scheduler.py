@@ -22,7 +22,7 @@ class Watched:
     """Wraps a backend: counts live sequences and the largest step batch; can be told to fail."""
 
     def __init__(self, inner, n_slots: int | None = None):
-        self.inner, self.config, self.name = inner, inner.config, "watched"
+        self.inner, self.cfg, self.name = inner, inner.cfg, "watched"
         self.n_slots = n_slots
         self.live: set[int] = set()
         self.max_step = 0

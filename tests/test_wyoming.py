@@ -33,7 +33,7 @@ class Gated:
     then steps wait until :meth:`let_go` (so a sequence is still decoding when a client goes)."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.config = inner, getattr(inner, "name", "torch"), inner.config
+        self.inner, self.name, self.cfg = inner, getattr(inner, "name", "torch"), inner.cfg
         self._cond = threading.Condition()
         self._budget: int | None = None
 

@@ -1,7 +1,8 @@
 """How cosyllama times things, in one place: one call's wall and process CPU time with CUDA work waited
-for on both sides (:func:`timed`), and configurations timed in interleaved rounds (:func:`rounds`). Used by
-``cosyllama bench``, ``--precision auto``'s timing of the flow (:mod:`cosyllama.flow.check`) and the
-bench scripts."""
+for on both sides (:func:`timed`), configurations timed in interleaved rounds (:func:`rounds`), the
+best of repeated calls (:func:`best_of`). Used by ``cosyllama bench``, ``--precision auto``'s timing of
+the flow (:mod:`cosyllama.flow.check`) and the bench scripts; what they time on is in
+:mod:`cosyllama.tools.kit`."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def rounds(items: list, repeat: int) -> list:
     every row alike and the ratios between rows stay readable (the medians of the rounds are
     reported)."""
     return [x for r in range(repeat) for x in (items if r % 2 == 0 else items[::-1])]
+
+
+def best_of(fn: Callable[[], object], repeats: int, device: torch.device | str = "cpu") -> float:
+    """The fastest wall seconds of ``repeats`` calls of ``fn``, after one untimed warm-up call (for
+    micro-benchmarks of one kernel; a whole stage is timed in :func:`rounds` and reported as medians)."""
+    fn()
+    return min(timed(fn, device)[0] for _ in range(repeats))

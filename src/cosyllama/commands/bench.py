@@ -11,7 +11,9 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure LLM, flow, vocoder and pipeline speed side by side")
     b.add_argument("--model-dir", help="model directory (default: a cached full-size random model)")
     b.add_argument("--json", help="also write the results as JSON")
-    b.add_argument("--parts", default="llm,flow,vocoder,pipeline", help="comma list of parts to run")
+    b.add_argument("--parts", default="llm,flow,vocoder,pipeline",
+                   help="comma list of parts to run: llm, flow, vocoder, pipeline, and the opt-in flow-batch "
+                        "(N concurrent flows one after another vs one batch)")
     b.add_argument("--repeat", type=int, default=1,
                    help="runs per configuration, median reported; the flow, vocoder and pipeline rows take "
                         "turns round by round (A B C, C B A, ...) so their ratios are side by side")
@@ -26,7 +28,19 @@ def add_parser(sub) -> None:
     b.add_argument("--flow-precisions", default=None,
                    help="comma list of flow precisions to time (fp32 first: the others' fidelity is measured "
                         "against it; default fp32,bf16,int8 on the CPU, fp32,bf16 on a GPU); the pipeline's "
-                        "rows take fp32 and auto")
+                        "rows take fp32 and auto. Research variants: fp32-autocast, bf16-res16, "
+                        "<precision>-steps<N> (see cosyllama.tools.bench_flow)")
+    b.add_argument("--vocoder-precisions", default=None,
+                   help="comma list of vocoder variants: fp32, bf16, and fp32-ref / bf16-ref (the reference "
+                        "module path); default fp32,bf16")
+    b.add_argument("--profile", action="store_true",
+                   help="also split one flow and one vocoder call per variant by op kind (gemm, attention, "
+                        "conv, ...; torch.profiler)")
+    b.add_argument("--stream", action="store_true",
+                   help="also time one streaming synthesis per flow variant (fp32 vocoder): first chunk, flow "
+                        "calls, all; with the flow stream cache and recomputing every chunk")
+    b.add_argument("--batch-sizes", default=None, metavar="N,N",
+                   help="request counts of the flow-batch part (default 1,2,4,8,16)")
     b.set_defaults(func=run)
 
 

@@ -169,8 +169,8 @@ class FastDiT:
     reference DiT does (see :class:`StepCache`).
     """
 
-    # The residual stream's dtype. float32; scripts/bench_flow_vocoder.py sets bfloat16 on an
-    # instance of its own to measure what keeping it in float32 costs.
+    # The residual stream's dtype. float32; `cosyllama bench --flow-precisions bf16-res16` sets
+    # bfloat16 around its own calls to measure what keeping it in float32 costs.
     residual_dtype = torch.float32
 
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE):

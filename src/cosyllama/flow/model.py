@@ -160,7 +160,8 @@ class Flow(nn.Module):
 
     def set_n_timesteps(self, n: int) -> None:
         """Euler steps of the solver (reference: 10). Fewer steps are faster and change the mel
-        (measured in ``scripts/bench_flow_vocoder.py``); an explicit quality/speed trade only."""
+        (``cosyllama bench --flow-precisions fp32,bf16,bf16-steps5`` measures both); an explicit
+        quality/speed trade only."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 100:
             raise InputError(f"flow n_timesteps must be an integer from 1 to 100, got {n!r}")
         self.decoder.n_timesteps = n
@@ -231,7 +232,7 @@ class Flow(nn.Module):
         :meth:`CFM.forward`): each mel equals the request's own :meth:`inference` up to float
         rounding of differently blocked matrix products (int8: its rows are solved one by one).
         Whether a batch is faster than the calls one after another depends on the device:
-        ``scripts/bench_flow_batch.py`` measures it."""
+        ``cosyllama bench --parts flow-batch`` measures it."""
         if not requests:
             return []
         inps = [self.prepare(*r, finalize=finalize) for r in requests]

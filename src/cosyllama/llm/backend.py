@@ -39,10 +39,10 @@ class Prefill:
         return len(self.text_ids) + len(self.prompt_speech_tokens) + 2
 
 
-def check_max_seq_tokens(max_seq_tokens: int | None, config: LLMConfig) -> int:
+def check_max_seq_tokens(max_seq_tokens: int | None, cfg: LLMConfig) -> int:
     """The positions one sequence may use: ``max_seq_tokens`` (1 .. the model's context length),
     or that context length when None."""
-    n_pos = config.qwen.max_position_embeddings
+    n_pos = cfg.qwen.max_position_embeddings
     if max_seq_tokens is None:
         return n_pos
     if not 1 <= max_seq_tokens <= n_pos:
@@ -56,7 +56,7 @@ class LLMBackend(Protocol):
     """What the decode loop needs from a backend."""
 
     name: str  # "torch" | "llamacpp"
-    config: LLMConfig  # speech ids, sampling defaults; vocab_size (6761) = len(logp)
+    cfg: LLMConfig  # speech ids, sampling defaults; vocab_size (6761) = len(logp)
 
     def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[object, torch.Tensor]:
         """Create a sequence, run the prefill, return ``(handle, logp)``.

@@ -85,7 +85,7 @@ def generate(backend: LLMBackend, prefill: Prefill, n_text_tokens: int,
              options: DecodeOptions = DecodeOptions()) -> Iterator[int]:
     """Yield speech tokens of one request as they are decoded. Releases the sequence when the
     generator finishes or is closed (a cancelled request frees its KV memory at once)."""
-    dec = TokenDecoder(backend.config, n_text_tokens, options)
+    dec = TokenDecoder(backend.cfg, n_text_tokens, options)
     handle, logp = backend.start(prefill, dec.max_len)
     try:
         while True:

@@ -278,19 +278,19 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, layout: str = 
         raise InputError(f"output directory {str(out.parent)!r} does not exist")
     from .factory import llm_weights_path
 
-    cfg = load_config(model_dir)
-    weights_path = llm_weights_path(cfg, llm_weights)
-    weights = load_llm_weights(weights_path, cfg.llm)
-    fingerprint = llm_fingerprint(weights, cfg.llm.qwen.num_hidden_layers)
+    config = load_config(model_dir)
+    weights_path = llm_weights_path(config, llm_weights)
+    weights = load_llm_weights(weights_path, config.llm)
+    fingerprint = llm_fingerprint(weights, config.llm.qwen.num_hidden_layers)
 
     partial = out.with_name(f".{out.name}.partial")
     f32_tmp = out.with_name(f".{out.name}.f32.tmp")
     try:
         if TYPES[type_name] is None:
-            _write_f32(partial, weights, cfg.llm, cfg.qwen_dir, layout, fingerprint, progress,
+            _write_f32(partial, weights, config.llm, config.qwen_dir, layout, fingerprint, progress,
                        weights_name=weights_path.name)
         else:
-            _write_f32(f32_tmp, weights, cfg.llm, cfg.qwen_dir, layout, fingerprint, progress,
+            _write_f32(f32_tmp, weights, config.llm, config.qwen_dir, layout, fingerprint, progress,
                        weights_name=weights_path.name)
             _quantize(f32_tmp, partial, type_name, progress)
         os.replace(partial, out)

@@ -119,13 +119,12 @@ class LlamaCppLLM:
                  llm_weights: str | os.PathLike = LLM_WEIGHTS, max_seq_tokens: int | None = None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig (cosyllama.config.load_config), got {type(config).__name__}")
-        cfg = config
-        self.config = cfg.llm  # the LLMConfig, as every backend names it (LLMBackend.config)
-        self.vocab_size = cfg.llm.vocab_size
-        weights_path = cfg.model_dir / llm_weights
-        weights = load_llm_weights(weights_path, cfg.llm)
-        self.info = inspect_gguf(gguf_path, cfg.llm, layout=layout,
-                                 fingerprint=llm_fingerprint(weights, cfg.llm.qwen.num_hidden_layers),
+        self.cfg = config.llm  # the LLMConfig, as every backend names it (LLMBackend.cfg)
+        self.vocab_size = self.cfg.vocab_size
+        weights_path = config.model_dir / llm_weights
+        weights = load_llm_weights(weights_path, self.cfg)
+        self.info = inspect_gguf(gguf_path, self.cfg, layout=layout,
+                                 fingerprint=llm_fingerprint(weights, self.cfg.qwen.num_hidden_layers),
                                  weights_name=weights_path.name)
         self.layout = self.info.layout
         # Memory-mapped rows for prompts submitted as embeddings (speech layout).
@@ -137,7 +136,7 @@ class LlamaCppLLM:
             raise InputError(f"n_seq_max must be >= 1, got {n_seq_max}")
         if n_batch < 1:
             raise InputError(f"n_batch must be >= 1, got {n_batch}")
-        self.max_seq_tokens = check_max_seq_tokens(max_seq_tokens, cfg.llm)
+        self.max_seq_tokens = check_max_seq_tokens(max_seq_tokens, self.cfg)
         kv = kv_type.lower() if kv_type is not None else ("f32" if self.info.all_f32 else "f16")
         if kv not in KV_TYPES:
             raise InputError(f"unknown kv_type {kv_type!r}; allowed: {', '.join(KV_TYPES)}")
@@ -238,7 +237,7 @@ class LlamaCppLLM:
 
     def _prefill_inputs(self, prefill: Prefill) -> tuple[np.ndarray | None, np.ndarray | None]:
         """``(tokens, None)`` for the merged layout, ``(None, embeddings)`` for the speech layout."""
-        cfg, n_text = self.config, self.config.qwen.vocab_size
+        cfg, n_text = self.cfg, self.cfg.qwen.vocab_size
         text = list(prefill.text_ids)
         speech = list(prefill.prompt_speech_tokens)
         bad = [t for t in text if not 0 <= t < n_text]

@@ -52,13 +52,13 @@ class KVCache:
     k/v: (layers, kv_heads, capacity, head_dim). ``length`` positions are valid.
     """
 
-    def __init__(self, cfg: QwenConfig, capacity: int, device, dtype):
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+    def __init__(self, qwen: QwenConfig, capacity: int, device, dtype):
+        self.qwen, self.device, self.dtype = qwen, device, dtype
         self.length = 0
         self._alloc(max(16, capacity))
 
     def _alloc(self, capacity: int) -> None:
-        shape = (self.cfg.num_hidden_layers, self.cfg.num_key_value_heads, capacity, self.cfg.head_dim)
+        shape = (self.qwen.num_hidden_layers, self.qwen.num_key_value_heads, capacity, self.qwen.head_dim)
         k = torch.empty(shape, device=self.device, dtype=self.dtype)
         v = torch.empty(shape, device=self.device, dtype=self.dtype)
         if self.length:
@@ -73,14 +73,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: QwenConfig):
+    def __init__(self, qwen: QwenConfig):
         super().__init__()
-        h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+        h, kv = qwen.hidden_size, qwen.num_key_value_heads * qwen.head_dim
         self.q_proj = nn.Linear(h, h, bias=True)
         self.k_proj = nn.Linear(h, kv, bias=True)
         self.v_proj = nn.Linear(h, kv, bias=True)
         self.o_proj = nn.Linear(h, h, bias=False)
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim
 
     def forward(self, x: torch.Tensor, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
         """x: (1, T, hidden) new positions; attends causally to the cache plus themselves."""
@@ -125,23 +125,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: QwenConfig):
+    def __init__(self, qwen: QwenConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(qwen.hidden_size, qwen.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(qwen.hidden_size, qwen.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(qwen.intermediate_size, qwen.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: QwenConfig):
+    def __init__(self, qwen: QwenConfig):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(qwen)
+        self.mlp = MLP(qwen)
+        self.input_layernorm = RMSNorm(qwen.hidden_size, qwen.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(qwen.hidden_size, qwen.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)

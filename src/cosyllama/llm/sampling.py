@@ -44,14 +44,14 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, replacement=True, generator=generator).item())
 
 
-def ras_sample(logp: torch.Tensor, history: Sequence[int], cfg: SamplingConfig,
+def ras_sample(logp: torch.Tensor, history: Sequence[int], sampling: SamplingConfig,
                generator: torch.Generator) -> int:
     """One RAS draw. logp: (V,) float32 CPU; history: tokens emitted so far (unfiltered)."""
-    ids, probs = nucleus_candidates(logp, cfg.top_p, cfg.top_k)
+    ids, probs = nucleus_candidates(logp, sampling.top_p, sampling.top_k)
     tok = int(ids[_draw(probs, generator)].item())
-    window = history[-cfg.win_size:] if cfg.win_size > 0 else []
+    window = history[-sampling.win_size:] if sampling.win_size > 0 else []
     repeats = sum(1 for t in window if t == tok)
-    if repeats >= cfg.win_size * cfg.tau_r:
+    if repeats >= sampling.win_size * sampling.tau_r:
         banned = logp.float().clone()
         banned[tok] = float("-inf")
         tok = _draw(torch.softmax(banned, dim=0), generator)
@@ -69,8 +69,8 @@ class Sampler:
     ``seed=None`` seeds the generator non-deterministically (fresh entropy per request).
     """
 
-    def __init__(self, cfg: SamplingConfig, *, greedy: bool = False, seed: int | None = None):
-        self.cfg = cfg
+    def __init__(self, sampling: SamplingConfig, *, greedy: bool = False, seed: int | None = None):
+        self.sampling = sampling
         self.greedy = greedy
         self.generator = torch.Generator(device="cpu")
         if seed is None:
@@ -81,4 +81,4 @@ class Sampler:
     def __call__(self, logp: torch.Tensor, history: Sequence[int]) -> int:
         if self.greedy:
             return greedy_sample(logp)
-        return ras_sample(logp, history, self.cfg, self.generator)
+        return ras_sample(logp, history, self.sampling, self.generator)

@@ -138,7 +138,7 @@ class BatchScheduler:
         self.piecewise = isinstance(backend, PiecewisePrefill)
         self.prefill_chunk = prefill_chunk
         self._turn = 0  # which prefilling request runs the next piece
-        self.config = backend.config
+        self.cfg = backend.cfg
         self.max_active = max_active
         self.max_waiting = max_waiting
         self._cond = threading.Condition()
@@ -171,7 +171,7 @@ class BatchScheduler:
         Option errors raise here; the request joins the batch when iteration starts. Closing the
         iterator frees its sequence before ``close()`` returns.
         """
-        decoder = TokenDecoder(self.config, n_text_tokens, options)
+        decoder = TokenDecoder(self.cfg, n_text_tokens, options)
         return self._tokens(_Request(prefill, decoder), CancelToken._current.get())
 
     def _tokens(self, req: _Request, token: CancelToken | None) -> Iterator[int]:

@@ -57,7 +57,7 @@ class _SlotCache(KVCache):
     prefill runs through the model's ordinary cached forward and writes straight into the pool."""
 
     def __init__(self, pool: "StaticTorchLLM", slot: int):
-        self.cfg, self.device, self.dtype = pool.model.cfg.qwen, pool.device, pool.dtype
+        self.qwen, self.device, self.dtype = pool.model.cfg.qwen, pool.device, pool.dtype
         self.length = 0
         self.k, self.v = pool.k[:, slot], pool.v[:, slot]
         self.capacity = pool.ctx - 1  # the last column is the padding rows' scratch
@@ -85,21 +85,21 @@ class StaticTorchLLM:
 
     name = "torch"
 
-    def __init__(self, config: LLMConfig, weights: dict[str, torch.Tensor], device="cpu", *,
+    def __init__(self, cfg: LLMConfig, weights: dict[str, torch.Tensor], device="cpu", *,
                  slots: int = 16, ctx: int = DEFAULT_CTX, precision: str = "fp32", graphs: bool | None = None):
         if precision not in LLM_PRECISIONS:
             raise InputError(f"LLM precision must be one of {', '.join(LLM_PRECISIONS)}, got {precision!r}")
         if slots < 1 or ctx < 2:
             raise InputError(f"slots must be >= 1 and ctx >= 2, got slots={slots}, ctx={ctx}")
-        self.config = config
+        self.cfg = cfg
         self.device = resolve_device(device)
         self.dtype = LLM_PRECISIONS[precision]
         self.precision = precision
         with torch.device("meta"):
-            model = SpeechLM(config)
+            model = SpeechLM(cfg)
         model.load_state_dict(weights, strict=True, assign=True)
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)
-        q = config.qwen
+        q = cfg.qwen
         self.slots, self.ctx = slots, ctx
         self.n_seq_max = slots  # the batching scheduler decodes this many at once
         shape = (q.num_hidden_layers, slots, q.num_key_value_heads, ctx, q.head_dim)
@@ -131,7 +131,7 @@ class StaticTorchLLM:
     def _step_rows(self, b: int) -> torch.Tensor:
         """Advance slots ``0 .. b-1`` by the tokens/positions in ``self._tok[:b]``/``self._pos[:b]``;
         return their log-probs ``(b, vocab)`` in float32. Every shape depends on ``b`` alone."""
-        m, q = self.model, self.config.qwen
+        m, q = self.model, self.cfg.qwen
         tok, pos = self._tok[:b], self._pos[:b]
         rows = torch.arange(b, device=self.device)
         x = m.speech_embedding.weight[tok][:, None, :]

@@ -30,13 +30,13 @@ class TorchLLM:
 
     name = "torch"
 
-    def __init__(self, config: LLMConfig, weights: dict[str, torch.Tensor], device="cpu",
+    def __init__(self, cfg: LLMConfig, weights: dict[str, torch.Tensor], device="cpu",
                  max_seq_tokens: int | None = None):
-        self.config = config
-        self.max_seq_tokens = check_max_seq_tokens(max_seq_tokens, config)
+        self.cfg = cfg
+        self.max_seq_tokens = check_max_seq_tokens(max_seq_tokens, cfg)
         self.device = resolve_device(device)
         with torch.device("meta"):
-            model = SpeechLM(config)
+            model = SpeechLM(cfg)
         # assign=True keeps the memory-mapped checkpoint tensors: the 151936-row text table only
         # becomes resident for the rows a prefill actually reads.
         model.load_state_dict(weights, strict=True, assign=True)
@@ -47,8 +47,8 @@ class TorchLLM:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, device="cpu") -> "TorchLLM":
-        cfg = load_config(model_dir)
-        return cls(cfg.llm, load_llm_weights(cfg.model_dir / "llm.pt", cfg.llm), device)
+        config = load_config(model_dir)
+        return cls(config.llm, load_llm_weights(config.model_dir / "llm.pt", config.llm), device)
 
     @torch.inference_mode()
     def begin(self, prefill: Prefill, max_new_tokens: int) -> _Sequence:

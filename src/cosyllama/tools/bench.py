@@ -1,7 +1,7 @@
 """``cosyllama bench``: LLM, flow, vocoder and whole-pipeline speed, side by side in one run.
 
-Without ``--model-dir`` it uses a full-size random-weight model (real Fun-CosyVoice3-0.5B shapes,
-so real speed; the audio is noise), made once with its GGUFs in the user cache directory.
+Without ``--model-dir`` it uses the bench kit's full-size random-weight model (:mod:`.kit`: real
+Fun-CosyVoice3-0.5B shapes, so real speed; the audio is noise), made once with its GGUFs.
 Generation length is forced (stop ids masked) so every configuration does equal work:
 a 3 s prompt and 10 s of output unless told otherwise. ``rtf`` = wall seconds / audio seconds,
 25 speech tokens = 1 s of audio. Pipeline runs happen in child processes so each has its own
@@ -22,66 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cachedir import cache_dir
 from ..errors import InputError
 from ..progress import LineProgress as Progress
-from ..progress import counting_progress
-from ..timing import rounds, timed
+from ..timing import rounds
+from .bench_flow import batch_sizes, flow_variants, format_lines, run_flow_batch, run_flow_vocoder, vocoder_variants
+from .kit import BENCH_TEXT, TOKEN_RATE, ensure_full_model, ensure_gguf, machine_info, peak_rss_mb, prompt_wav
 
-TOKEN_RATE = 25  # speech tokens per second of audio
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
 LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged") for t in LLM_TYPES]
 # (LLM backend, GGUF layout, GGUF type, flow precision): the all-reference path, then the product default
 PIPELINE_CONFIGS = [("torch", None, None, "fp32"), ("llamacpp", "speech", "Q8_0", "fp32"),
                     ("llamacpp", "speech", "Q8_0", "auto")]
-PARTS = ("llm", "flow", "vocoder", "pipeline")
-BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun sets slowly "
-              "behind the quiet hills of the old town.")
-
-
-
-def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
-    """The cached full-size random model directory (made on first use, ~4 GB)."""
-    from .synthetic import make_model
-
-    d = cache_dir() / f"full-random-seed{seed}"
-    if not (d / ".complete").exists():
-        progress(f"making the full-size random-weight model in {d} (once)")
-        make_model(d, size="full", seed=seed, force=True, progress=progress)
-        (d / ".complete").write_text("ok\n")
-    return d
-
-
-def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
-    import hashlib
-
-    from ..llm.gguf import convert
-
-    model_dir = Path(model_dir).resolve()
-    key = f"{model_dir.name}-{hashlib.sha1(str(model_dir).encode()).hexdigest()[:10]}"
-    out = cache_dir() / "gguf" / key / f"llm-{layout}-{type_name}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        progress(f"converting the LLM to {out.name} (once)")
-
-        convert(model_dir, out, layout=layout, type=type_name, progress=counting_progress(progress))
-    return out
-
-
-def prompt_wav(seconds: float) -> Path:
-    """A deterministic voiced-like test clip (16 kHz) standing in for a real prompt."""
-    import soundfile as sf
-
-    path = cache_dir() / f"bench-prompt-{seconds:g}s.wav"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(0)
-        t = np.arange(int(16000 * seconds)) / 16000
-        f0 = 120 + 30 * np.sin(2 * np.pi * 0.7 * t)
-        wav = 0.3 * np.sin(2 * np.pi * np.cumsum(f0) / 16000) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))
-        wav += 0.01 * rng.standard_normal(t.size)
-        sf.write(path, wav.astype(np.float32), 16000)
-    return path
+PARTS = ("llm", "flow", "vocoder", "pipeline", "flow-batch")  # flow-batch: opt-in (not in --parts' default)
 
 
 def _median(xs: list[float]) -> float:
@@ -91,12 +43,6 @@ def _median(xs: list[float]) -> float:
 def _median_or_none(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return _median(xs) if xs else None
-
-
-def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,7 +63,7 @@ def _llm_prefill(cfg, prompt_tokens: int):
 def bench_llm_backend(backend, prompt_tokens: int, decode_tokens: int, repeat: int) -> dict:
     from ..llm.decode import DecodeOptions, generate
 
-    prefill, n_text = _llm_prefill(backend.config, prompt_tokens)
+    prefill, n_text = _llm_prefill(backend.cfg, prompt_tokens)
     opts = DecodeOptions(greedy=True, ignore_stop=True, max_len=decode_tokens)
     list(generate(backend, prefill, n_text, DecodeOptions(greedy=True, ignore_stop=True, max_len=4)))  # warm up
     walls, decodes = [], []
@@ -184,125 +130,6 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
         del backend
         gc.collect()
     return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# Flow and vocoder
-
-
-FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # on the CPU; a GPU has no int8 path
-# Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).
-ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm", "int8-onednn+bf16": "onednn+bf16"}
-
-
-def set_flow_variant(flow, variant: str) -> None:
-    """``flow.set_precision(variant)``, with the int8 engine of an ``int8-<engine>`` variant."""
-    from ..precision import INT8
-
-    if variant in ENGINE_VARIANTS:
-        flow.set_precision("int8")
-        flow.decoder.set_compute_dtype(INT8, ENGINE_VARIANTS[variant])
-    else:
-        flow.set_precision(variant)
-
-
-def _variant_ran(flow) -> str:
-    """What the flow runs, its int8 engine included (``int8/onednn``): the name ``auto`` gives its candidates."""
-    from ..flow.check import Candidate
-    from ..precision import INT8
-
-    return Candidate(flow.precision, flow.decoder.int8_engine if flow.precision == INT8 else None).name
-
-
-def _engine_ok(engine: str, engines: list[str]) -> bool:
-    from ..flow.fast_dit import int8_is_mixed, int8_library
-    from ..precision import cpu_has_native_bf16
-
-    return int8_library(engine) in engines and (not int8_is_mixed(engine) or cpu_has_native_bf16())
-
-
-def flow_variants(spec: str | None, device: torch.device) -> tuple[str, ...]:
-    """The flow precisions to time: ``spec`` (a comma list) or the default for ``device``; fp32 is
-    always timed first, because every row's fidelity is measured against it."""
-    from ..precision import PRECISIONS
-
-    engines = torch.backends.quantized.supported_engines
-    if spec is None:
-        names = [v for v in FLOW_VARIANTS if device.type == "cpu" or not v.startswith("int8")]
-        names = [v for v in names if _engine_ok(ENGINE_VARIANTS.get(v, "fbgemm"), engines)]
-    else:
-        names = [v.strip().lower() for v in spec.split(",") if v.strip()]
-        allowed = tuple(PRECISIONS) + tuple(ENGINE_VARIANTS)
-        bad = [v for v in names if v not in allowed or not _engine_ok(ENGINE_VARIANTS.get(v, "fbgemm"), engines)]
-        if bad or not names:
-            raise InputError(f"--flow-precisions {spec!r}: choose from {', '.join(allowed)} "
-                             f"(int8 engines in this PyTorch: {', '.join(engines)})")
-    return tuple(["fp32"] + [v for v in dict.fromkeys(names) if v != "fp32"])
-
-
-def run_flow_vocoder(model_dir: Path, prompt_s: float, output_s: float, repeat: int, parts: set[str],
-                     progress: Progress, device: torch.device = torch.device("cpu"),
-                     variants: tuple[str, ...] | None = None) -> tuple[list[dict], list[dict]]:
-    """Flow per precision (fidelity vs fp32 on the same inputs; ``auto`` runs its fidelity check
-    first and says what it chose), then the vocoder, fp32 and bf16."""
-    from ..flow import Flow
-    from ..vocoder import HiFT
-
-    p, n = round(prompt_s * TOKEN_RATE), round(output_s * TOKEN_RATE)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 6561, (1, n), generator=g, dtype=torch.int32)
-    prompt_tokens = torch.randint(0, 6561, (1, p), generator=g, dtype=torch.int32)
-    prompt_feat = torch.randn(1, 2 * p, 80, generator=g) - 5
-    emb = torch.randn(1, 192, generator=g)
-    flow_rows, voc_rows = [], []
-    flow = Flow.from_dir(model_dir, device)
-    names = list(variants or flow_variants(None, device)) if "flow" in parts else ["fp32"]
-    ran: dict[str, str] = {}
-    secs: dict[str, list[float]] = {v: [] for v in names}
-    mels: dict[str, torch.Tensor] = {}
-    for variant in rounds(names, repeat):
-        if len(names) > 1 or variant not in ran:
-            t0 = time.perf_counter()
-            set_flow_variant(flow, variant)  # a switch re-packs the weight copies: outside the timing
-            setup = time.perf_counter() - t0
-            flow.inference(tokens[:, :10], prompt_tokens, prompt_feat, emb)  # warm up
-        if variant not in ran:
-            ran[variant] = _variant_ran(flow)
-            if variant == "auto":
-                progress(f"flow auto -> {ran[variant]} ({flow.precision_choice.reason}; set-up {setup:.1f} s)")
-        t, _, mels[variant] = timed(lambda f=flow: f.inference(tokens, prompt_tokens, prompt_feat, emb), device)
-        secs[variant].append(t)
-        if "flow" in parts:
-            progress(f"flow {variant}: {t / output_s:.3f} s per audio second")
-    mel_ref = mels["fp32"]
-    if "flow" in parts:
-        for variant in names:
-            diff = (mels[variant] - mel_ref).abs()
-            flow_rows.append({"variant": variant if variant != "auto" else f"auto={ran[variant]}",
-                              "seconds_per_audio_second": _median(secs[variant]) / output_s,
-                              "rounds_seconds_per_audio_second": [t / output_s for t in secs[variant]],
-                              "mel_mean_abs_diff_vs_fp32": float(diff.mean()),
-                              "mel_max_abs_diff_vs_fp32": float(diff.max())})
-            progress(f"flow {variant}: median {_median(secs[variant]) / output_s:.3f} s per audio second "
-                     f"(mel vs fp32: mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f})")
-    del flow
-    if "vocoder" in parts:
-        hift = HiFT.from_dir(model_dir, device)
-        vnames = ["fp32", "bf16"]
-        vsecs: dict[str, list[float]] = {v: [] for v in vnames}
-        wavs: dict[str, torch.Tensor] = {}
-        for variant in rounds(vnames, repeat):
-            hift.set_precision(variant)
-            hift.inference(mel_ref[:, :, :20])
-            t, _, wavs[variant] = timed(lambda: hift.inference(mel_ref), device)
-            vsecs[variant].append(t)
-        for variant in vnames:
-            sps = _median(vsecs[variant]) / output_s
-            voc_rows.append({"variant": variant, "seconds_per_audio_second": sps,
-                             "rounds_seconds_per_audio_second": [t / output_s for t in vsecs[variant]],
-                             "wav_max_abs_diff_vs_fp32": float((wavs[variant] - wavs["fp32"]).abs().max())})
-            progress(f"vocoder {variant}: {sps:.3f} s per audio second")
-    return flow_rows, voc_rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,16 +212,6 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
 # ----------------------------------------------------------------------------------------------
 
 
-def machine_info(threads: int, device: torch.device = torch.device("cpu"), llm: bool = True) -> dict:
-    """The machine and the CPU path (class, ISA, torch kernels, llama.cpp build) the rows ran on."""
-    from ..cpu import CpuPath
-
-    info = CpuPath(threads=threads, device=str(device), llm="llamacpp" if llm else "torch").as_dict()
-    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    info["torch"] = torch.__version__
-    return info
-
-
 def format_table(res: dict) -> str:
     m = res["machine"]
     lines = [f"machine: {m['cpu']}, {m['threads']} threads"
@@ -414,19 +231,7 @@ def format_table(res: dict) -> str:
         for t in LLM_TYPES:
             if ("speech", t) in by and ("merged", t) in by:
                 lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
-    if res["flow"] or res["vocoder"]:
-        lines.append("")
-    base = next((r["seconds_per_audio_second"] for r in res["flow"] if r["variant"] == "fp32"), None)
-    for r in res["flow"]:
-        native = "" if "bf16" not in r["variant"] or m.get("device", "cpu") != "cpu" or m.get("native_bf16", True) \
-            else " [bf16 emulated on this CPU: auto does not pick it]"
-        ratio = f" {base / r['seconds_per_audio_second']:.2f}x fp32" if base and r["variant"] != "fp32" else ""
-        lines.append(f"flow {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio{ratio} "
-                     f"(mel vs fp32: mean {r['mel_mean_abs_diff_vs_fp32']:.4f}, "
-                     f"max {r['mel_max_abs_diff_vs_fp32']:.4f})" + native)
-    for r in res["vocoder"]:
-        lines.append(f"vocoder {r['variant']:<5} {r['seconds_per_audio_second']:.3f} s per second of audio "
-                     f"(wav vs fp32: max {r['wav_max_abs_diff_vs_fp32']:.4f})")
+    lines += format_lines(res)
     if res["pipeline"]:
         lines += ["", f"{'pipeline LLM':<24}{'flow':<6}{'RTF':>8}{'first chunk s':>15}{'peak RSS MB':>13}"]
         for r in res["pipeline"]:
@@ -461,20 +266,27 @@ def run_bench(args, progress: Progress = print) -> int:
 
     device = resolve_device(getattr(args, "device", "cpu"))
     variants = flow_variants(getattr(args, "flow_precisions", None), device)
+    batch_variants = flow_variants(getattr(args, "flow_precisions", None), device, reference=False)
+    vocoder_names = vocoder_variants(getattr(args, "vocoder_precisions", None))
+    sizes = batch_sizes(getattr(args, "batch_sizes", None))
     model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
     from ..config import load_config
 
     load_config(model_dir)
     machine = machine_info(threads, device, llm=bool(parts & {"llm", "pipeline"}))
     res = {"machine": machine, "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
-           "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": []}
+           "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": [],
+           "flow_batch": []}
     if "llm" in parts:
         res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
                              configs=llm_configs(getattr(args, "llm_types", None)), device=device)
     if parts & {"flow", "vocoder"}:
         res["flow"], res["vocoder"] = run_flow_vocoder(
             model_dir, args.prompt_seconds, args.output_seconds, args.repeat, parts, progress, device,
-            variants)
+            variants, vocoder_names, profile=getattr(args, "profile", False), stream=getattr(args, "stream", False))
+    if "flow-batch" in parts:
+        res["flow_batch"] = run_flow_batch(model_dir, args.prompt_seconds, args.output_seconds, args.repeat,
+                                           progress, device, batch_variants, sizes)
     if "pipeline" in parts:
         res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
                                        progress, device)

@@ -19,7 +19,7 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
     from ..options import LoadOptions
     from ..synth import write_wav
     from ..tts import TTS, SynthesisOptions
-    from .bench import ensure_full_model, ensure_gguf, prompt_wav
+    from .kit import ensure_full_model, ensure_gguf, prompt_wav
 
     model_dir = ensure_full_model(progress)
     gguf = ensure_gguf(model_dir, "speech", "Q8_0", progress)
