@@ -3,13 +3,14 @@
 In a streaming request served through the batching scheduler (as `cosyllama serve` does), the LLM decodes in
 the scheduler's thread while the flow and vocoder work on the previous chunk in the request's thread, so the
 two overlap in time. Each setting gives llama.cpp ``L`` threads and PyTorch ``F`` threads (``L:F``; 2:2 puts
-four threads on two cores, 1:1 splits them); a trailing ``i`` (``2:2i``) makes the scheduler interleave instead:
-no decode step while a flow or vocoder call runs, so the stages take turns on the cores. Per setting, a warmed
+four threads on two cores, 1:1 splits them); a trailing ``a`` (``2:2a``) makes the scheduler take no decode step
+while any flow or vocoder call runs (``--interleave all``), a trailing ``f`` only while a stream's first chunk is
+made (``--interleave first``), so the stages take turns on the cores instead of sharing them. Per setting, a warmed
 voice and ``--requests`` streamed cross-lingual requests of ``--tokens`` forced tokens (the bench's 10 s)
 report the time to the first audio and the whole request's real-time factor; the settings take turns request
 by request (A B C, C B A), so a machine that slows down moves them alike.
 
-    python scripts/bench_overlap.py --splits 2:2,2:2i,1:1,1:2,2:1 --requests 2 --json overlap.json
+    python scripts/bench_overlap.py --splits 2:2,2:2f,2:2a,1:1,1:2,2:1 --requests 2 --json overlap.json
 """
 
 from __future__ import annotations
@@ -41,14 +42,15 @@ def one_request(tts, voice, seed: int, tokens: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--splits", default="2:2,2:2i,1:1,1:2,2:1",
-                   help="comma list of LLM:flow thread counts, 'i' appended: interleaved")
+    p.add_argument("--splits", default="2:2,2:2f,2:2a,1:1,1:2,2:1",
+                   help="comma list of LLM:flow thread counts; 'f' or 'a' appended: interleaved, first chunk or all")
     p.add_argument("--requests", type=int, default=2, help="rounds (each setting serves one request per round)")
     p.add_argument("--tokens", type=int, default=250)
     p.add_argument("--type", default="Q8_0", help="GGUF type of the speech-layout LLM")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    splits = [(*(int(x) for x in s.rstrip("i").split(":")), s.endswith("i"))
+    modes = {"f": "first", "a": "all"}
+    splits = [(*(int(x) for x in s.rstrip("fa").split(":")), modes.get(s[-1], "off"))
               for s in (x.strip() for x in args.splits.split(",")) if s]
     model = ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print)
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
             view.warm_voice(voice)
         r = one_request(view, voice, k, args.tokens)
         rows[split].append(r)
-        print(f"LLM {split[0]} / flow {split[1]} threads{' interleaved' if split[2] else ''}: "
+        print(f"LLM {split[0]} / flow {split[1]} threads, interleave {split[2]}: "
               f"first audio {r['first_audio_s']:.2f} s, "
               f"RTF {r['rtf']:.2f}", flush=True)
     out = []
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
         first = sorted(x["first_audio_s"] for x in rs)[len(rs) // 2]
         out.append({"llm_threads": split[0], "flow_threads": split[1], "interleave": split[2], "median_rtf": med,
                     "median_first_audio_s": first, "rounds": rs})
-        print(f"{split[0]}:{split[1]}{'i' if split[2] else ''}  median first audio {first:.2f} s, median RTF {med:.2f}")
+        print(f"{split[0]}:{split[1]} interleave {split[2]}  median first audio {first:.2f} s, median RTF {med:.2f}")
     for _, _, sched in loaded.values():
         sched.close()
     if args.json:

@@ -11,7 +11,7 @@ decodes a forced ``--max-tokens`` (random weights have no natural stop), as
 
     python scripts/bench_wyoming.py --threads 2                 # full-size random model, Q8_0 GGUF
     python scripts/bench_wyoming.py --model-dir DIR --llm torch --json out.jsonl
-    python scripts/bench_wyoming.py --threads 2 --interleave on,off   # the scheduler's two modes, in turns
+    python scripts/bench_wyoming.py --threads 2 --interleave off,first,all   # the scheduler's modes, in turns
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one event")
     p.add_argument("--interleave", default="auto",
-                   help="comma list of the server's --interleave settings (auto, on, off), timed in turns")
+                   help="comma list of the server's --interleave settings (auto, off, first, all), timed in turns")
     p.add_argument("--json", help="append one JSON line with the result here")
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
@@ -81,11 +81,11 @@ def main(argv=None) -> int:
     warm_s = time.perf_counter() - t0
     options = SynthesisOptions(ignore_stop=True, max_tokens=args.max_tokens)
     settings = [x.strip() for x in args.interleave.split(",") if x.strip()]
-    modes = {"auto": None, "on": True, "off": False}
+    modes = {"auto": None, "off": "off", "first": "first", "all": "all"}
     if not settings or any(x not in modes for x in settings):
-        p.error(f"--interleave {args.interleave!r}: a comma list of auto, on, off")
+        p.error(f"--interleave {args.interleave!r}: a comma list of auto, off, first, all")
 
-    async def one(setting: str, timed: bool = True) -> tuple[float, bool]:
+    async def one(setting: str) -> tuple[float, str]:
         serving = prepare(tts, interleave=modes[setting])  # a scheduler of its own, closed after the request
         try:
             server = await start_wyoming("tcp://127.0.0.1:0", serving, options=options)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         for setting in rounds(settings, args.requests):
             t, on = await one(setting)
             out[setting].append(t)
-            print(f"  --interleave {setting} ({'on' if on else 'off'}): first audio {t:.2f} s", flush=True)
+            print(f"  --interleave {setting} ({on}): first audio {t:.2f} s", flush=True)
         return out
 
     results = asyncio.run(run())

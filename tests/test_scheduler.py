@@ -15,7 +15,7 @@ from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from cosyllama.llm.torch_backend import TorchLLM
-from helpers import MODEL_DIR, load_fixture
+from helpers import FIXTURES, MODEL_DIR, load_fixture
 
 
 class Watched:
@@ -225,27 +225,65 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
         llm.close()
 
 
-def test_interleave_holds_decode_steps_while_a_flow_turn_is_held(torch_llm, prefills):
-    """With ``interleave`` no decode step runs while a request's flow work holds its turn; the
-    tokens are the same as alone; without it the turn is a no-op."""
+@pytest.mark.parametrize("mode,first,pauses", [("all", False, True), ("all", True, True), ("first", True, True),
+                                              ("first", False, False), ("off", True, False)])
+def test_interleave_holds_decode_steps_while_a_flow_turn_is_held(torch_llm, prefills, mode, first, pauses):
+    """Where ``interleave`` says so, no decode step runs while a request's flow work holds its turn
+    (``first``: only the turn of a stream's first chunk); elsewhere the turn is a no-op. The tokens
+    are the same as alone either way."""
     p, n = prefills[0]
     opts = DecodeOptions(greedy=True, max_len=40)
     alone = list(generate(torch_llm, p, n, opts))
-    with BatchScheduler(Watched(torch_llm), interleave=True) as sched:
+    with BatchScheduler(Watched(torch_llm), interleave=mode) as sched:
         it = sched.generate(p, n, opts)
         got = [next(it)]
-        with sched.flow_turn():
+        with sched.flow_turn(first=first):
             held_at = sched.stats()["steps"]
-            # the worker may finish the step it was in; none starts after it, however long we hold
-            assert not _wait(lambda: sched.stats()["steps"] > held_at + 1, 1.0)
+            if pauses:  # the worker may finish the step it was in; none starts after it, however long we hold
+                assert not _wait(lambda: sched.stats()["steps"] > held_at + 1, 1.0)
+            else:  # decoding goes on beside the flow
+                assert _wait(lambda: sched.stats()["steps"] > held_at + 3, 60.0)
         got += list(it)
     assert got == alone
-    with BatchScheduler(Watched(torch_llm)) as sched:
-        it = sched.generate(p, n, opts)
-        got = [next(it)]
-        with sched.flow_turn():  # no interleave: decoding goes on beside the flow
-            assert _wait(lambda: sched.stats()["steps"] > 3, 60.0)
-        assert got + list(it) == alone
+    with pytest.raises(ValueError, match="interleave"):
+        BatchScheduler(Watched(torch_llm), interleave="on")
+
+
+def test_the_engine_asks_for_a_first_turn_only_before_a_streams_first_audio():
+    """``Token2Wav.stream`` holds ``turn(first=True)`` for the flow calls before its first audio only;
+    a TTS's later text segments never do; the non-streaming path never does."""
+    import contextlib
+
+    import cosyllama
+    from cosyllama.tts import SynthesisOptions
+
+    tts = cosyllama.load(MODEL_DIR, precision="fp32")
+    calls = []
+
+    class Source:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def generate(self, *a, **kw):
+            return self.inner.generate(*a, **kw)
+
+        def flow_turn(self, first=False):
+            calls.append(first)
+            return contextlib.nullcontext()
+
+    view = tts.with_token_source(Source(tts.token_source))
+    voice = view.make_voice(str(FIXTURES / "wavs/prompt_en_16k.wav"))
+    opts = SynthesisOptions(seed=1, stream=True, ignore_stop=True, max_tokens=90)
+    list(view.cross_lingual("Hello there.", voice=voice, options=opts))
+    assert calls[0] is True and not any(calls[1:]) and len(calls) >= 3
+    calls.clear()
+    list(view.cross_lingual("Hello there. " * 40 + "And a second segment here. " * 40, voice=voice,
+                            options=SynthesisOptions(seed=1, stream=True, max_tokens=30, ignore_stop=True)))
+    assert calls.count(True) == 1 and calls[0] is True
+    calls.clear()
+    view.cross_lingual("Hello there.", voice=voice, options=SynthesisOptions(seed=1, max_tokens=40,
+                                                                          ignore_stop=True)).audio()
+    assert calls == [False]
 
 
 def _wait(cond, timeout: float) -> bool:
@@ -260,28 +298,28 @@ def _wait(cond, timeout: float) -> bool:
 
 
 def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeypatch):
-    """The rule (docs/amx.md, "Two cores, streaming"): the stages take turns when their threads do not
-    fit the cores, overlap when they do, and never hold the LLM back for a flow on a GPU; ``serve``
-    and ``wyoming`` follow it unless told (``--interleave on|off``)."""
+    """The rule (docs/amx.md, "Two cores, streaming"): a stream's first chunk gets the cores alone when
+    the stages' threads do not fit them, the stages overlap when they do, and never hold the LLM back
+    for a flow on a GPU; ``serve`` and ``wyoming`` follow it unless told (``--interleave``)."""
     import argparse
 
     import cosyllama
     from cosyllama import cpu
     from cosyllama.server import serving
 
-    assert cpu.interleave_stages(2, 2, cores=2)[0] and cpu.interleave_stages(2, 2, cores=4)[0] is False
-    assert cpu.interleave_stages(1, 1, cores=2)[0] is False
-    assert cpu.interleave_stages(8, 8, "cuda", cores=2)[0] is False
-    assert [serving.interleave_choice(argparse.Namespace(interleave=v)) for v in ("auto", "on", "off")] == \
-        [None, True, False]
+    assert cpu.interleave_stages(2, 2, cores=2)[0] == "first" and cpu.interleave_stages(2, 2, cores=4)[0] == "off"
+    assert cpu.interleave_stages(1, 1, cores=2)[0] == "off"
+    assert cpu.interleave_stages(8, 8, "cuda", cores=2)[0] == "off"
+    assert [serving.interleave_choice(argparse.Namespace(interleave=v)) for v in ("auto", "off", "first", "all")] == \
+        [None, "off", "first", "all"]
     tts = cosyllama.load(MODEL_DIR, precision="fp32")
-    for cores, want in ((1, True), (64, False)):
+    for cores, want in ((1, "first"), (64, "off")):
         monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         s = serving.prepare(tts)
         try:
-            assert s.scheduler.interleave is want
+            assert s.scheduler.interleave == want
         finally:
             s.close()
-    s = serving.prepare(tts, interleave=False)
-    assert s.scheduler.interleave is False
+    s = serving.prepare(tts, interleave="all")
+    assert s.scheduler.interleave == "all"
     s.close()

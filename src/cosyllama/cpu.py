@@ -139,18 +139,20 @@ def llama_flash_attention(flags: frozenset[str] | None = None) -> bool | None:
 
 
 def interleave_stages(llm_threads: int, flow_threads: int, device: str = "cpu",
-                      cores: int | None = None) -> tuple[bool, str]:
-    """Whether a server's scheduler pauses decoding while a request's flow runs (see
-    :meth:`cosyllama.llm.scheduler.BatchScheduler.flow_turn`), and why. Overlapping the two stages
-    only pays where each has cores of its own; where their threads together outnumber the cores they
-    slow each other (on 2 cores: docs/amx.md, "Two cores, streaming"), so they take turns."""
+                      cores: int | None = None) -> tuple[str, str]:
+    """When a server's scheduler pauses decoding for flow work (a mode of
+    :data:`cosyllama.llm.scheduler.INTERLEAVE_MODES`, see ``BatchScheduler.flow_turn``), and why.
+    Where the two stages' threads together outnumber the cores, running them at once slows each:
+    the first chunk of a stream, which everyone waits for, then gets the cores alone ("first"); the
+    later chunks still overlap, which gave the better real-time factor on 2 cores (docs/amx.md,
+    "Two cores, streaming"). With cores to spare, or the flow on a GPU, they always overlap."""
     if device != "cpu":
-        return False, "the flow runs on the GPU: the LLM decodes beside it"
+        return "off", "the flow runs on the GPU: the LLM decodes beside it"
     cores = cores or len(os.sched_getaffinity(0))
     if llm_threads + flow_threads > cores:
-        return True, (f"LLM {llm_threads} + flow {flow_threads} threads > {cores} cores: "
-                      "the stages take turns")
-    return False, f"LLM {llm_threads} + flow {flow_threads} threads fit {cores} cores: the stages overlap"
+        return "first", (f"LLM {llm_threads} + flow {flow_threads} threads > {cores} cores: decoding pauses "
+                         "while a stream's first chunk is made")
+    return "off", f"LLM {llm_threads} + flow {flow_threads} threads fit {cores} cores: the stages overlap"
 
 
 def llama_cpp_features() -> str | None:

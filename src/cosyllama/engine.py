@@ -82,9 +82,15 @@ class _StreamState:
     tokens: list[int] = field(default_factory=list)
     vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance (set by stream)
     flow_cache: FlowStreamCache | None = None  # K/V of the flow blocks earlier chunks completed
+    emitted: bool = False  # a chunk with samples was yielded
 
     def next_hop(self) -> int:
         return self.hop + (self.prompt_pad if self.token_offset == 0 else 0)
+
+
+def no_turn(first: bool = False) -> ContextManager:
+    """The ``turn`` of a token source that never pauses for flow work (see ``BatchScheduler.flow_turn``)."""
+    return nullcontext()
 
 
 def _as_tokens(tokens: list[int], device) -> torch.Tensor:
@@ -234,9 +240,9 @@ class Token2Wav:
         return mel[:, :, self.token_mel_ratio * offset:]
 
     def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0,
-             turn: Callable[[], ContextManager] = nullcontext) -> np.ndarray:
+             turn: Callable[..., ContextManager] = no_turn) -> np.ndarray:
         """Non-streaming: all tokens -> (480 * 2 * len(tokens) / speed,) samples. ``turn()`` is held
-        around the flow and vocoder work (a batching scheduler's ``flow_turn``)."""
+        around the flow and vocoder work (a batching scheduler's ``flow_turn``; not a first chunk)."""
         if not tokens:
             return np.zeros(0, dtype=np.float32)
         with turn():
@@ -246,9 +252,10 @@ class Token2Wav:
             return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
     def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
-               turn: Callable[[], ContextManager] = nullcontext) -> Iterator[AudioChunk]:
-        """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``turn()``
-        is held around each chunk's flow and vocoder work, never while waiting for tokens."""
+               turn: Callable[..., ContextManager] = no_turn) -> Iterator[AudioChunk]:
+        """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``turn(first)``
+        is held around each chunk's flow and vocoder work (``first``: no audio yielded yet), never while
+        waiting for tokens."""
         p = prompt.tokens.shape[1]
         first_hop = self.token_hop
         st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
@@ -269,7 +276,7 @@ class Token2Wav:
                 while len(st.tokens) - st.token_offset >= st.next_hop() + self.lookahead:
                     hop = st.next_hop()
                     end = st.token_offset + hop + self.lookahead
-                    with turn():
+                    with turn(first=not st.emitted):
                         mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
                                         cache=st.flow_cache)
                         if keep_key is not None:
@@ -280,13 +287,14 @@ class Token2Wav:
                     st.token_offset += hop
                     st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
                     if samples.size:
+                        st.emitted = True
                         yield AudioChunk(samples, self.sample_rate, segment, False)
             # The final call uses full attention (see docs/reference.md#q4-full-attention-final-call): nothing cached
             # applies to it.
             self._drop_cache(st)
             samples = np.zeros(0, dtype=np.float32)
             if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens
-                with turn():
+                with turn(first=not st.emitted):
                     mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)
                     samples = self._vocode_new(st, mel, finalize=True)
             yield AudioChunk(samples, self.sample_rate, segment, True, tuple(st.tokens))

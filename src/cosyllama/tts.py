@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from .audio import AudioSource
 from .config import load_config
 from .defaults import LLM_CHOICES
 from .device import resolve_device
-from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed
+from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed, no_turn
 from .errors import InputError
 from .flow import Flow
 from .frontend import Frontend, ModelInput, PromptFeatures
@@ -353,8 +352,10 @@ class TTS:
     def _generate(self, inputs: list[ModelInput], opts: SynthesisOptions, timings: Timings) -> Iterator[AudioChunk]:
         start = time.perf_counter()
         llm_acc = [0.0]
-        turn = getattr(self.token_source, "flow_turn", nullcontext)  # a batching scheduler may pause for the flow
+        turn = getattr(self.token_source, "flow_turn", no_turn)  # a batching scheduler may pause for the flow
         for i, inp in enumerate(inputs):
+            if i == 1:  # only the first segment's first chunk is the request's first audio
+                turn = _never_first(turn)
             prompt = self._flow_prompt(inp)
             tokens = _timed(self.segment_tokens(inp, opts, i), llm_acc)
             if opts.stream:
@@ -381,3 +382,10 @@ def load(model_dir: str | Path | LoadOptions, **options) -> TTS:
     """Load a CosyVoice3 model directory: ``load(options)`` with a :class:`~cosyllama.options.LoadOptions`,
     or ``load(model_dir, **fields)`` with its fields as keywords; see :class:`TTS`."""
     return TTS(model_dir, **options)
+
+
+def _never_first(turn):
+    """``turn`` for the segments after the first: none of their chunks is the request's first audio."""
+    def later(first: bool = False):
+        return turn(first=False)
+    return later

@@ -73,10 +73,11 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
                         f"prompt does not stall them (default {PREFILL_CHUNK})")
-    v.add_argument("--interleave", choices=("auto", "on", "off"), default="auto",
-                   help="pause LLM decoding while a request's flow and vocoder run, so the two stages take turns "
-                        "on the cores instead of sharing them (auto: when their threads together outnumber the "
-                        "cores; the log says which)")
+    v.add_argument("--interleave", choices=("auto", "off", "first", "all"), default="auto",
+                   help="pause LLM decoding while flow and vocoder work runs, so the stages take turns on the cores "
+                        "instead of sharing them: never (off), for a stream's first chunk (first) or always (all); "
+                        "auto: first where the LLM's and PyTorch's threads together outnumber the cores, else off "
+                        "(the log says which)")
     v.add_argument("--voices", metavar="DIR|FILE",
                    help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
                         "survive restarts and are seen by every server sharing DIR); FILE: a voice file "

@@ -101,12 +101,12 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
 
 
 def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None,
-                      prefill_chunk: int | None = None, interleave: bool = False):
+                      prefill_chunk: int | None = None, interleave: str = "off"):
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
     :class:`~cosyllama.llm.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
     wait for a sequence and prefilling ``prefill_chunk`` prompt positions between two decode steps
-    (its defaults if None), pausing its decode steps during flow calls if ``interleave``; the caller
-    closes it."""
+    (its defaults if None), pausing its decode steps during flow calls as ``interleave`` says
+    (:data:`~cosyllama.llm.scheduler.INTERLEAVE_MODES`); the caller closes it."""
     if not batched:
         from .decode import DirectTokens
 

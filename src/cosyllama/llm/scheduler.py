@@ -48,6 +48,9 @@ from .decode import DecodeOptions, TokenDecoder
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
 DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence
+# When decoding pauses for flow work (BatchScheduler.flow_turn): never, during the flow call that makes a streamed
+# request's first audio, or during every flow call.
+INTERLEAVE_MODES = ("off", "first", "all")
 
 
 class SchedulerBusyError(CosyllamaError, RuntimeError):
@@ -128,9 +131,11 @@ class BatchScheduler:
 
     def __init__(self, backend: LLMBackend, *, max_active: int | None = None,
                  max_waiting: int = DEFAULT_MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK,
-                 interleave: bool = False):
+                 interleave: str = "off"):
         if max_active is None:
             max_active = int(getattr(backend, "n_seq_max", DEFAULT_MAX_ACTIVE))
+        if interleave not in INTERLEAVE_MODES:
+            raise ValueError(f"interleave must be one of {', '.join(INTERLEAVE_MODES)}, got {interleave!r}")
         if max_active < 1 or max_waiting < 0 or prefill_chunk < 1:
             raise ValueError(f"max_active and prefill_chunk must be >= 1 and max_waiting >= 0, got {max_active}, "
                              f"{prefill_chunk}, {max_waiting}")
@@ -149,7 +154,7 @@ class BatchScheduler:
         self._backend_full = False  # the backend refused a start; admit again after a release
         self._closed = False
         self.interleave = interleave
-        self._flows = 0  # flow_turn()s held now (interleave only)
+        self._flows = 0  # flow_turn()s held now that pause decoding
         # counters for /health and tests
         self.steps = 0
         self.tokens = 0
@@ -190,11 +195,12 @@ class BatchScheduler:
             self._cancel(req, wait=True)
 
     @contextlib.contextmanager
-    def flow_turn(self) -> Iterator[None]:
-        """Held by a request's thread around its flow and vocoder work. With ``interleave`` the
-        worker takes no decode step and no prefill piece while one is held (it finishes the step it
-        is in), so the two stages take turns on the cores instead of sharing them; without, nothing."""
-        if not self.interleave:
+    def flow_turn(self, first: bool = False) -> Iterator[None]:
+        """Held by a request's thread around its flow and vocoder work (``first``: the call that makes
+        a streamed request's first audio). Where ``interleave`` says so ("all": every call; "first":
+        first calls only) the worker takes no decode step and no prefill piece while it is held (it
+        finishes the step it is in), so the two stages take turns on the cores instead of sharing them."""
+        if self.interleave == "off" or (self.interleave == "first" and not first):
             yield
             return
         with self._cond:

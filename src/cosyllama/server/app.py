@@ -108,7 +108,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
                wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
-               interleave: bool | None = None) -> FastAPI:
+               interleave: str | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -121,7 +121,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is checked
     by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent`` requests wait for
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
-    here runs between two decode steps, pausing while a flow runs if ``interleave`` (None: by threads
+    here runs between two decode steps, pausing for flow work as ``interleave`` says (None: by threads
     and cores, :func:`cosyllama.server.serving.prepare`). ``api_key`` and ``allow_origins``: see
     :mod:`cosyllama.server.security`. Voices are registered in ``tts.voices`` (``serve`` sets it
     with :func:`cosyllama.server.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it

@@ -101,14 +101,14 @@ class Serving:
 
 def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEUE,
             limits: RequestLimits | None = None, scheduler: BatchScheduler | None = None,
-            prefill_chunk: int | None = None, interleave: bool | None = None) -> Serving:
+            prefill_chunk: int | None = None, interleave: str | None = None) -> Serving:
     """Serve ``tts`` (a :class:`cosyllama.TTS`, left as it is): requests decode through
     ``scheduler``, else ``tts.token_source`` when that is a :class:`BatchScheduler`, else one made
     here over ``tts.llm`` (prefilling ``prefill_chunk`` positions between two decode steps; closed
     by :meth:`Serving.close`). ``max_concurrent`` defaults to twice the scheduler's sequence slots,
-    so the LLM stays busy while other requests are in the flow and vocoder. ``interleave``: whether
-    that scheduler pauses decoding while a request's flow runs (None: :func:`cosyllama.cpu.interleave_stages`
-    decides from the threads and cores)."""
+    so the LLM stays busy while other requests are in the flow and vocoder. ``interleave``: when
+    that scheduler pauses decoding for a request's flow work (``off``, ``first``, ``all``; None:
+    :func:`cosyllama.cpu.interleave_stages` decides from the threads and cores)."""
     limits = RequestLimits() if limits is None else limits
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
@@ -140,7 +140,7 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
 # Options and loading
 
 
-def stage_turns(tts) -> tuple[bool, str]:
+def stage_turns(tts) -> tuple[str, str]:
     """:func:`cosyllama.cpu.interleave_stages` for a loaded TTS: its LLM's threads (llama.cpp's own
     count; the torch LLM shares PyTorch's) and PyTorch's."""
     import torch
@@ -152,9 +152,10 @@ def stage_turns(tts) -> tuple[bool, str]:
     return interleave_stages(llm_threads, flow_threads, torch.device(tts.device).type)
 
 
-def interleave_choice(args) -> bool | None:
-    """``--interleave``: None for auto (:func:`prepare` decides from threads and cores), else on/off."""
-    return {"auto": None, "on": True, "off": False}[getattr(args, "interleave", "auto")]
+def interleave_choice(args) -> str | None:
+    """``--interleave``: None for auto (:func:`prepare` decides from threads and cores), else the mode."""
+    mode = getattr(args, "interleave", "auto")
+    return None if mode == "auto" else mode
 
 
 def check_options(args) -> tuple[RequestLimits, int | None]:
