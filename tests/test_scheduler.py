@@ -317,7 +317,7 @@ def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeyp
         monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         s = serving.prepare(tts)
         try:
-            assert s.scheduler.interleave == want
+            assert s.scheduler.interleave == want and s.scheduler.stats()["interleave"] == want  # /health shows it
         finally:
             s.close()
     s = serving.prepare(tts, interleave="all")

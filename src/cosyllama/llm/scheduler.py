@@ -218,7 +218,8 @@ class BatchScheduler:
             return {"active_sequences": self._n_active, "waiting": len(self._waiting),
                     "prefilling": sum(r.prefilling for r in self._active), "prefill_pieces": self.prefill_pieces,
                     "max_active": self.max_active, "max_waiting": self.max_waiting, "steps": self.steps,
-                    "tokens": self.tokens, "max_batch": self.max_batch, "batch_sizes": dict(self.batch_hist)}
+                    "tokens": self.tokens, "max_batch": self.max_batch, "batch_sizes": dict(self.batch_hist),
+                    "interleave": self.interleave}
 
     def close(self) -> None:
         """Fail the waiting and active requests, release their sequences and stop the worker."""

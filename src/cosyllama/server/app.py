@@ -88,7 +88,8 @@ async def health(request: Request):
            "queue_depth": g.waiting + s["waiting"], "requests_running": g.running,
            "requests_waiting": g.waiting, "sequences_waiting": s["waiting"],
            "max_concurrent": state.limits.max_concurrent, "max_queue": state.limits.max_queue,
-           "decode_steps": s["steps"], "decoded_tokens": s["tokens"], "max_batch": s["max_batch"]}
+           "decode_steps": s["steps"], "decoded_tokens": s["tokens"], "max_batch": s["max_batch"],
+           "interleave": s.get("interleave", "off")}
     backend_stats = getattr(state.scheduler.backend, "stats", None)
     if callable(backend_stats):
         out["llm"] = backend_stats()

@@ -125,7 +125,7 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
     if owns_scheduler:
         if interleave is None:
             interleave, why = stage_turns(tts)
-            log.info("scheduler: %s", why)
+            log.warning("scheduler: %s (--interleave)", why)  # start-up facts go out at warning, as the voices line
         scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
                                       prefill_chunk=prefill_chunk, interleave=interleave)
     elif scheduler.max_waiting < max_concurrent:
