@@ -65,8 +65,11 @@ def test_the_bound_fails_a_coarser_int8(monkeypatch):
     assert not (mean <= MEAN_BOUND and mx <= MAX_BOUND), (mean, mx)
 
 
-def test_int8_streaming_cache_equals_recomputing(flow_int8):
+@pytest.mark.parametrize("which", ["flow_int8", "flow_mixed"])
+def test_int8_streaming_cache_equals_recomputing(which, request):
     from cosyllama.flow import FlowStreamCache
+
+    flow_int8 = request.getfixturevalue(which)
 
     tok, pt, pf, emb = _args()
     cache = FlowStreamCache()
