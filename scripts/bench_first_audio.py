@@ -10,6 +10,7 @@ length, each closed after its first non-empty chunk:
 
 ``--breakdown`` splits each first audio into its serial parts: text front end and LLM prefill up to the first
 speech token, the rest of the tokens the first chunk needs, the chunk's flow call and its vocoder call.
+``--profile`` also splits the last request's first flow call by operator (``torch.profiler``, self CPU time).
 """
 
 from __future__ import annotations
@@ -72,6 +73,30 @@ def first_audio_s(tts, voice, seed: int, marks: Marks | None = None) -> tuple[fl
         chunks.close()
 
 
+def profiled_request(tts, voice, seed: int, marks: Marks | None):
+    """One more request whose first flow call runs under ``torch.profiler``; prints its operator table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    t2w = tts.token2wav
+    inner, done = t2w._mel, []
+
+    def mel(*a, **kw):
+        if done:
+            return inner(*a, **kw)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = inner(*a, **kw)
+        done.append(prof)
+        return out
+
+    t2w._mel = mel
+    try:
+        run = first_audio_s(tts, voice, seed, marks)
+    finally:
+        t2w._mel = inner
+    print(done[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return run
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")
@@ -87,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--llm-precision", default="fp32", help="torch LLM precision (fp32|bf16|fp16)")
     p.add_argument("--precision", default="auto", help="flow precision")
     p.add_argument("--breakdown", action="store_true", help="split each first audio into its serial parts")
+    p.add_argument("--profile", action="store_true", help="split the last request's first flow call by operator")
     p.add_argument("--json", help="append one JSON line per setting here")
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
@@ -105,7 +131,9 @@ def main(argv=None) -> int:
             kept = tts.warm_voice(voice)
             warm = f" (warmed first: {time.perf_counter() - t0:.2f} s, {'kept' if kept else 'nothing kept'})"
         marks = Marks(tts) if args.breakdown else None
-        runs = [first_audio_s(tts, voice, i, marks) for i in range(args.requests)]
+        runs = [first_audio_s(tts, voice, i, marks) for i in range(args.requests - args.profile)]
+        if args.profile:
+            runs.append(profiled_request(tts, voice, args.requests - 1, marks))
         times = [t for t, _ in runs]
         print(f"prompt_cache_mb={mb:g}{warm}: first audio " + ", ".join(f"{t:.2f}" for t in times) + " s",
               flush=True)
