@@ -6,14 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import precision
 from ..config import FlowConfig
 from ..derived import DerivedWeights, weights_key
 from ..errors import InputError
 from ..precision import INT8
 from .cache import LOWP_KV_DTYPE, FlowStreamCache, StepCache
 from .dit import DiT
-from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_is_mixed, int8_library
+from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_engine_problem
 
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
 NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
@@ -58,15 +57,11 @@ class CFM(nn.Module):
         default :data:`~cosyllama.flow.fast_dit.INT8_ENGINE`), its weight copies made now (not inside the
         first, timed, request)."""
         engine = int8_engine or INT8_ENGINE
-        if engine not in INT8_ENGINES:
-            raise InputError(f"unknown int8 engine {engine!r}; allowed: {', '.join(INT8_ENGINES)}")
-        if dtype == INT8 and int8_library(engine) not in torch.backends.quantized.supported_engines:
-            raise InputError(f"int8 engine {engine!r} is not in this PyTorch build "
-                             f"(engines: {', '.join(torch.backends.quantized.supported_engines)})")
-        if dtype == INT8 and int8_is_mixed(engine) and self.rand_noise.device.type == "cpu" \
-                and not precision.cpu_has_native_bf16():
-            raise InputError(f"int8 engine {engine!r} computes in bfloat16, which this CPU only emulates; "
-                             f"use {', '.join(e for e in INT8_ENGINES if not int8_is_mixed(e))}")
+        if engine not in INT8_ENGINES:  # named at any dtype; whether it runs here matters at INT8 only
+            raise InputError(int8_engine_problem(engine))
+        problem = int8_engine_problem(engine, on_cpu=self.rand_noise.device.type == "cpu") if dtype == INT8 else None
+        if problem:
+            raise InputError(problem)
         self.compute_dtype, self.int8_engine = dtype, engine
         self._fast.drop()
         if dtype != torch.float32:

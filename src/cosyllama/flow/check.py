@@ -200,17 +200,14 @@ def check_candidate(flow: Flow, candidate: torch.dtype | Candidate, reference: d
 def candidates(flow: Flow) -> list[Candidate]:
     """What ``auto`` times on this flow's device, float32 first (docstring: emulated bf16 is left out)."""
     from ..precision import INT8, cpu_has_native_bf16
-    from .fast_dit import INT8_ENGINES, int8_is_mixed, int8_library
+    from .fast_dit import INT8_ENGINES, int8_engine_problem
 
     out = [Candidate(torch.float32)]
     if flow.device.type != "cpu":
         return out
-    bf16 = cpu_has_native_bf16()
-    if bf16:
+    if cpu_has_native_bf16():
         out.append(Candidate(torch.bfloat16))
-    engines = torch.backends.quantized.supported_engines
-    out += [Candidate(INT8, e) for e in INT8_ENGINES
-            if int8_library(e) in engines and (bf16 or not int8_is_mixed(e))]
+    out += [Candidate(INT8, e) for e in INT8_ENGINES if int8_engine_problem(e) is None]
     return out
 
 

@@ -69,6 +69,23 @@ def int8_is_mixed(engine: str) -> bool:
     """The int8 engine keeps everything but its int8 products in bfloat16."""
     return engine.endswith("+bf16")
 
+
+def int8_engine_problem(engine: str, on_cpu: bool = True) -> str | None:
+    """Why the int8 ``engine`` cannot run here (None: it can): unknown, not in this PyTorch build, or
+    (``on_cpu``) mixed with bfloat16 on a CPU that only emulates it. The one rule for ``CFM`` (which
+    refuses with it), ``auto``'s candidates and ``bench``'s variants (which leave such engines out)."""
+    from .. import precision  # looked up at call time: tests stand in for the CPU's bf16
+
+    if engine not in INT8_ENGINES:
+        return f"unknown int8 engine {engine!r}; allowed: {', '.join(INT8_ENGINES)}"
+    built = torch.backends.quantized.supported_engines
+    if int8_library(engine) not in built:
+        return f"int8 engine {engine!r} is not in this PyTorch build (engines: {', '.join(built)})"
+    if on_cpu and int8_is_mixed(engine) and not precision.cpu_has_native_bf16():
+        return (f"int8 engine {engine!r} computes in bfloat16, which this CPU only emulates; "
+                f"use {', '.join(e for e in INT8_ENGINES if not int8_is_mixed(e))}")
+    return None
+
 # Activations are quantized to 8 bits (u8), weights to 8 (+-127). On CPUs without VNNI the 8-bit
 # dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which can saturate (2 * 255 *
 # 127 > 32767); 7-bit activations (True) avoid that. Measured on an AVX2 CPU: the tiny fixture model

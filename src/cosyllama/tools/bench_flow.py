@@ -90,12 +90,9 @@ class FlowVariant:
 
     def available(self) -> bool:
         """Its int8 engine, if it needs one, is in this PyTorch build (and, for the mixed one, bf16 is native)."""
-        from ..flow.fast_dit import INT8_ENGINE, int8_is_mixed, int8_library
-        from ..precision import cpu_has_native_bf16
+        from ..flow.fast_dit import INT8_ENGINE, int8_engine_problem
 
-        engine = self.engine or INT8_ENGINE
-        return self.precision != "int8" or (int8_library(engine) in torch.backends.quantized.supported_engines
-                                            and (not int8_is_mixed(engine) or cpu_has_native_bf16()))
+        return self.precision != "int8" or int8_engine_problem(self.engine or INT8_ENGINE) is None
 
     def apply(self, flow) -> None:
         """Switch ``flow`` to this variant (a switch re-packs the weight copies: keep it out of a timing)."""
