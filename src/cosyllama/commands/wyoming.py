@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..defaults import WYOMING_URI
-from .flags import add_serving_options, add_wyoming_voice_option
+from .flags import add_connection_options, add_serving_options, add_wyoming_voice_option
 
 
 def add_parser(sub) -> None:
@@ -13,6 +13,7 @@ def add_parser(sub) -> None:
     w.add_argument("--uri", default=WYOMING_URI,
                    help=f"where to listen: tcp://HOST:PORT or unix://PATH (default {WYOMING_URI}; "
                         "tcp://0.0.0.0:10200 for Home Assistant on another machine)")
+    add_connection_options(w)
     add_wyoming_voice_option(w)
     w.set_defaults(func=run)
 

@@ -29,6 +29,8 @@ log = logging.getLogger("cosyllama.server")
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0  # a 10 MB prompt upload at 1.5 Mbit/s
 MAX_CONNECTIONS = 256
+WRITE_TIMEOUT_S = 60.0  # a response that makes no progress this long is aborted (a slow link still drains)
+IDLE_TIMEOUT_S = 30.0  # a connection with no request (HTTP keep-alive, Wyoming between events) this long is closed
 
 # what each bound means, for `serve --help` (the flag is --<name with dashes>)
 CONNECTION_HELP = {
@@ -36,6 +38,9 @@ CONNECTION_HELP = {
     "body_timeout": "seconds a client may take to send a request's body (from its headers), whatever "
                     "its rate",
     "max_connections": "open connections; one more is answered 503 and closed",
+    "write_timeout": "seconds a response may make no progress (the client reads nothing) before it is aborted "
+                     "and its request's work and slot are freed",
+    "idle_timeout": "seconds a connection may stay open with no request in progress before it is closed",
 }
 
 
@@ -46,6 +51,8 @@ class ConnectionLimits:
     header_timeout: float = HEADER_TIMEOUT_S
     body_timeout: float = BODY_TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    write_timeout: float = WRITE_TIMEOUT_S
+    idle_timeout: float = IDLE_TIMEOUT_S
 
     def __post_init__(self):
         for f in fields(self):
