@@ -244,3 +244,31 @@ def test_kit_paths_follow_the_cache_dir_and_are_light(tmp_path, monkeypatch):
     code = "import sys, cosyllama.tools.kit; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
+
+
+def test_kit_makes_a_gguf_once_when_two_processes_ask_at_once(tmp_path, monkeypatch):
+    """Two makers of one cached GGUF (a bench beside a demo): the second waits for the first and finds the
+    file made, instead of rewriting the F32 file the first one's quantizer is reading (that died of SIGBUS)."""
+    import threading
+    import time
+
+    from cosyllama.llm import gguf
+    from cosyllama.tools import kit
+
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
+    inside, calls = threading.Event(), []
+
+    def fake_convert(model_dir, out, **kw):
+        calls.append(out)
+        inside.set()
+        time.sleep(0.3)  # the second thread arrives while this one converts (it is already waiting by then)
+        out.write_bytes(b"gguf")
+        return out
+
+    monkeypatch.setattr(gguf, "convert", fake_convert)
+    first = threading.Thread(target=kit.ensure_gguf, args=(MODEL_DIR, "speech", "Q8_0", lambda m: None))
+    first.start()
+    assert inside.wait(30)
+    path = kit.ensure_gguf(MODEL_DIR, "speech", "Q8_0", lambda m: None)  # must wait, then reuse
+    first.join(30)
+    assert path.read_bytes() == b"gguf" and len(calls) == 1

@@ -11,7 +11,8 @@ them, so a script can import the kit before it sets its threading environment.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..cachedir import cache_dir
@@ -21,6 +22,19 @@ BENCH_TEXT = ("The quick brown fox jumps over the lazy dog while the evening sun
               "behind the quiet hills of the old town.")
 
 Progress = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def _made_once(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock beside ``target`` while it is made, so two processes (a bench beside a
+    demo, two scripts) never write one cached file at once: the second waits, then finds it made.
+    Without it, one process's quantizer read the F32 file the other was rewriting and died of SIGBUS."""
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, and by the OS if we die
+        yield
 
 
 def full_model_dir(seed: int = 0) -> Path:
@@ -33,10 +47,13 @@ def ensure_full_model(progress: Progress, seed: int = 0) -> Path:
     from .synthetic import make_model
 
     d = full_model_dir(seed)
-    if not (d / ".complete").exists():
-        progress(f"making the full-size random-weight model in {d} (once)")
-        make_model(d, size="full", seed=seed, force=True, progress=progress)
-        (d / ".complete").write_text("ok\n")
+    if (d / ".complete").exists():
+        return d
+    with _made_once(d):
+        if not (d / ".complete").exists():  # another process may have made it while we waited
+            progress(f"making the full-size random-weight model in {d} (once)")
+            make_model(d, size="full", seed=seed, force=True, progress=progress)
+            (d / ".complete").write_text("ok\n")
     return d
 
 
@@ -52,13 +69,15 @@ def gguf_path(model_dir: Path, layout: str, type_name: str) -> Path:
 def ensure_gguf(model_dir: Path, layout: str, type_name: str, progress: Progress) -> Path:
     """The cached GGUF of ``model_dir``'s LLM (converted on first use)."""
     out = gguf_path(model_dir, layout, type_name)
-    if not out.exists():
-        from ..llm.gguf import convert
-        from ..progress import counting_progress
+    if out.exists():
+        return out
+    with _made_once(out):
+        if not out.exists():  # another process may have converted it while we waited
+            from ..llm.gguf import convert
+            from ..progress import counting_progress
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        progress(f"converting the LLM to {out.name} (once)")
-        convert(model_dir, out, layout=layout, type=type_name, progress=counting_progress(progress))
+            progress(f"converting the LLM to {out.name} (once)")
+            convert(model_dir, out, layout=layout, type=type_name, progress=counting_progress(progress))
     return out
 
 
