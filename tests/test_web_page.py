@@ -1,9 +1,11 @@
 """The web page at ``/`` in a real browser: headless Chromium from the system's packages
 (``apt-get install chromium``), driven by Playwright, against the server on loopback (tiny model,
 PyTorch LLM). The page loads and is usable without a mouse and on a phone-wide screen; a voice is
-registered from a file and from the (fake) microphone; speech streams and plays, and what the
-page downloads is what the API gives for the same seed; Stop frees the LLM sequence; the server's
-refusals are shown in its own words; an API key typed into the page is used.
+registered from a file and from the (fake) microphone; speech streams and plays, then stays in a
+player, and what the page downloads is what the API gives for the same seed (pcm as a wav beside
+its raw bytes); Stop frees the LLM sequence and says so without half-filled stats; each section
+shows its own errors where its button is, in the page's words where the API's would mislead
+(a voice gone, a voice that exists, the API key, which the page asks for at its top).
 
 ``COSYLLAMA_PAGE_SCREENSHOT=PATH`` also saves a screenshot of the page after a synthesis.
 """
@@ -44,6 +46,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 FAKE_MIC = ["--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
             f"--use-file-for-fake-audio-capture={PROMPT_WAV}"]
 WAIT_MS = 60_000  # generous: the machine may be busy
+expect.set_options(timeout=WAIT_MS)  # for every expect(...), as page.set_default_timeout for the rest
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +105,35 @@ def _register(page, voice_id: str):
 def _add(page, voice_id: str):
     """Press "Add voice" and wait for the answer; a refusal fails with the page's error text."""
     page.click("#add-voice")
-    page.wait_for_function("() => document.getElementById('status').dataset.state !== 'busy'")
-    status = page.locator("#status").inner_text()
-    assert status == f"Voice {voice_id} added", f"{status}: {page.locator('#error').inner_text()}"
+    _wait_add(page)
+    status = page.locator("#add-status").inner_text()
+    assert status == f"Voice {voice_id} added", f"{status}: {page.locator('#add-error').inner_text()}"
     expect(page.locator("#voice")).to_have_value(voice_id)
+
+
+def _wait_add(page):
+    page.wait_for_function("() => document.getElementById('add-status').dataset.state !== 'busy'")
+
+
+def _phone(browser):
+    """A context as wide as a phone (390 px)."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    return context, page
+
+
+def _stats(page) -> dict:
+    """The stats row as shown: label -> value, for the labels one sees."""
+    return page.evaluate("""() => Object.fromEntries([...document.querySelectorAll('#stats > div')]
+        .filter(d => d.checkVisibility()).map(d => [d.querySelector('dt').textContent,
+                                                    d.querySelector('dd').textContent]))""")
+
+
+def _post_voice(url: str, voice_id: str, **data):
+    r = httpx.post(f"{url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
+                   data={"id": voice_id, "replace": "true", **data}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def _state(page) -> str:
@@ -162,7 +190,10 @@ def test_register_speak_play_and_download_what_the_api_gives(page, server):
     assert page.locator("#stat-seed").inner_text() == "7"
     with page.expect_download() as dl:
         page.click("#download")
+    assert dl.value.suggested_filename == "speech-anna-7.wav"
     got = Path(dl.value.path()).read_bytes()
+    expect(page.locator("#player")).to_be_visible()  # the streamed speech, to play again
+    page.wait_for_function("() => document.getElementById('player').duration > 2.9")
     api = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
         "input": "Hello there, this is a test.", "voice": "anna", "seed": 7, "response_format": "wav",
         "greedy": False, "stream_format": "audio"}).content
@@ -184,10 +215,40 @@ def test_a_whole_file_format_downloads_the_apis_bytes(page, server):
     expect(page.locator("#download")).to_be_visible()
     with page.expect_download() as dl:
         page.click("#download")
+    assert dl.value.suggested_filename == "speech-anna-3.flac"
     api = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
         "input": "One more sentence.", "voice": "anna", "seed": 3, "response_format": "flac", "greedy": True})
     assert Path(dl.value.path()).read_bytes() == api.content
     expect(page.locator("#stat-length")).not_to_have_text("?")
+    expect(page.locator("#download-raw")).to_be_hidden()
+
+
+def test_streamed_pcm_stays_in_a_player_and_downloads_as_wav(page, server):
+    """pcm streams through Web Audio; when it ends the page holds it as a wav: in a player and as
+    the download (named .wav), with the raw pcm offered beside it; both the API's samples."""
+    _register(page, "anna")
+    page.fill("#text", "Short one.")
+    page.fill("#seed", "5")
+    page.check("#greedy")
+    page.select_option("#format", "pcm")
+    page.click("#speak")
+    expect(page.locator("#download")).to_be_visible()
+    expect(page.locator("#player")).to_be_visible()
+    page.wait_for_function("() => document.getElementById('player').duration > 0")  # it is a file it can play
+    with page.expect_download() as dl:
+        page.click("#download")
+    assert dl.value.suggested_filename == "speech-anna-5.wav"
+    wav = Path(dl.value.path()).read_bytes()
+    with page.expect_download() as dl:
+        page.click("#download-raw")
+    assert dl.value.suggested_filename == "speech-anna-5.pcm"
+    raw = Path(dl.value.path()).read_bytes()
+    api = httpx.post(f"{server.url}/v1/audio/speech", timeout=60, json={
+        "input": "Short one.", "voice": "anna", "seed": 5, "response_format": "pcm", "greedy": True,
+        "stream_format": "audio"}).content
+    assert len(api) > 2400 and raw == api
+    assert wav == wav_header(24_000, len(api)) + api
+    assert page.problems == []
 
 
 def test_stop_frees_the_sequence(page, server, tts):
@@ -205,8 +266,14 @@ def test_stop_frees_the_sequence(page, server, tts):
         assert time.monotonic() - cut < 5
     finally:
         tts.llm.step_delay = 0.0
-    expect(page.locator("#status")).to_have_text("Stopped")
+    expect(page.locator("#status")).to_have_attribute("data-state", "stopped")
+    expect(page.locator("#status")).to_contain_text("Stopped after")  # how much audio had arrived
     expect(page.locator("#speak")).to_be_enabled()
+    stats = _stats(page)  # no label without its value; no length or RTF for speech cut short
+    assert "Audio" not in stats and "RTF" not in stats, stats
+    assert stats["First audio"].endswith(" s") and "Seed" in stats, stats
+    assert all(v.strip() for v in stats.values()), stats
+    expect(page.locator("#download")).to_be_hidden()
     assert page.problems == []
 
 
@@ -220,11 +287,13 @@ def test_the_servers_refusals_are_shown_in_its_words(page, server):
     assert text.startswith("413")
     assert f"input is too long: {MAX_INPUT + 50} characters, at most {MAX_INPUT} allowed (--max-input-chars)" in text
     assert _state(page) == "error"
-    # a voice clip the server cannot read: its 400, word for word
+    # a voice clip the server cannot read: its 400, word for word, in the Add a voice section
     page.set_input_files("#voice-file", {"name": "notes.wav", "mimeType": "audio/wav", "buffer": b"just text"})
     page.click("#add-voice")
-    expect(error).to_contain_text("400")
-    expect(error).to_contain_text("prompt audio is not a readable audio file")
+    add_error = page.locator("#add-error")
+    expect(add_error).to_contain_text("400")
+    expect(add_error).to_contain_text("prompt audio is not a readable audio file")
+    assert text == error.inner_text()  # the speech's error stays the speech's
 
 
 def test_a_voice_recorded_from_the_microphone(page, server):
@@ -241,29 +310,116 @@ def test_a_voice_recorded_from_the_microphone(page, server):
     assert voices["mic"]["seconds"] > 1.0 and not voices["mic"]["has_transcript"]
     page.on("dialog", lambda d: d.accept())
     page.click("#delete-voice")  # the selected voice: mic
-    expect(page.locator("#status")).to_have_text("Voice mic deleted")
+    expect(page.locator("#voices-status")).to_have_text("Voice mic deleted")
     assert "mic" not in [v["id"] for v in httpx.get(f"{server.url}/v1/voices").json()["voices"]]
 
 
-def test_an_api_key_typed_into_the_page(browser, tts):
-    srv = _serve(tts, api_key=KEY)
-    context = browser.new_context()
+def test_add_voice_speaks_in_its_own_section_and_clears_its_form(browser, server):
+    """On a phone: the answer to "Add voice" (a refusal, a success) shows under its button, in view;
+    after a success the form is empty, so a second click sends nothing twice (no 409); a 409 for
+    an id taken is worded for the page (its checkbox), not the API (replace=true)."""
+    context, page = _phone(browser)
     try:
-        page = context.new_page()
-        page.set_default_timeout(WAIT_MS)
+        page.goto(server.url + "/")
+        page.set_input_files("#voice-file", {"name": "n.wav", "mimeType": "audio/wav", "buffer": b"just text"})
+        page.click("#add-voice")
+        add_error = page.locator("#add-error")
+        expect(add_error).to_contain_text("prompt audio is not a readable audio file")
+        expect(add_error).to_be_in_viewport(ratio=0.99)  # the whole box (but rounding), without scrolling
+        expect(page.locator("#error")).to_be_hidden()
+        _register(page, "form")
+        expect(add_error).to_be_hidden()
+        expect(page.locator("#add-status")).to_be_in_viewport()
+        assert page.evaluate("document.getElementById('voice-file').files.length") == 0
+        for field in ("#voice-id", "#voice-text"):
+            expect(page.locator(field)).to_have_value("")
+        expect(page.locator("#voice-replace")).not_to_be_checked()
+        page.click("#add-voice")  # again: nothing to send
+        expect(add_error).to_have_text("Choose an audio file or record one first.")
+        page.set_input_files("#voice-file", str(PROMPT_WAV))
+        page.fill("#voice-id", "form")
+        page.click("#add-voice")  # an id taken, without "Replace"
+        expect(add_error).to_contain_text('A voice form exists already: tick "Replace a voice of this id"')
+        assert "replace=true" not in add_error.inner_text()
+    finally:
+        context.close()
+
+
+def test_a_voice_deleted_elsewhere_leaves_the_menu(page, server):
+    """A voice deleted by another client: Speak and Delete get a 404; the page says so in its own
+    words (not the API's "POST /v1/voices") and refreshes the menu."""
+    _post_voice(server.url, "gone")
+    _post_voice(server.url, "gone2")
+    page.click("#refresh-voices")
+    expect(page.locator("#voice option[value='gone2']")).to_have_count(1)
+    page.select_option("#voice", "gone")
+    assert httpx.delete(f"{server.url}/v1/voices/gone").status_code == 200
+    assert httpx.delete(f"{server.url}/v1/voices/gone2").status_code == 200
+    page.click("#speak")
+    error = page.locator("#error")
+    expect(error).to_contain_text("The voice gone is no longer on the server")
+    assert "POST /v1/voices" not in error.inner_text()
+    expect(page.locator("#voice option[value='gone']")).to_have_count(0)
+    expect(page.locator("#voice option[value='gone2']")).to_have_count(0)
+    # the menu as it was before the refresh: Delete meets the 404
+    page.evaluate("""() => { const o = document.createElement('option'); o.value = 'gone2';
+        o.textContent = 'gone2'; document.getElementById('voice').append(o); }""")
+    page.select_option("#voice", "gone2")
+    page.on("dialog", lambda d: d.accept())
+    page.click("#delete-voice")
+    expect(page.locator("#voices-status")).to_contain_text("The voice gone2 was already gone")
+    expect(page.locator("#voices-error")).to_be_hidden()
+    expect(page.locator("#voice option[value='gone2']")).to_have_count(0)
+    assert [p for p in page.problems if "status of 404" not in p] == []  # the browser logs each 404
+
+
+def test_the_voice_row_fits_a_phone(browser, server):
+    """390 px: the voice menu shows its whole label, Refresh and Delete share a line."""
+    _post_voice(server.url, "anna", text=TRANSCRIPT)  # its label: "anna (2.0 s, transcript)"
+    context, page = _phone(browser)
+    try:
+        page.goto(server.url + "/")
+        page.select_option("#voice", "anna")
+        fit = page.evaluate("""() => { const s = document.getElementById('voice'), cs = getComputedStyle(s);
+            const c = document.createElement('canvas').getContext('2d'); c.font = cs.font;
+            return { text: c.measureText(s.selectedOptions[0].textContent).width,
+                     room: s.clientWidth - parseFloat(cs.paddingLeft) - parseFloat(cs.paddingRight) - 24 }; }""")
+        boxes = {b: page.locator(b).bounding_box() for b in ("#voice", "#refresh-voices", "#delete-voice")}
+        assert fit["text"] <= fit["room"], fit  # the label is not cut (24 px: the menu's arrow)
+        assert boxes["#refresh-voices"]["y"] == boxes["#delete-voice"]["y"], boxes  # Delete does not wrap alone
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    finally:
+        context.close()
+
+
+def test_an_api_key_typed_into_the_page(browser, tts):
+    """With --api-key the page opens asking for the key at its top (on a phone too), in its own
+    words: no red 401, no talk of SDKs; a wrong key is said to be wrong; the right one is kept."""
+    srv = _serve(tts, api_key=KEY)
+    context, page = _phone(browser)
+    try:
         page.goto(srv.url + "/")  # the page itself loads without the key
-        error = page.locator("#error")
-        expect(error).to_contain_text("401")
-        expect(error).to_contain_text("API key")
+        section = page.locator("#key-section")
+        expect(section).to_be_visible()
+        expect(section).to_be_in_viewport()
+        expect(page.locator("#key-message")).to_contain_text("This server needs an API key")
+        expect(page.locator("#api-key")).to_be_focused()
+        body = page.locator("body").inner_text()
+        assert "401" not in body and "SDK" not in body
+        expect(page.locator("#error")).to_be_hidden()
+        expect(page.locator("#voices-error")).to_be_hidden()
+        page.keyboard.type("wrong-key-0123456789")
+        page.keyboard.press("Enter")
+        expect(page.locator("#key-message")).to_contain_text("did not accept this API key")
         page.fill("#api-key", KEY)
         page.press("#api-key", "Enter")
-        page.locator("#api-key").dispatch_event("change")
-        expect(error).to_be_hidden()
+        expect(page.locator("#key-message")).to_have_text("Key accepted.")
         assert page.evaluate("sessionStorage.getItem('cosyllama.apiKey')") == KEY
         _register(page, "keyed")  # a POST with the key, from the server's own origin
         page.reload()  # the key stays for this tab's session
         assert page.input_value("#api-key") == KEY
         expect(page.locator("#voice")).to_have_value("keyed")
+        expect(page.locator("#error")).to_be_hidden()
     finally:
         context.close()
         srv.stop()

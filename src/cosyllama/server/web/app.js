@@ -12,9 +12,11 @@ const $ = (id) => document.getElementById(id);
 
 const state = {
   controller: null, // AbortController of the running speech request
+  run: null, // the running request: { body, samples, rate } (what Stop reports)
   ctx: null, // AudioContext, made on the first Speak click (browsers need a gesture)
   sources: [], // scheduled AudioBufferSourceNodes of the current stream
   downloadUrl: null,
+  rawUrl: null, // pcm's own bytes, beside its wav download
   playerUrl: null,
   recorded: null, // Blob (wav) from the microphone
   recorder: null,
@@ -23,52 +25,113 @@ const state = {
 
 // -- small helpers ------------------------------------------------------------------------------
 
+function apiKey() {
+  return $("api-key").value.trim();
+}
+
 function authHeaders(extra = {}) {
-  const key = $("api-key").value.trim();
+  const key = apiKey();
   return key ? { ...extra, Authorization: `Bearer ${key}` } : extra;
 }
 
-function setStatus(text, kind) {
-  $("status").textContent = text;
-  $("status").dataset.state = kind;
+// Each part of the page reports in its own place: "speak" (the speech's status and error, beside
+// its stats), "voices" (under the voice menu: listing and deleting), "add" (the Add a voice section).
+const AREAS = {
+  speak: ["status", "error"],
+  voices: ["voices-status", "voices-error"],
+  add: ["add-status", "add-error"],
+};
+
+function report(area, text, kind) {
+  const el = $(AREAS[area][0]);
+  el.textContent = text;
+  el.dataset.state = kind;
 }
 
-function showError(message) {
-  const box = $("error");
+function setStatus(text, kind) {
+  report("speak", text, kind);
+}
+
+function showError(message, area = "speak") {
+  const box = $(AREAS[area][1]);
   box.textContent = message;
   box.hidden = false;
-  setStatus("Error", "error");
+  report(area, area === "speak" ? "Error" : "", "error");
+  box.scrollIntoView({ block: "nearest" }); // on a phone it may lie below the button pressed
 }
 
-function clearError() {
-  $("error").hidden = true;
-  $("error").textContent = "";
+function clearError(area = "speak") {
+  const box = $(AREAS[area][1]);
+  box.hidden = true;
+  box.textContent = "";
 }
 
-// The server's own words: its JSON error message, else the text it sent.
-async function errorText(resp) {
+// A refusal from the server: { status, message (its own words), code }.
+async function refusal(resp) {
   let text = "";
   try {
     text = await resp.text();
   } catch (e) {
     text = "";
   }
-  let message = text.trim();
+  const out = { status: resp.status, message: text.trim(), code: null };
   try {
     const j = JSON.parse(text);
     if (j && j.error && typeof j.error.message === "string") {
-      message = j.error.message;
+      out.message = j.error.message;
+      out.code = j.error.code || null;
     } else if (j && j.detail) {
-      message = typeof j.detail === "string" ? j.detail : JSON.stringify(j.detail);
+      out.message = typeof j.detail === "string" ? j.detail : JSON.stringify(j.detail);
     }
   } catch (e) {
     // not JSON: keep the text
   }
-  let out = `${resp.status} ${resp.statusText || ""}`.trim() + (message ? `: ${message}` : "");
-  if (resp.status === 401) {
-    out += "\n(Enter the server's API key in the Server section.)";
-  }
+  out.text = `${resp.status} ${resp.statusText || ""}`.trim() + (out.message ? `: ${out.message}` : "");
   return out;
+}
+
+async function errorText(resp) {
+  return (await refusal(resp)).text;
+}
+
+// fetch with the API key. A 401 opens the key form at the top of the page and gives null, and
+// the area pressed says where the key goes (the voice menu says so itself). Network failures throw.
+async function api(path, options, area) {
+  const sent = Boolean(apiKey());
+  const resp = await fetch(path, { ...options, headers: authHeaders(options.headers || {}) });
+  if (resp.status !== 401) {
+    return resp;
+  }
+  askKey(sent);
+  report(area, area === "voices" ? "" : "This needs the server's API key: enter it at the top of the page.", "key");
+  return null;
+}
+
+// -- the API key --------------------------------------------------------------------------------
+
+function askKey(sent) {
+  $("key-section").hidden = false;
+  $("key-message").textContent = sent
+    ? "The server did not accept this API key. Check it and enter it again."
+    : "This server needs an API key. Enter it here to use the page.";
+  $("key-message").dataset.state = "needed";
+  $("api-key").focus();
+}
+
+async function useKey(ev) {
+  ev.preventDefault();
+  const value = apiKey();
+  if (value) sessionStorage.setItem(KEY_STORE, value);
+  else sessionStorage.removeItem(KEY_STORE);
+  $("key-message").textContent = "Checking the key…";
+  $("key-message").dataset.state = "busy";
+  if (await loadVoices()) {
+    $("key-message").textContent = value ? "Key accepted." : "This server needs no key.";
+    $("key-message").dataset.state = "ok";
+    for (const area of ["speak", "voices", "add"]) {
+      if ($(AREAS[area][0]).dataset.state === "key") report(area, "", "idle");
+    }
+  }
 }
 
 function networkError(e) {
@@ -81,20 +144,32 @@ function seconds(x) {
 
 // -- voices -------------------------------------------------------------------------------------
 
+// Fill the voice menu from the server (keeping the selection, or selecting `select`); true if it did.
 async function loadVoices(select) {
   let resp;
   try {
-    resp = await fetch("/v1/voices", { headers: authHeaders() });
+    resp = await api("/v1/voices", {}, "voices");
   } catch (e) {
-    showError(networkError(e));
-    return;
+    showError(networkError(e), "voices");
+    return false;
+  }
+  const menu = $("voice");
+  if (!resp) {
+    if (!menu.options.length) {
+      const opt = document.createElement("option");
+      opt.value = "";
+      opt.textContent = "enter the API key above first";
+      menu.append(opt);
+      updateForm();
+    }
+    return false;
   }
   if (!resp.ok) {
-    showError(`Listing the voices failed: ${await errorText(resp)}`);
-    return;
+    showError(`Listing the voices failed: ${await errorText(resp)}`, "voices");
+    return false;
   }
+  clearError("voices");
   const { voices } = await resp.json();
-  const menu = $("voice");
   const keep = select || menu.value;
   menu.textContent = "";
   for (const v of voices) {
@@ -114,6 +189,7 @@ async function loadVoices(select) {
     menu.value = keep;
   }
   updateForm();
+  return true;
 }
 
 async function deleteVoice() {
@@ -121,29 +197,34 @@ async function deleteVoice() {
   if (!id || !window.confirm(`Delete the voice "${id}"?`)) {
     return;
   }
-  clearError();
+  clearError("voices");
+  report("voices", `Deleting the voice ${id}…`, "busy");
   let resp;
   try {
-    resp = await fetch(`/v1/voices/${encodeURIComponent(id)}`, { method: "DELETE", headers: authHeaders() });
+    resp = await api(`/v1/voices/${encodeURIComponent(id)}`, { method: "DELETE" }, "voices");
   } catch (e) {
-    showError(networkError(e));
+    showError(networkError(e), "voices");
     return;
   }
-  if (!resp.ok) {
-    showError(await errorText(resp));
+  if (!resp) return;
+  if (resp.status === 404) {
+    report("voices", `The voice ${id} was already gone from the server; the list is refreshed.`, "done");
+  } else if (!resp.ok) {
+    showError(`Deleting the voice failed: ${await errorText(resp)}`, "voices");
     return;
+  } else {
+    report("voices", `Voice ${id} deleted`, "done");
   }
-  setStatus(`Voice ${id} deleted`, "idle");
   await loadVoices();
 }
 
 async function addVoice(ev) {
   ev.preventDefault();
-  clearError();
+  clearError("add");
   const file = $("voice-file").files[0];
   const clip = file || state.recorded;
   if (!clip) {
-    showError("Choose an audio file or record one first.");
+    showError("Choose an audio file or record one first.", "add");
     $("voice-file").focus();
     return;
   }
@@ -155,21 +236,42 @@ async function addVoice(ev) {
   if (id) form.append("id", id);
   if ($("voice-replace").checked) form.append("replace", "true");
   $("add-voice").disabled = true;
-  setStatus("Adding the voice…", "busy");
+  report("add", "Adding the voice…", "busy");
   try {
-    const resp = await fetch("/v1/voices", { method: "POST", headers: authHeaders(), body: form });
+    const resp = await api("/v1/voices", { method: "POST", body: form }, "add");
+    if (!resp) return;
     if (!resp.ok) {
-      showError(`Adding the voice failed: ${await errorText(resp)}`);
+      const why = await refusal(resp);
+      let text = `Adding the voice failed: ${why.text}`;
+      if (why.status === 409 && why.code === "too_many_voices") {
+        text = "This server holds as many voices as it may: delete one first (Delete, beside the voice menu), " +
+          "or give the id of an existing voice and tick \"Replace a voice of this id\".";
+      } else if (why.status === 409 && id) {
+        text = `A voice ${id} exists already: tick "Replace a voice of this id" to replace it, or choose another id.`;
+      }
+      showError(text, "add");
       return;
     }
     const added = (await resp.json()).id;
-    setStatus(`Voice ${added} added`, "idle");
+    clearVoiceForm(); // a second click would send the same clip and id again
+    report("add", `Voice ${added} added`, "done");
     await loadVoices(added);
   } catch (e) {
-    showError(networkError(e));
+    showError(networkError(e), "add");
   } finally {
     $("add-voice").disabled = false;
   }
+}
+
+function clearVoiceForm() {
+  $("voice-form").reset(); // the file, transcript, id and the replace box
+  state.recorded = null;
+  const preview = $("record-preview");
+  if (preview.src) URL.revokeObjectURL(preview.src);
+  preview.removeAttribute("src");
+  preview.hidden = true;
+  $("record-status").textContent = "";
+  delete $("record-status").dataset.state;
 }
 
 // -- microphone: MediaRecorder, then decoded and sent as 16-bit wav (the server reads wav, not webm)
@@ -179,16 +281,16 @@ async function toggleRecording() {
     state.recorder.stop();
     return;
   }
-  clearError();
+  clearError("add");
   if (!window.isSecureContext || !navigator.mediaDevices || !window.MediaRecorder) {
-    showError("The microphone needs a secure page: open this page over https or on localhost / 127.0.0.1.");
+    showError("The microphone needs a secure page: open this page over https or on localhost / 127.0.0.1.", "add");
     return;
   }
   let stream;
   try {
     stream = await navigator.mediaDevices.getUserMedia({ audio: true });
   } catch (e) {
-    showError(`No microphone: ${e.message || e}`);
+    showError(`No microphone: ${e.message || e}`, "add");
     return;
   }
   const chunks = [];
@@ -221,7 +323,7 @@ async function toggleRecording() {
       $("record-status").textContent = `Recorded ${decoded.duration.toFixed(1)} s; it is sent when you add the voice`;
       $("record-status").dataset.state = "recorded";
     } catch (e) {
-      showError(`The recording could not be decoded: ${e.message || e}`);
+      showError(`The recording could not be decoded: ${e.message || e}`, "add");
     }
   };
   state.recorder = rec;
@@ -323,17 +425,26 @@ async function speak(ev) {
   const ctx = audioContext(); // inside the click: allowed to start
   const controller = new AbortController();
   state.controller = controller;
+  state.run = { body, samples: 0, rate: PCM_RATE };
   refreshButtons();
   resetResult();
   setStatus("Synthesizing…", "busy");
   const t0 = performance.now();
   try {
-    const resp = await fetch("/v1/audio/speech", {
+    const resp = await api("/v1/audio/speech", {
       method: "POST",
-      headers: authHeaders({ "Content-Type": "application/json" }),
+      headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
       signal: controller.signal,
-    });
+    }, "speak");
+    if (!resp) return;
+    if (resp.status === 404) {
+      // the voice was deleted since the menu was filled (another tab, another client)
+      showError(`The voice ${body.voice} is no longer on the server (it was deleted elsewhere). ` +
+        "The voice menu is refreshed: pick a voice and press Speak again.");
+      await loadVoices();
+      return;
+    }
     if (!resp.ok) {
       showError(await errorText(resp));
       return;
@@ -344,14 +455,13 @@ async function speak(ev) {
       await playWhole(resp, body, ctx, t0);
     }
   } catch (e) {
-    if (controller.signal.aborted) {
-      if (state.controller === controller) setStatus("Stopped", "stopped"); // else a newer request runs
-    } else {
+    if (!controller.signal.aborted) {
       showError(networkError(e));
-    }
+    } // else Stop said so, or a newer request runs
   } finally {
     if (state.controller === controller) {
       state.controller = null;
+      state.run = null;
       refreshButtons();
     }
   }
@@ -374,6 +484,7 @@ async function playStream(resp, body, ctx, t0) {
   let samples = 0;
   let first = null;
   let at = 0;
+  const run = state.run;
   for (;;) {
     const { done, value } = await reader.read();
     if (done) break;
@@ -384,6 +495,7 @@ async function playStream(resp, body, ctx, t0) {
       rate = new DataView(pending.buffer, pending.byteOffset, header).getUint32(24, true);
       pending = pending.slice(header);
       header = 0;
+      run.rate = rate;
     }
     const n = pending.length >> 1;
     if (!n) continue;
@@ -393,8 +505,8 @@ async function playStream(resp, body, ctx, t0) {
     pending = pending.slice(2 * n);
     if (first === null) {
       first = (performance.now() - t0) / 1000;
-      $("stat-first").textContent = seconds(first);
-      $("stats").hidden = false;
+      stat("stat-first", seconds(first));
+      stat("stat-seed", String(body.seed));
     }
     const buf = ctx.createBuffer(1, n, rate);
     buf.copyToChannel(f32, 0);
@@ -406,16 +518,17 @@ async function playStream(resp, body, ctx, t0) {
     at += buf.duration;
     track(src);
     samples += n;
+    run.samples = samples;
     setStatus(`Playing… ${seconds(samples / rate)} received`, "playing");
   }
   const wall = (performance.now() - t0) / 1000;
-  const bytes = new Blob(parts);
-  let file = bytes;
-  if (body.response_format === "wav") {
-    // the streamed header says "length unknown"; the download gets the real sizes
-    file = new Blob([wavHeader(rate, 2 * samples), bytes.slice(WAV_HEADER)], { type: "audio/wav" });
-  }
-  finishResult(file, body, samples / rate, first, wall, rate);
+  // the samples as a wav with the real sizes (a streamed wav header says "length unknown"):
+  // for the player, and the download of wav and of pcm (which few players open raw)
+  const skip = body.response_format === "wav" ? WAV_HEADER : 0;
+  const data = new Blob(parts).slice(skip, skip + 2 * samples);
+  const wav = new Blob([wavHeader(rate, 2 * samples), data], { type: "audio/wav" });
+  finishResult(body, samples / rate, first, wall, wav, body.response_format === "pcm" ? data : null);
+  showPlayer(wav);
 }
 
 async function playWhole(resp, body, ctx, t0) {
@@ -423,7 +536,6 @@ async function playWhole(resp, body, ctx, t0) {
   const wall = (performance.now() - t0) / 1000;
   const fmt = body.response_format;
   let length = null;
-  let rate = PCM_RATE;
   if (fmt === "pcm") {
     length = data.byteLength / 2 / PCM_RATE;
   } else {
@@ -434,17 +546,27 @@ async function playWhole(resp, body, ctx, t0) {
     }
   }
   const file = new Blob([data], { type: resp.headers.get("content-type") || "application/octet-stream" });
-  finishResult(file, body, length, wall, wall, rate);
-  const player = $("player");
-  const playable = fmt === "pcm" ? new Blob([wavHeader(PCM_RATE, data.byteLength), data], { type: "audio/wav" }) : file;
-  state.playerUrl = URL.createObjectURL(playable);
-  player.src = state.playerUrl;
-  player.hidden = false;
+  if (fmt === "pcm") {
+    const wav = new Blob([wavHeader(PCM_RATE, data.byteLength), data], { type: "audio/wav" });
+    finishResult(body, length, wall, wall, wav, file);
+    showPlayer(wav);
+  } else {
+    finishResult(body, length, wall, wall, file, null);
+    showPlayer(file);
+  }
   try {
-    await player.play();
+    await $("player").play();
   } catch (e) {
     setStatus("Done: press play", "done");
   }
+}
+
+// The finished audio in the player, to replay (a stream has played through Web Audio already).
+function showPlayer(blob) {
+  const player = $("player");
+  state.playerUrl = URL.createObjectURL(blob);
+  player.src = state.playerUrl;
+  player.hidden = false;
 }
 
 function track(src) {
@@ -459,33 +581,57 @@ function track(src) {
   };
 }
 
-function resetResult() {
-  $("stats").hidden = true;
-  for (const id of ["stat-first", "stat-length", "stat-rtf", "stat-seed"]) $(id).textContent = "";
-  $("download").hidden = true;
-  $("player").hidden = true;
-  if (state.downloadUrl) URL.revokeObjectURL(state.downloadUrl);
-  if (state.playerUrl) URL.revokeObjectURL(state.playerUrl);
-  state.downloadUrl = state.playerUrl = null;
+const STATS = ["stat-first", "stat-length", "stat-rtf", "stat-seed"];
+
+// One of the stats: shown with its value, hidden without one (no label stands empty).
+function stat(id, text) {
+  $(id).textContent = text;
+  $(id).parentElement.hidden = !text;
+  $("stats").hidden = STATS.every((s) => !$(s).textContent);
 }
 
-function finishResult(file, body, length, first, wall, rate) {
-  $("stats").hidden = false;
-  $("stat-first").textContent = first === null ? "none" : seconds(first);
-  $("stat-length").textContent = length === null ? "?" : seconds(length);
-  $("stat-rtf").textContent = length ? (wall / length).toFixed(2) : "?";
-  $("stat-seed").textContent = String(body.seed);
+function resetResult() {
+  for (const id of STATS) stat(id, "");
+  for (const id of ["download", "download-raw"]) {
+    $(id).hidden = true;
+    $(id).removeAttribute("href");
+  }
+  $("player").hidden = true;
+  $("player").removeAttribute("src");
+  for (const url of [state.downloadUrl, state.rawUrl, state.playerUrl]) {
+    if (url) URL.revokeObjectURL(url);
+  }
+  state.downloadUrl = state.rawUrl = state.playerUrl = null;
+}
+
+// `file`: the download (a wav for pcm); `raw`: pcm's own bytes, offered beside it.
+function finishResult(body, length, first, wall, file, raw) {
+  stat("stat-first", first === null ? "none" : seconds(first));
+  stat("stat-length", length === null ? "?" : seconds(length));
+  stat("stat-rtf", length ? (wall / length).toFixed(2) : "?");
+  stat("stat-seed", String(body.seed));
+  const name = `speech-${body.voice}-${body.seed}`;
+  const ext = body.response_format === "pcm" ? "wav" : body.response_format;
   state.downloadUrl = URL.createObjectURL(file);
   const a = $("download");
   a.href = state.downloadUrl;
-  a.download = `speech-${body.voice}-${body.seed}.${body.response_format}`;
+  a.download = `${name}.${ext}`;
+  a.textContent = `Download ${ext}`;
   a.hidden = false;
+  if (raw) {
+    state.rawUrl = URL.createObjectURL(raw);
+    const r = $("download-raw");
+    r.href = state.rawUrl;
+    r.download = `${name}.pcm`;
+    r.hidden = false;
+  }
   if (state.playing === 0) {
     setStatus(length === 0 ? "Done (no audio)" : "Done", "done");
   }
 }
 
-function stopPlayback() {
+// Silence the streamed audio scheduled in Web Audio.
+function stopSources() {
   for (const src of state.sources) {
     src.onended = null;
     try {
@@ -496,17 +642,29 @@ function stopPlayback() {
   }
   state.sources = [];
   state.playing = 0;
+}
+
+function stopPlayback() {
+  stopSources();
   $("player").pause();
   refreshButtons();
 }
 
 function stop() {
   const controller = state.controller;
+  const run = state.run;
   stopPlayback();
-  if (controller) {
-    controller.abort(); // the server sees the client go and frees the request's sequence
+  if (!controller) {
+    setStatus("Stopped", "stopped"); // the audio had all arrived: its stats stand
+    return;
   }
-  setStatus("Stopped", "stopped");
+  controller.abort(); // the server sees the client go and frees the request's sequence
+  // cut short: no length, RTF or download; what had arrived is said once, in the status
+  stat("stat-length", "");
+  stat("stat-rtf", "");
+  setStatus(run && run.samples
+    ? `Stopped after ${seconds(run.samples / run.rate)} of audio`
+    : "Stopped before any audio arrived", "stopped");
 }
 
 // -- form state ---------------------------------------------------------------------------------
@@ -541,14 +699,11 @@ function updateForm() {
 
 function init() {
   const key = sessionStorage.getItem(KEY_STORE);
-  if (key) $("api-key").value = key;
-  $("api-key").addEventListener("change", () => {
-    const value = $("api-key").value.trim();
-    if (value) sessionStorage.setItem(KEY_STORE, value);
-    else sessionStorage.removeItem(KEY_STORE);
-    clearError();
-    loadVoices();
-  });
+  if (key) {
+    $("api-key").value = key;
+    $("key-section").hidden = false; // to change or forget it
+  }
+  $("key-form").addEventListener("submit", useKey);
   $("speak-form").addEventListener("submit", speak);
   $("stop").addEventListener("click", stop);
   $("voice-form").addEventListener("submit", addVoice);
@@ -560,11 +715,15 @@ function init() {
       state.recorded = null;
       $("record-preview").hidden = true;
       $("record-status").textContent = "";
+      delete $("record-status").dataset.state;
     }
   });
   for (const el of document.querySelectorAll('input[name="mode"], #voice, #format, #speed, #stream')) {
     el.addEventListener("change", updateForm);
   }
+  $("player").addEventListener("play", () => {
+    stopSources(); // replaying a stream that still sounds through Web Audio: one voice at a time
+  });
   $("player").addEventListener("playing", () => {
     setStatus("Playing…", "playing");
     refreshButtons();
