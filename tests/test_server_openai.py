@@ -522,3 +522,17 @@ def test_serve_checks_the_voice_flags_before_loading(capsys):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--voice-alias NAME=ID" in out and "OpenAI's voice names" in out
+
+
+def test_instructions_select_instruct_mode(client, reference):
+    """OpenAI's instructions field is the style instruction of instruct mode: other audio than
+    without it, the same as asking for mode 'instruct' by name, streamed or whole."""
+    styled = _pcm(client, instructions="Speak slowly and calmly.")
+    assert styled != reference.tobytes() and len(styled) > SR // 2
+    named = _pcm(client, instructions="Speak slowly and calmly.", extra_body={"greedy": True, "mode": "instruct"})
+    assert named == styled
+    with client.audio.speech.with_streaming_response.create(
+            model="m", voice="en", input=TEXT, response_format="pcm", stream_format="sse",
+            instructions="Speak slowly and calmly.", extra_body={"greedy": True}) as r:
+        events = _events(r.iter_lines())
+    assert events[-1]["type"] == "speech.audio.done" and len(events) > 1
