@@ -1,6 +1,8 @@
 """The official ``openai`` Python SDK as the server's client (loopback, tiny model, llama.cpp F32):
 every response format decodes to the expected length, ``with_streaming_response`` streams raw
-audio and Server-Sent Events, and errors surface as the SDK's exceptions with OpenAI's fields."""
+audio and Server-Sent Events, errors surface as the SDK's exceptions with OpenAI's fields, and what
+OpenAI's reference for POST /v1/audio/speech says holds: mp3 by default, the voice as a string or
+``{"id": ...}``, its built-in voice names, ``x-request-id``, speed and flac in a stream, aac."""
 
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ def server(tiny_gguf):
     from cosyllama.tts import TTS
 
     backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
-    srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)))
+    # OpenAI's built-in names speak with "en"; "verse" through the alias table, to a voice never registered
+    srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend), default_voice="en",
+                                    voice_aliases={"verse": "nobody", "narrator": "en"}))
     r = httpx.post(f"{srv.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                    data={"text": "Hello, this is my voice.", "id": "en"}, timeout=60)
     assert r.status_code == 200, r.text
@@ -53,7 +57,8 @@ def client(server):
 
 def _create(client, **kw):
     kw.setdefault("extra_body", {"greedy": True})  # cosyllama's own field: deterministic tokens
-    return client.audio.speech.with_raw_response.create(model="cosyvoice3", voice="en", input=TEXT, **kw)
+    kw.setdefault("voice", "en")
+    return client.audio.speech.with_raw_response.create(model="cosyvoice3", input=TEXT, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -179,20 +184,14 @@ def _error(excinfo, status, param=None, code=None, contains=None):
 
 def test_errors_surface_as_sdk_exceptions(client):
     with pytest.raises(openai.UnprocessableEntityError) as ei:
-        _create(client, response_format="aac")
-    _error(ei, 422, "response_format", "literal_error", "'wav', 'pcm', 'flac', 'mp3' or 'opus'")
+        _create(client, response_format="ogg")
+    _error(ei, 422, "response_format", "literal_error", "'mp3', 'wav', 'pcm', 'flac', 'opus' or 'aac'")
     with pytest.raises(openai.NotFoundError) as ei:
         client.audio.speech.create(model="m", voice="nobody", input=TEXT)
     _error(ei, 404, "voice", "voice_not_found", "nobody")
     with pytest.raises(openai.UnprocessableEntityError) as ei:
         _create(client, speed=4.5)
     _error(ei, 422, "speed", "less_than_equal", "4")
-    with pytest.raises(openai.UnprocessableEntityError) as ei:
-        _create(client, speed=1.5, stream_format="sse")
-    _error(ei, 422, "speed", "unsupported_for_streaming", "non-streaming")
-    with pytest.raises(openai.UnprocessableEntityError) as ei:
-        _create(client, response_format="flac", stream_format="audio")
-    _error(ei, 422, "response_format", "unsupported_for_streaming", "wav, pcm, mp3, opus")
     with pytest.raises(openai.UnprocessableEntityError) as ei:
         _create(client, stream_format="sse", extra_body={"stream": False})
     _error(ei, 422, "stream", "conflicting_fields")
@@ -271,3 +270,269 @@ def test_sse_reports_a_failure_after_the_first_chunk_as_an_error_event():
     assert base64.b64decode(events[0]["audio"]) == b"\x01\x02"
     assert events[1]["error"] == {"message": "synthesis failed: RuntimeError: the vocoder broke",
                                   "type": "internal_error", "param": None, "code": None}
+
+
+# -- OpenAI's reference, field by field ---------------------------------------------------------
+
+
+def _pcm(client, **kw) -> bytes:
+    return _create(client, response_format="pcm", **kw).content
+
+
+def test_the_default_format_is_mp3(client, reference):
+    r = client.audio.speech.with_raw_response.create(model="gpt-4o-mini-tts", voice="en", input=TEXT,
+                                                     extra_body={"greedy": True})
+    assert r.headers["content-type"] == "audio/mpeg"
+    info = sf.info(io.BytesIO(r.content))
+    assert (info.format, info.samplerate, info.frames) == ("MP3", SR, reference.size)
+
+
+def test_the_voice_as_an_object_and_by_openais_names(client, reference):
+    """``{"id": ...}`` (the SDK's custom-voice form) is the same voice as its id; OpenAI's names speak
+    with --default-voice unless the alias table or a registered voice says otherwise."""
+    want = reference.tobytes()
+    assert _pcm(client, voice={"id": "en"}) == want
+    assert _pcm(client, voice="alloy") == want  # not registered: --default-voice
+    assert _pcm(client, voice={"id": "cedar"}) == want
+    assert _pcm(client, voice="narrator") == want  # --voice-alias narrator=en
+    with pytest.raises(openai.NotFoundError) as ei:
+        _create(client, voice="verse")  # --voice-alias verse=nobody
+    _error(ei, 404, "voice", "voice_not_found", "'verse' speaks with 'nobody' (--voice-alias verse=nobody)")
+    with pytest.raises(openai.UnprocessableEntityError) as ei:
+        _create(client, voice={"name": "en"})
+    assert ei.value.param.startswith("voice") and "voice.CustomVoice.id: Field required" in ei.value.message
+
+
+def test_voice_names_resolve_in_order():
+    """Alias first, then a registered id, then (OpenAI's names only) the default voice; a 404 says
+    how to register one, and names no file or library."""
+    from cosyllama.server.common import ApiError
+    from cosyllama.server.speech import VoiceNames, _voice_id
+
+    class Store(set):
+        def ids(self):
+            return sorted(self)
+
+    voices = Store({"anna", "alloy", "bob"})
+    names = VoiceNames({"ash": "bob", "echo": "carl"}, default="anna")
+    assert _voice_id(voices, names, "alloy") == "alloy"  # registered under OpenAI's name
+    assert _voice_id(voices, names, "ash") == "bob"
+    assert _voice_id(voices, names, "nova") == "anna"
+    assert _voice_id(voices, names, "bob") == "bob"
+    for name, where in (("echo", "--voice-alias echo=carl"), ("zed", "POST /v1/voices")):
+        with pytest.raises(ApiError) as ei:
+            _voice_id(voices, names, name)
+        assert ei.value.status == 404 and where in ei.value.message
+    with pytest.raises(ApiError) as ei:
+        _voice_id(voices, VoiceNames(), "nova")  # no --default-voice: no silent fallback
+    assert ei.value.status == 404 and ei.value.code == "voice_not_found"
+    assert "--default-voice ID or --voice-alias nova=ID" in ei.value.message
+    assert "register a voice with id 'nova' (POST /v1/voices)" in ei.value.message
+    with pytest.raises(Exception, match="voice id"):
+        VoiceNames({"ash": "../x"})
+
+
+def test_voice_alias_flags_are_checked():
+    from cosyllama.errors import InputError
+    from cosyllama.server.speech import parse_voice_aliases
+
+    assert parse_voice_aliases(["alloy=anna", " echo = bob "]) == {"alloy": "anna", "echo": "bob"}
+    assert parse_voice_aliases(None) == {}
+    for bad in (["alloy"], ["=anna"], ["alloy=anna", "alloy=bob"]):
+        with pytest.raises(InputError, match="--voice-alias"):
+            parse_voice_aliases(bad)
+
+
+def test_x_request_id_on_every_response(client, server):
+    r = _create(client, response_format="pcm")
+    assert r.headers["x-request-id"].startswith("req_") and len(r.headers["x-request-id"]) == 36
+    assert _create(client, response_format="pcm").headers["x-request-id"] != r.headers["x-request-id"]
+    r = _create(client, response_format="pcm", extra_headers={"X-Request-ID": "trace-42"})
+    assert r.headers.get_list("x-request-id") == ["trace-42"]  # the client's, once
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.audio.speech.create(model="m", voice="nobody", input=TEXT, extra_headers={"x-request-id": "t-7"})
+    assert ei.value.request_id == "t-7"
+    with pytest.raises(openai.UnprocessableEntityError) as ei:
+        _create(client, speed="fast")
+    assert ei.value.request_id.startswith("req_")
+    for path in ("/health", "/", "/nowhere"):
+        assert httpx.get(server.url + path, timeout=30).headers["x-request-id"].startswith("req_")
+    long = "x" * 129  # too long (or with spaces): replaced, not echoed
+    for sent in (long, "a b"):
+        got = httpx.get(server.url + "/health", headers={"x-request-id": sent}, timeout=30).headers["x-request-id"]
+        assert got.startswith("req_")
+    with client.audio.speech.with_streaming_response.create(
+            model="m", voice="en", input=TEXT, response_format="pcm", stream_format="sse") as r:
+        assert r.headers["x-request-id"].startswith("req_")
+
+
+def test_x_request_id_on_refusals_and_unexpected_errors():
+    """RequestId stands outside the guard (401) and the body limit (413), and answers a bug's 500
+    itself, with the header."""
+    import anyio
+    from starlette.responses import PlainTextResponse
+
+    from cosyllama.server.security import RequestGuard
+    from cosyllama.server.wire import BodyLimit, RequestId
+
+    async def ok(scope, receive, send):
+        await PlainTextResponse("ok")(scope, receive, send)
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("secret detail")
+
+    async def run():
+        apps = {"guarded": RequestId(RequestGuard(BodyLimit(ok, 10), api_key="k")), "broken": RequestId(broken)}
+        out = {}
+        for name, app in apps.items():
+            transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                out[name, 401] = await c.post("/v1/x", content=b"{}")
+                out[name, 413] = await c.post("/v1/x", content=b"x" * 100, headers={"Authorization": "Bearer k"})
+        return out
+
+    out = anyio.run(run)
+    for key in (("guarded", 401), ("guarded", 413)):
+        assert out[key].status_code == key[1] and out[key].headers["x-request-id"].startswith("req_")
+    r = out["broken", 401]
+    assert r.status_code == 500 and r.headers["x-request-id"].startswith("req_")
+    assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "internal_error",
+                                 "param": None, "code": None}
+
+
+def test_the_app_puts_request_id_outermost(server):
+    from cosyllama.server.wire import RequestId
+
+    assert server.server.config.app.user_middleware[0].cls is RequestId
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_speed_in_a_stream_is_the_non_streaming_audio(client, stream_format):
+    """No 422 for a request OpenAI takes: a stream at speed 1.5 is the non-streaming synthesis,
+    sample for sample."""
+    want = _pcm(client, speed=1.5)
+    with client.audio.speech.with_streaming_response.create(
+            model="m", voice="en", input=TEXT, response_format="pcm", speed=1.5, stream_format=stream_format,
+            extra_body={"greedy": True}) as r:
+        if stream_format == "audio":
+            got = b"".join(r.iter_bytes())
+        else:
+            events = _events(r.iter_lines())
+            assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+            got = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert got == want and len(want) > SR // 2
+
+
+@pytest.mark.parametrize("extra", [{"stream_format": "audio"}, {"stream_format": "sse"},
+                                   {"stream_format": "audio", "speed": 0.5}])
+def test_flac_in_a_stream_is_the_whole_file(client, extra):
+    """A streamed flac is the non-streaming synthesis' file, byte for byte (seeded sampling: streaming
+    synthesis would make other tokens)."""
+    speed, seeded = extra.get("speed", 1.0), {"seed": 3}
+    want = _create(client, response_format="flac", speed=speed, extra_body=seeded).content
+    with client.audio.speech.with_streaming_response.create(
+            model="m", voice="en", input=TEXT, response_format="flac", extra_body=seeded, **extra) as r:
+        if extra["stream_format"] == "audio":
+            assert r.headers["content-type"] == "audio/flac"
+            got = b"".join(r.iter_bytes())
+        else:
+            got = b"".join(base64.b64decode(e["audio"]) for e in _events(r.iter_lines())[:-1])
+    assert got == want
+    pcm = _pcm(client, speed=speed, extra_body=seeded)
+    np.testing.assert_array_equal(sf.read(io.BytesIO(got), dtype="int16")[0], np.frombuffer(pcm, "<i2"))
+
+
+def _decode_aac(data: bytes) -> np.ndarray:
+    av = pytest.importorskip("av")
+    with av.open(io.BytesIO(data), format="aac") as f:
+        frames = list(f.decode(audio=0))
+    assert frames and all((fr.sample_rate, len(fr.layout.channels)) == (SR, 1) for fr in frames)
+    return np.concatenate([fr.to_ndarray().reshape(-1) for fr in frames])
+
+
+def test_aac(client, reference):
+    """ADTS AAC as OpenAI sends it: the whole text decodes to its length plus the encoder's priming
+    and padding (under two 1024-sample frames); a stream arrives as ADTS too."""
+    pytest.importorskip("av")
+    r = _create(client, response_format="aac")
+    assert r.headers["content-type"] == "audio/aac" and r.content[:2] in (b"\xff\xf1", b"\xff\xf9")
+    audio = _decode_aac(r.content)
+    assert reference.size <= audio.size < reference.size + 2048
+    assert np.sqrt(np.mean(audio ** 2)) > 0.5 * np.sqrt(np.mean((reference / 32768.0) ** 2))
+    with client.audio.speech.with_streaming_response.create(
+            model="m", voice="en", input=TEXT, response_format="aac", stream_format="audio",
+            extra_body={"greedy": True}) as r:
+        streamed = _decode_aac(b"".join(r.iter_bytes()))
+    assert reference.size <= streamed.size < reference.size + 2048
+
+
+def test_a_streamed_aac_is_a_file_sent_as_it_is_encoded():
+    pytest.importorskip("av")
+    from cosyllama.server.wire import StreamEncoder, encode
+
+    rng = np.random.default_rng(0)
+    chunks = [(0.1 * rng.standard_normal(SR)).astype(np.float32) for _ in range(3)]
+    enc = StreamEncoder("aac", SR)
+    pieces = [enc.write(c) for c in chunks] + [enc.close()]
+    assert all(len(p) > 0 for p in pieces[:-1])  # each chunk's frames leave with it
+    assert b"".join(pieces) == encode(np.concatenate(chunks), SR, "aac")
+
+
+def test_aac_without_pyav_is_a_422_naming_the_formats(client, monkeypatch):
+    from cosyllama.server import speech
+
+    monkeypatch.setattr(speech, "aac_available", lambda: False)
+    with pytest.raises(openai.UnprocessableEntityError) as ei:
+        _create(client, response_format="aac")
+    _error(ei, 422, "response_format", "unsupported_value", "use one of mp3, wav, pcm, flac, opus")
+
+
+def test_async_openai(server, reference):
+    """AsyncOpenAI, as agents use it: a whole file and a stream."""
+    import anyio
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as c:
+            whole = await c.audio.speech.create(model="tts-1", voice="coral", input=TEXT, response_format="pcm",
+                                                extra_body={"greedy": True})
+            async with c.audio.speech.with_streaming_response.create(
+                    model="tts-1", voice={"id": "en"}, input=TEXT, response_format="pcm", stream_format="audio",
+                    speed=2.0, extra_body={"greedy": True}) as r:
+                fast = b"".join([piece async for piece in r.iter_bytes()])
+            return whole.content, fast
+
+    whole, fast = anyio.run(run)
+    assert whole == reference.tobytes()
+    assert abs(len(fast) // 2 - reference.size // 2) <= 480
+
+
+def test_serve_checks_the_voice_flags_before_loading(capsys):
+    """A bad --voice-alias or --default-voice is one line and exit 2, before any model is loaded;
+    --help says what they do over HTTP."""
+    from cosyllama.cli import main
+
+    for flags, says in ((["--voice-alias", "alloy"], "is not NAME=ID"),
+                        (["--voice-alias", "alloy=../x"], "voice id '../x' is not allowed"),
+                        (["--default-voice", "a b"], "voice id 'a b' is not allowed")):
+        assert main(["serve", "--model-dir", "/nonexistent", *flags]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--voice-alias NAME=ID" in out and "OpenAI's voice names" in out
+
+
+def test_instructions_select_instruct_mode(client, reference):
+    """OpenAI's instructions field is the style instruction of instruct mode: other audio than
+    without it, the same as asking for mode 'instruct' by name, streamed or whole."""
+    styled = _pcm(client, instructions="Speak slowly and calmly.")
+    assert styled != reference.tobytes() and len(styled) > SR // 2
+    named = _pcm(client, instructions="Speak slowly and calmly.", extra_body={"greedy": True, "mode": "instruct"})
+    assert named == styled
+    with client.audio.speech.with_streaming_response.create(
+            model="m", voice="en", input=TEXT, response_format="pcm", stream_format="sse",
+            instructions="Speak slowly and calmly.", extra_body={"greedy": True}) as r:
+        events = _events(r.iter_lines())
+    assert events[-1]["type"] == "speech.audio.done" and len(events) > 1

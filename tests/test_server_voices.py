@@ -46,7 +46,8 @@ def _ids(client, **kw) -> list[str]:
 
 
 def _speak(client, voice: str, **kw):
-    return client.post("/v1/audio/speech", json={"input": "Hello there.", "voice": voice, "greedy": True}, **kw)
+    body = {"input": "Hello there.", "voice": voice, "greedy": True, "response_format": "wav"}
+    return client.post("/v1/audio/speech", json=body, **kw)
 
 
 def _error(r, status: int, contains: str = "") -> dict:

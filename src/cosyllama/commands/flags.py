@@ -90,8 +90,11 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
                         "(default 512 when the streaming cache is on; 0 = off)")
 
 
-def add_wyoming_voice_option(p: argparse.ArgumentParser) -> None:
+def add_wyoming_voice_option(p: argparse.ArgumentParser, http: bool = False) -> None:
+    """``--default-voice``; ``http``: the flag also serves the HTTP API's OpenAI voice names (``serve``)."""
+    also = (" HTTP: what a request for one of OpenAI's voice names (alloy, ash, ..., verse) that is not registered "
+            "speaks with (default: none, such a request gets 404).") if http else ""
     p.add_argument("--default-voice", metavar="ID",
                    help="Wyoming: the registered voice a request that names none (or names 'default') speaks "
-                        "with (default: the first registered voice in alphabetical order)")
+                        "with (default: the first registered voice in alphabetical order)." + also)
 

@@ -24,7 +24,11 @@ def add_parser(sub) -> None:
     v.add_argument("--wyoming", metavar="URI",
                    help=f"also answer the Wyoming protocol (Home Assistant) at URI, e.g. {WYOMING_URI}, from the "
                         "same model, voices and request slots (needs the wyoming extra)")
-    add_wyoming_voice_option(v)
+    add_wyoming_voice_option(v, http=True)
+    v.add_argument("--voice-alias", action="append", metavar="NAME=ID",
+                   help="HTTP: a request for voice NAME speaks with the registered voice ID, e.g. alloy=anna for "
+                        "clients that send only OpenAI's voice names; repeatable; wins over a voice registered as "
+                        "NAME")
     v.set_defaults(func=run)
 
 

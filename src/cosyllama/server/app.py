@@ -43,9 +43,10 @@ from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .errors import add_error_handlers  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
+from .speech import VoiceNames, parse_voice_aliases  # noqa: E402
 from .speech import router as speech_router  # noqa: E402
 from .voices import router as voices_router  # noqa: E402
-from .wire import BodyLimit  # noqa: E402
+from .wire import BodyLimit, RequestId  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
@@ -109,7 +110,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
                wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
-               interleave: str | None = None) -> FastAPI:
+               interleave: str | None = None, default_voice: str | None = None,
+               voice_aliases: dict[str, str] | None = None, speech_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -129,13 +131,21 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server.page`). ``wyoming``: a
     URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming protocol
     (:mod:`cosyllama.server.wyoming`, with ``wyoming_options``) from the same TTS, scheduler, voices and
-    admission gate.
+    admission gate. ``voice_aliases`` (name -> registered id) and ``default_voice`` (what OpenAI's
+    built-in voice names speak with when not registered): see :class:`~cosyllama.server.speech.VoiceNames`.
+    ``speech_defaults``: ``seed`` and ``greedy`` for speech requests that do not give them (e.g.
+    reproducible audio for clients that cannot send cosyllama's fields). Every response carries
+    ``x-request-id`` (:class:`~cosyllama.server.wire.RequestId`).
     """
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
     serving = prepare(tts, max_concurrent=max_concurrent, max_queue=max_queue, limits=limits, scheduler=scheduler,
                       prefill_chunk=prefill_chunk, interleave=interleave)
     limits = serving.limits
+    voice_names = VoiceNames(dict(voice_aliases or {}), default_voice)
+    speech_defaults = dict(speech_defaults or {})
+    if not set(speech_defaults) <= {"seed", "greedy"}:
+        raise ValueError(f"speech_defaults takes seed and greedy, got {sorted(speech_defaults)}")
 
     @asynccontextmanager
     async def lifespan(app):
@@ -158,10 +168,13 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     text_bytes = 6 * max(limits.input_chars + limits.instructions_chars, limits.transcript_chars)
     app.add_middleware(BodyLimit, limit=max_prompt_bytes + text_bytes + BODY_SLACK_BYTES)
     add_guard(app, api_key, allow_origins, open_paths=PAGE_PATHS)  # in front: refusals come before any body is read
+    app.add_middleware(RequestId)  # outermost: every answer carries x-request-id, refusals too
     app.state.tts = serving.tts
     app.state.scheduler = serving.scheduler
     app.state.limits = ServerLimits(serving.max_concurrent, serving.max_queue, max_prompt_bytes, limits, max_voices)
     app.state.gate = None
+    app.state.voice_names = voice_names
+    app.state.speech_defaults = speech_defaults
     app.state.wyoming = None  # the WyomingServer while the app runs, with ``wyoming``
     add_error_handlers(app)
     app.include_router(router)
@@ -187,6 +200,9 @@ def serve(args) -> None:
     max_voices = getattr(args, "max_voices", DEFAULT_MAX_VOICES)
     if max_voices is not None and max_voices < 1:
         raise InputError(f"--max-voices must be >= 1, got {max_voices}")
+    voice_aliases = parse_voice_aliases(getattr(args, "voice_alias", None))
+    default_voice = getattr(args, "default_voice", None)
+    VoiceNames(voice_aliases, default_voice)  # checks the ids before loading
     wyoming = getattr(args, "wyoming", None)
     wyoming_options = None
     if wyoming is not None:
@@ -200,7 +216,8 @@ def serve(args) -> None:
     warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
-                     wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args))
+                     wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args),
+                     default_voice=default_voice, voice_aliases=voice_aliases)
     openmp_hint(tts)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",

@@ -128,7 +128,8 @@ def add_guard(app, api_key: str | None, allow_origins: Iterable[str], open_paths
         from starlette.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"],
+                           expose_headers=["X-Request-ID"], max_age=600)
 
 
 def guard_options(args) -> tuple[str | None, list[str]]:

@@ -13,6 +13,15 @@ ask for ``"audio"``):
 * ``"sse"``: the same bytes, base64, in ``speech.audio.delta`` events, then one
   ``speech.audio.done`` event with token usage (an ``error`` event instead if synthesis fails
   after the stream started).
+
+A stream of what streaming synthesis cannot make (``speed`` other than 1: the time stretch applies
+to the finished audio; flac: its header is written last) is non-streaming synthesis sent as it is
+encoded: the same audio as without ``stream_format``, its first bytes after the first text segment
+(flac: after the whole text).
+
+The voice is a registered id, as a string or OpenAI's custom-voice object ``{"id": ...}``. A name in
+the ``--voice-alias`` table speaks with the voice it names; one of OpenAI's built-in names that is
+not registered speaks with ``--default-voice`` when there is one (:class:`VoiceNames`).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import base64
 import json
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -32,18 +42,72 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..defaults import SPEED_RANGE
+from ..errors import InputError
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..tts import MODES
-from ..voices import describe_ids
+from ..voices import check_voice_id, describe_ids
 from .common import ApiError, error_body, gate
 from .errors import synthesis_error
-from .wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
+from .wire import (
+    AAC_HINT,
+    DEFAULT_FORMAT,
+    FORMATS,
+    MEDIA_TYPES,
+    STREAMABLE,
+    AudioStream,
+    StreamEncoder,
+    aac_available,
+    encode,
+)
 
 log = logging.getLogger("cosyllama.server")
 
 SSE_MEDIA_TYPE = "text/event-stream"
+# the built-in voice names of OpenAI's speech API (its reference for POST /v1/audio/speech); some
+# clients (pipecat's OpenAITTSService) send nothing else
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+
+
+@dataclass(frozen=True)
+class VoiceNames:
+    """How a request's voice name finds a registered voice: ``aliases`` (``--voice-alias NAME=ID``)
+    first, then the registered id itself, then, for one of :data:`OPENAI_VOICES`, ``default``
+    (``--default-voice``)."""
+
+    aliases: dict[str, str] = field(default_factory=dict)
+    default: str | None = None
+
+    def __post_init__(self):
+        for name, target in self.aliases.items():
+            check_voice_id(name)
+            check_voice_id(target)
+        if self.default is not None:
+            check_voice_id(self.default)
+
+
+def parse_voice_aliases(values) -> dict[str, str]:
+    """``--voice-alias NAME=ID`` values as a table (each checked; a NAME given twice is an error)."""
+    out: dict[str, str] = {}
+    for value in values or ():
+        name, sep, target = value.partition("=")
+        name, target = name.strip(), target.strip()
+        if not sep or not name or not target:
+            raise InputError(f"--voice-alias {value!r} is not NAME=ID, e.g. alloy=anna")
+        if name in out:
+            raise InputError(f"--voice-alias gives {name!r} twice ({out[name]!r} and {target!r})")
+        out[name] = target
+    return out
+
+
+class CustomVoice(BaseModel):
+    """OpenAI's custom-voice form of ``voice`` (the SDK sends it for ``voice={"id": ...}``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str = Field(description="id of a registered voice")
 
 
 class SpeechRequest(BaseModel):
@@ -53,12 +117,14 @@ class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     input: str = Field(description="text to speak")
-    voice: str = Field(description="id of a voice registered with POST /v1/voices")
+    voice: str | CustomVoice = Field(description="id of a voice registered with POST /v1/voices, as a string or "
+                                     "{\"id\": ...}; OpenAI's names speak with --default-voice unless registered")
     model: str | None = Field(None, description="accepted for OpenAI compatibility; ignored")
-    response_format: Literal[FORMATS] = Field("wav", description="wav and pcm: 16-bit, 24 kHz mono; flac "
-                                              "cannot be streamed")
+    response_format: Literal[FORMATS] = Field(DEFAULT_FORMAT, description="mp3 (OpenAI's default); wav and pcm: "
+                                              "16-bit, 24 kHz mono; a streamed flac is the whole file")
     speed: float = Field(1.0, ge=SPEED_RANGE[0], le=SPEED_RANGE[1], allow_inf_nan=False,
-                         description="time stretch of the finished audio; needs non-streaming synthesis")
+                         description="time stretch of the finished audio; a stream of it is non-streaming "
+                         "synthesis sent as it is encoded")
     stream_format: Literal["audio", "sse"] | None = Field(
         None, description="stream the audio as it is made: raw (audio) or as Server-Sent Events (sse); "
         "omitted: the whole file after synthesis")
@@ -69,6 +135,9 @@ class SpeechRequest(BaseModel):
     mode: Literal[MODES] | None = Field(
         None, description="cosyllama's: the synthesis mode; omitted: instruct with instructions, else zero-shot "
         "for a voice registered with its transcript, else cross-lingual")
+
+    def voice_name(self) -> str:
+        return self.voice.id if isinstance(self.voice, CustomVoice) else self.voice
 
     def synthesis_mode(self) -> str | None:
         """The mode asked for (None: chosen by ``tts.synthesize``), checked against instructions."""
@@ -96,24 +165,27 @@ class _Job:
 
     ``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
     cancel token lets the event loop free the LLM sequence without waiting for that chunk.
-    A streamed job also owns the encoder of its response body.
+    A streamed job also owns the encoder of its response body; its synthesis streams unless the
+    request's speed or format needs the finished audio (then its segments are encoded as they come).
     """
 
-    def __init__(self, tts, req: SpeechRequest, streaming: str | None):
-        self.tts, self.req = tts, req
+    def __init__(self, tts, req: SpeechRequest, streaming: str | None, voice: str):
+        self.tts, self.req, self.voice = tts, req, voice
         self.token = CancelToken()
         self.lock = threading.Lock()
         self.syn = None
         self.streaming = streaming
+        self.synth_streams = streaming is not None and req.response_format in STREAMABLE and req.speed == 1.0
         self.encoder = None
 
     def open(self) -> None:
         from ..tts import SynthesisOptions
 
         r, tts = self.req, self.tts
-        opts = SynthesisOptions(stream=self.streaming is not None, speed=r.speed, greedy=r.greedy, seed=r.seed)
+        opts = SynthesisOptions(stream=self.synth_streams, speed=r.speed, greedy=r.greedy, seed=r.seed)
         with self.lock, self.token.bound():
-            self.syn = tts.synthesize(r.input, mode=r.mode, instruction=r.instructions, voice=r.voice, options=opts)
+            self.syn = tts.synthesize(r.input, mode=r.mode, instruction=r.instructions, voice=self.voice,
+                                      options=opts)
             if self.streaming:
                 self.encoder = StreamEncoder(r.response_format, tts.sample_rate)
 
@@ -183,22 +255,19 @@ async def speech(body: SpeechRequest, request: Request):
         raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
                        param="instructions", code="empty_string")
     body.synthesis_mode()
-    if body.voice not in tts.voices:
-        ids = await run_in_threadpool(tts.voices.ids)
-        raise ApiError(404, f"unknown voice {body.voice!r}; registered voices: {describe_ids(ids)} "
-                       "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
+    for name, value in request.app.state.speech_defaults.items():
+        if name not in body.model_fields_set:
+            setattr(body, name, value)
+    if body.response_format == "aac" and not aac_available():
+        log.warning("a request for aac: %s", AAC_HINT)
+        formats = ", ".join(f for f in FORMATS if f != "aac")
+        raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
+                       param="response_format", code="unsupported_value")
+    voice = await run_in_threadpool(_voice_id, tts.voices, request.app.state.voice_names, body.voice_name())
     streaming = body.streaming()
-    if streaming and body.response_format not in STREAMABLE:
-        raise ApiError(422, f"response_format {body.response_format!r} cannot be streamed (its header is "
-                       f"written last); stream {', '.join(STREAMABLE)}, or omit stream_format for a whole file",
-                       param="response_format", code="unsupported_for_streaming")
-    if streaming and body.speed != 1.0:
-        raise ApiError(422, f"speed {body.speed} needs non-streaming synthesis (the time stretch applies to "
-                       "the finished audio); omit stream_format and stream, or use speed 1.0",
-                       param="speed", code="unsupported_for_streaming")
     g = gate(request.app)
     await g.acquire()
-    job = _Job(tts, body, streaming)
+    job = _Job(tts, body, streaming, voice)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))
     done = handed_off = False
 
@@ -241,6 +310,30 @@ async def speech(body: SpeechRequest, request: Request):
         if not handed_off:
             with anyio.CancelScope(shield=True):
                 await cleanup()
+
+
+def _voice_id(voices, names: VoiceNames, name: str) -> str:
+    """The registered voice a request's ``name`` speaks with (see :class:`VoiceNames`), or 404."""
+    if name in names.aliases:
+        target, how = names.aliases[name], f"--voice-alias {name}={names.aliases[name]}"
+    elif name in voices:
+        return name
+    elif name in OPENAI_VOICES and names.default is not None:
+        target, how = names.default, f"--default-voice {names.default}"
+    else:
+        ids = describe_ids(voices.ids())
+        if name in OPENAI_VOICES:
+            msg = (f"voice {name!r} (one of OpenAI's names) is not registered here and the server has no default "
+                   f"voice; register a voice with id {name!r} (POST /v1/voices), or start the server with "
+                   f"--default-voice ID or --voice-alias {name}=ID; registered voices: {ids}")
+        else:
+            msg = f"unknown voice {name!r}; registered voices: {ids} (add one with POST /v1/voices)"
+        raise ApiError(404, msg, "not_found_error", param="voice", code="voice_not_found")
+    if target not in voices:
+        raise ApiError(404, f"voice {name!r} speaks with {target!r} ({how}), which is not registered; registered "
+                       f"voices: {describe_ids(voices.ids())} (add one with POST /v1/voices)", "not_found_error",
+                       param="voice", code="voice_not_found")
+    return target
 
 
 async def _pieces(job: _Job, first: bytes | None):

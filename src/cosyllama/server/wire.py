@@ -1,6 +1,7 @@
-"""What the server puts on the wire: audio encodings (wav, pcm, flac, mp3, opus), whole or chunk by
-chunk, and the ASGI pieces around the routes (a request-body limit, a streaming response that always
-cleans up). Needs the ``server`` extra.
+"""What the server puts on the wire: audio encodings (wav, pcm, flac, mp3, opus, aac), whole or chunk
+by chunk, and the ASGI pieces around the routes (a request-body limit, an ``x-request-id`` on every
+response, a streaming response that always cleans up). Needs the ``server`` extra; aac needs the ``aac``
+extra (PyAV, whose FFmpeg has the AAC encoder).
 
 mp3 and opus are encoded by libsndfile (through soundfile): mp3 at a constant 80 kbit/s (MPEG-2
 layer III at 24 kHz), opus in an Ogg container at libsndfile's default bitrate. Streamed, an
@@ -12,26 +13,36 @@ encoder's output goes out as libsndfile writes it:
   (length, and how much encoder delay and padding to trim); a stream cannot go back for it, so a
   streamed mp3 starts with a silent frame and decoders also play the delay and padding: up to
   about 0.1 s more (silent) audio than the whole file has.
-* flac goes back to write its header at the end too and is not streamed.
+* flac goes back to write its header at the end too: a streamed flac body is the whole file, sent
+  when it is complete.
+* aac is ADTS (a header on every frame, as OpenAI sends it), written front to back by FFmpeg's
+  encoder at 64 kbit/s, so a stream is byte for byte a file.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import re
 import struct
+import uuid
 
 import anyio
 import numpy as np
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..errors import MissingDependencyError
 from .common import error_body
 from .serving import pcm16
 
 PCM_BYTES = 2  # 16-bit samples on the wire
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
+MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "opus": "audio/ogg",
+               "aac": "audio/aac"}
 FORMATS = tuple(MEDIA_TYPES)
-STREAMABLE = ("wav", "pcm", "mp3", "opus")
+DEFAULT_FORMAT = "mp3"  # OpenAI's default response_format
+# formats whose encoder can send its output as it goes; flac is whole (its header is written last)
+STREAMABLE = ("mp3", "wav", "pcm", "opus", "aac")
+AAC_BITRATE = 64_000
 # soundfile.SoundFile arguments of the formats libsndfile encodes
 _SOUNDFILE = {
     "flac": {"format": "FLAC", "subtype": "PCM_16"},
@@ -60,6 +71,9 @@ def _sf_samples(samples: np.ndarray, fmt: str) -> np.ndarray:
 
 def encode(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     """A whole response body in ``fmt`` (one of :data:`FORMATS`)."""
+    if fmt == "aac":
+        enc = _AacEncoder(sample_rate)
+        return enc.write(samples) + enc.close()
     if fmt in _SOUNDFILE:
         import soundfile as sf
 
@@ -143,17 +157,79 @@ def _set_ogg_page_latency(f, ms: float) -> None:
                 "%g ms ones", sf.__version__, ms)
 
 
+AAC_HINT = "aac needs PyAV: pip install 'cosyllama[aac]'"
+
+
+def _import_av():
+    try:
+        import av
+    except ImportError as e:
+        raise MissingDependencyError(AAC_HINT) from e
+    return av
+
+
+def aac_available() -> bool:
+    """Whether PyAV can be imported (the ``aac`` extra)."""
+    try:
+        _import_av()
+    except MissingDependencyError:
+        return False
+    return True
+
+
+class _AacEncoder:
+    """ADTS AAC through PyAV (FFmpeg's native encoder): :meth:`write` returns the frames ready."""
+
+    def __init__(self, sample_rate: int):
+        from fractions import Fraction
+
+        av = _import_av()
+        self._av, self._rate, self._n = av, sample_rate, 0
+        self._out = _Outbox()
+        # flush_packets: each frame leaves FFmpeg's I/O buffer as soon as it is muxed
+        self._container = av.open(self._out, mode="w", format="adts", container_options={"flush_packets": "1"})
+        self._stream = self._container.add_stream("aac", rate=sample_rate)
+        self._stream.layout = "mono"
+        self._stream.bit_rate = AAC_BITRATE
+        self._time_base = Fraction(1, sample_rate)
+
+    def _mux(self, frame) -> None:
+        for packet in self._stream.encode(frame):
+            self._container.mux(packet)
+
+    def write(self, samples: np.ndarray) -> bytes:
+        if samples.size:
+            x = np.ascontiguousarray(np.clip(samples, -1.0, 1.0), dtype=np.float32).reshape(1, -1)
+            frame = self._av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
+            frame.sample_rate, frame.pts, frame.time_base = self._rate, self._n, self._time_base
+            self._n += x.shape[1]
+            self._mux(frame)
+        return self._out.take()
+
+    def close(self) -> bytes:
+        if self._container is None:
+            return b""
+        self._mux(None)
+        self._container.close()
+        self._container = None
+        return self._out.take()
+
+
 class StreamEncoder:
-    """A streamed response body in ``fmt`` (one of :data:`STREAMABLE`), chunk by chunk:
-    :meth:`write` returns the bytes ready to send (possibly none), :meth:`close` the rest."""
+    """A response body in ``fmt`` (one of :data:`FORMATS`), chunk by chunk: :meth:`write` returns
+    the bytes ready to send (possibly none), :meth:`close` the rest. flac is kept until :meth:`close`,
+    which returns the whole file (the same bytes as :func:`encode`)."""
 
     def __init__(self, fmt: str, sample_rate: int):
-        if fmt not in STREAMABLE:
-            raise ValueError(f"{fmt!r} cannot be streamed; streamable: {', '.join(STREAMABLE)}")
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMATS)}")
         self.fmt, self.sample_rate = fmt, sample_rate
         self._header = wav_header(sample_rate, None) if fmt == "wav" else b""
-        self._out = self._file = None
-        if fmt in _SOUNDFILE:
+        self._out = self._file = self._aac = None
+        self._whole: list[np.ndarray] | None = [] if fmt not in STREAMABLE else None
+        if fmt == "aac":
+            self._aac = _AacEncoder(sample_rate)
+        elif fmt in _SOUNDFILE and fmt in STREAMABLE:
             import soundfile as sf
 
             self._out = _Outbox()
@@ -166,6 +242,11 @@ class StreamEncoder:
         return head
 
     def write(self, samples: np.ndarray) -> bytes:
+        if self._whole is not None:
+            self._whole.append(samples)
+            return b""
+        if self._aac is not None:
+            return self._aac.write(samples)
         if self._file is None:
             return self._head() + pcm16(samples)
         if samples.size:
@@ -174,6 +255,12 @@ class StreamEncoder:
 
     def close(self) -> bytes:
         """The end of the stream (idempotent: later calls return nothing)."""
+        if self._whole is not None:
+            parts, self._whole = self._whole, None
+            return encode(np.concatenate(parts) if parts else np.zeros(0, np.float32), self.sample_rate, self.fmt)
+        if self._aac is not None:
+            aac, self._aac = self._aac, None
+            return aac.close()
         if self._file is None:
             return self._head()
         self._file.close()
@@ -247,3 +334,48 @@ class BodyLimit:
                 raise
         if over and not started:
             await self._too_large()(scope, receive, send)
+
+
+REQUEST_ID_HEADER = "x-request-id"
+# a client's id is echoed when it is 1-128 printable ASCII characters without spaces; otherwise the
+# response carries a new one (a header a client sets is bounded like everything else it sends)
+_CLIENT_ID = re.compile(rb"[\x21-\x7e]{1,128}")
+
+
+def new_request_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+class RequestId:
+    """ASGI middleware: every HTTP response carries ``x-request-id``, the request's own when it sent
+    a usable one, else a new ``req_<32 hex digits>`` (OpenAI's header; clients such as LiveKit's log
+    it). It stands outermost, so refusals (401, 403, 413) carry it too, and an unexpected error
+    gets the 500 answer here, with the header, before Starlette's last-resort handler sees it. The
+    id is also on ``scope["state"]["request_id"]`` for the routes' log lines."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        sent = dict(scope.get("headers") or ()).get(REQUEST_ID_HEADER.encode())
+        rid = sent.decode("ascii") if sent is not None and _CLIENT_ID.fullmatch(sent) else new_request_id()
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def with_id(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(REQUEST_ID_HEADER.encode(), rid.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, with_id)
+        except Exception as e:
+            if not started:
+                msg = f"internal error: {type(e).__name__}"
+                await JSONResponse(error_body(msg, "internal_error"), status_code=500)(scope, receive, with_id)
+            raise
