@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -60,9 +59,19 @@ from ..text.normalize import is_only_punctuation, take_sentences
 from ..voices import describe_ids
 from .conn import ConnectionLimits
 from .serving import Gate, ServerBusyError, pcm16
+from .wyoming_wire import (
+    ProtocolError,
+    RequestRefused,
+    event_bytes,
+    event_caps,
+    optional_str,
+    read_event,
+    shown,
+    text_field,
+    voice_field,
+)
 
 try:
-    from wyoming import __version__ as WYOMING_VERSION
     from wyoming.audio import AudioChunk, AudioStart, AudioStop
     from wyoming.error import Error
     from wyoming.event import Event
@@ -74,7 +83,6 @@ try:
         SynthesizeStart,
         SynthesizeStop,
         SynthesizeStopped,
-        SynthesizeVoice,
     )
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the Wyoming server needs its extra: pip install 'cosyllama[wyoming]'") from e
@@ -90,46 +98,9 @@ CHANNELS = 1
 MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="https://github.com/FunAudioLLM/CosyVoice")
 VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url="")
 
-# What one event may take. A text event's data holds at most --max-input-chars characters of text,
-# each at most 12 bytes as JSON (a character outside the BMP written as two \\u escapes), beside its
-# voice, format and context; every other event a TTS server answers is small.
-TEXT_BYTES_PER_CHAR = 12
-EVENT_SLACK_BYTES = 16 * 1024
-SMALL_EVENT_BYTES = 16 * 1024
-TEXT_EVENTS = ("synthesize", "synthesize-chunk")
-EVENT_TYPES = ("describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop", "ping")
 MAX_SESSIONS = 4  # sessions one connection may have waiting or speaking
 QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
-SHOWN_CHARS = 64  # of a client's string echoed in an error event
 BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
-
-
-class RequestRefused(InputError):
-    """A request the server answers with an ``error`` event; ``code`` is its machine-readable reason."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
-
-
-class ProtocolError(RequestRefused):
-    """An event this server cannot read: ``error`` ``protocol_error``, then the connection closes."""
-
-    def __init__(self, message: str):
-        super().__init__(message, "protocol_error")
-
-
-def shown(value) -> str:
-    """A client's string for a message: quoted, at most :data:`SHOWN_CHARS` characters of it."""
-    text = str(value)
-    return repr(text) if len(text) <= SHOWN_CHARS else repr(text[:SHOWN_CHARS]) + f"... ({len(text)} characters)"
-
-
-def event_caps(limits) -> dict[str, int]:
-    """The bytes (header line and data together) an event of each type this server answers may
-    take, from the per-request limits (:class:`~cosyllama.limits.RequestLimits`)."""
-    text = TEXT_BYTES_PER_CHAR * limits.input_chars + EVENT_SLACK_BYTES
-    return {t: text if t in TEXT_EVENTS else SMALL_EVENT_BYTES for t in EVENT_TYPES}
 
 
 def error_event(e: BaseException) -> Event:
@@ -406,79 +377,11 @@ class _Session:
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading events, bounded
-
-
-def event_bytes(event: Event) -> bytes:
-    """``event`` in the protocol's wire format: a JSON header line, then its data (JSON), then its payload."""
-    header: dict = {"type": event.type, "version": WYOMING_VERSION}
-    data = json.dumps(event.data, ensure_ascii=False).encode() if event.data else b""
-    if data:
-        header["data_length"] = len(data)
-    if event.payload:
-        header["payload_length"] = len(event.payload)
-    return json.dumps(header, ensure_ascii=False).encode() + b"\n" + data + (event.payload or b"")
+# A connection
 
 
 class _Closed(Exception):
     """The connection ends here (the client left, or it was answered and closed)."""
-
-
-def _json_object(raw: bytes, what: str) -> dict:
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProtocolError(f"the event's {what} is not UTF-8") from None
-    except ValueError:
-        raise ProtocolError(f"the event's {what} is not JSON") from None
-    if not isinstance(value, dict):
-        raise ProtocolError(f"the event's {what} is a JSON {type(value).__name__}, not an object")
-    return value
-
-
-def _length(header: dict, key: str) -> int:
-    n = header.get(key)
-    if n is None:
-        return 0
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ProtocolError(f"the event's {key} is {shown(json.dumps(n))}, not a whole number >= 0")
-    return n
-
-
-def _optional_str(data: dict, key: str, what: str) -> str | None:
-    value = data.get(key)
-    if value is not None and not isinstance(value, str):
-        raise ProtocolError(f"{what}'s {key} is a JSON {type(value).__name__}, not a string")
-    return value
-
-
-def _voice(data: dict, what: str) -> SynthesizeVoice | None:
-    """The voice a synthesize / synthesize-start asks for (as the `wyoming` package reads it), checked."""
-    voice = data.get("voice")
-    if voice is None:
-        return None
-    if not isinstance(voice, dict):
-        raise ProtocolError(f"{what}'s voice is a JSON {type(voice).__name__}, not an object")
-    name = _optional_str(voice, "name", f"{what}'s voice")
-    speaker = _optional_str(voice, "speaker", f"{what}'s voice")
-    language = _optional_str(voice, "language", f"{what}'s voice")
-    if "name" in voice:
-        return SynthesizeVoice(name=name, speaker=speaker)
-    if "language" in voice:
-        return SynthesizeVoice(language=language)
-    return None
-
-
-def _text(data: dict, what: str) -> str:
-    text = data.get("text")
-    if not isinstance(text, str):
-        raise ProtocolError(f"{what} needs a text (a string); got " +
-                            ("none" if text is None else f"a JSON {type(text).__name__}"))
-    return text
-
-
-# ----------------------------------------------------------------------------------------------
-# A connection
 
 
 class _Connection:
@@ -559,44 +462,9 @@ class _Connection:
         if not first:
             return None
         self.touch()
-        deadline = self.loop.time() + self.limits.header_timeout
-        caps = self.service.caps
-        line_cap = max(caps.values())
         try:
-            if first == b"\n":
-                raise ProtocolError("the event's header line is empty")
-            try:
-                line = first + await asyncio.wait_for(self.reader.readuntil(b"\n"), deadline - self.loop.time())
-            except asyncio.LimitOverrunError:
-                raise ProtocolError(f"the event's header line is longer than {line_cap} bytes") from None
-            except ValueError:  # the reader's limit, reported another way
-                raise ProtocolError(f"the event's header line is longer than {line_cap} bytes") from None
-            if len(line) > line_cap:
-                raise ProtocolError(f"the event's header line is longer than {line_cap} bytes")
-            header = _json_object(line, "header line")
-            kind = header.get("type")
-            if not isinstance(kind, str) or not kind:
-                raise ProtocolError("the event's header has no type (a string)")
-            if kind not in caps:
-                raise ProtocolError(f"unknown event type {shown(kind)}; this server answers {', '.join(EVENT_TYPES)}")
-            inline = header.get("data")
-            if inline is not None and not isinstance(inline, dict):
-                raise ProtocolError(f"the {kind} event's data is a JSON {type(inline).__name__}, not an object")
-            n_data, n_payload = _length(header, "data_length"), _length(header, "payload_length")
-            if n_payload:
-                raise ProtocolError(f"a {kind} event carries no payload (payload_length {n_payload})")
-            if len(line) + n_data > caps[kind]:
-                if kind in TEXT_EVENTS:
-                    chars = self.service.serving.limits.input_chars
-                    raise LimitExceeded(f"the {kind} event is {len(line) + n_data} bytes, more than the "
-                                        f"{caps[kind]} its text may take (--max-input-chars {chars})",
-                                        field="input", limit=chars, flag="--max-input-chars")
-                raise ProtocolError(f"the {kind} event is {len(line) + n_data} bytes, more than the {caps[kind]} "
-                                    "it may take")
-            data = dict(inline or {})
-            if n_data:
-                raw = await asyncio.wait_for(self.reader.readexactly(n_data), deadline - self.loop.time())
-                data.update(_json_object(raw, "data"))
+            return await read_event(self.reader, first, self.service.caps, self.limits.header_timeout,
+                                    self.service.serving.limits.input_chars)
         except asyncio.TimeoutError:
             seconds = self.limits.header_timeout
             log.info("closed the Wyoming connection of %s: an event took more than %g s (--header-timeout)",
@@ -604,9 +472,6 @@ class _Connection:
             await self.fail(RequestRefused(f"the event did not arrive within {seconds:g} s of its first byte "
                                            "(--header-timeout)", "request_timeout"))
             raise _Closed from None
-        except asyncio.IncompleteReadError:
-            return None  # the client left in the middle of an event
-        return Event(type=kind, data=data)
 
     # -- answering -----------------------------------------------------------------------------
 
@@ -617,20 +482,20 @@ class _Connection:
             if Describe.is_type(kind):
                 await self.write_event((await self.service.call(self.service.info)).event())
             elif Ping.is_type(kind):
-                await self.write_event(Pong(text=_optional_str(data, "text", "ping")).event())
+                await self.write_event(Pong(text=optional_str(data, "text", "ping")).event())
             elif SynthesizeStart.is_type(kind):
-                voice = _voice(data, kind)
+                voice = voice_field(data, kind)
                 if self.stream is not None:
                     raise ProtocolError("synthesize-start inside a stream; end it with synthesize-stop first")
                 self.stream = await self._open(voice, streaming=True)
             elif SynthesizeChunk.is_type(kind):
-                text = _text(data, kind)
+                text = text_field(data, kind)
                 self._stream(kind).add_text(text)
             elif SynthesizeStop.is_type(kind):
                 stream, self.stream = self._stream(kind), None
                 stream.finish()
             elif Synthesize.is_type(kind):
-                text, voice = _text(data, kind), _voice(data, kind)
+                text, voice = text_field(data, kind), voice_field(data, kind)
                 if self.stream is None:  # inside a stream: its copy for old servers, ignored
                     if is_only_punctuation(text.strip()):  # empty, blank or nothing to say
                         raise RequestRefused("text is empty; give some text to speak", "empty_text")
