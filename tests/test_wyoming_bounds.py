@@ -189,10 +189,19 @@ def _non_reader(port: int, text: str) -> socket.socket:
 # Hole 1: a client that stops reading
 
 
-def test_a_client_that_stops_reading_frees_its_slot(server):
+def test_a_client_that_stops_reading_frees_its_slot(server, monkeypatch):
     """Two clients that ask for long speech and never read take both running slots; their writes
-    make no progress, so after --write-timeout the server aborts them and frees their sequences,
-    flow work and slots: an HTTP request waiting behind them and a new Wyoming client are served."""
+    make no progress, so after --write-timeout the server aborts them (before their audio-stop) and
+    frees their sequences, flow work and slots: an HTTP request waiting behind them and a new
+    Wyoming client are served. Each real audio chunk is sent as 2 MiB of PCM here, so the speech
+    is far more than any socket buffer holds."""
+    import numpy as np
+
+    from cosyllama.server import wyoming
+
+    real_next = wyoming._Job.next
+    monkeypatch.setattr(wyoming._Job, "next",
+                        lambda self: None if real_next(self) is None else np.zeros(1 << 20, np.float32))
     gate = server.app.state.gate
     sockets = [_non_reader(server.port, LONG) for _ in range(2)]
     try:
@@ -201,10 +210,25 @@ def test_a_client_that_stops_reading_frees_its_slot(server):
             r = c.post("/v1/audio/speech", json={"input": "Let me through.", "voice": "en", "response_format": "pcm"})
         assert r.status_code == 200 and r.content
         _wait(lambda: _idle(server), "a non-reader kept its slot or its sequence")
+        for s in sockets:  # their responses were aborted, not finished
+            assert b"audio-stop" not in _drain_socket(s)
+        monkeypatch.undo()
         _assert_serves(server)
     finally:
         for s in sockets:
             s.close()
+
+
+def _drain_socket(s: socket.socket) -> bytes:
+    """What a socket still receives, until the connection ends (or nothing comes for 10 s)."""
+    s.settimeout(10)
+    got = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            got += chunk
+    except OSError:  # reset, or the timeout
+        pass
+    return got
 
 
 # ----------------------------------------------------------------------------------------------
@@ -609,7 +633,7 @@ async def _soak_client(port: int, i: int) -> str:
         finally:
             await client.disconnect()
     elif kind == "non-reader":
-        s = await asyncio.to_thread(_non_reader, port, LONG)
+        s = await asyncio.to_thread(_non_reader, port, " ".join([LONG] * 3))  # more than the buffers hold
         await asyncio.sleep(6)  # past the server's --write-timeout 2
         s.close()
     elif kind == "leave":
@@ -667,7 +691,7 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
         return h["requests_running"] == 0 and h["active_sequences"] == 0 and h["queue_depth"] == 0
 
     try:
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + 300  # loading the model beside the other tests' work
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             try:
@@ -718,3 +742,30 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
     assert ok0 and ok1, "sessions were left running"
     assert abs(fd1 - fd0) <= 2
     assert rss1 <= 1.05 * rss0
+
+
+# ----------------------------------------------------------------------------------------------
+# The flags
+
+
+def test_serve_and_wyoming_give_the_wyoming_port_their_connection_flags(capsys):
+    """`serve --wyoming` and `wyoming` hand their connection flags to the Wyoming listener; `wyoming --help`
+    shows each with its default."""
+    from cosyllama.cli import build_parser
+    from cosyllama.server.wyoming import wyoming_options_from_args
+
+    parser = build_parser()
+    flags = ["--write-timeout", "5", "--idle-timeout", "7", "--header-timeout", "3", "--max-connections", "9"]
+    for argv in (["serve", "--model-dir", "m", "--wyoming", "tcp://127.0.0.1:1", *flags], ["wyoming", "--model-dir",
+                                                                                          "m", *flags]):
+        limits = wyoming_options_from_args(parser.parse_args(argv))["connection_limits"]
+        assert limits == ConnectionLimits(header_timeout=3, write_timeout=5, idle_timeout=7, max_connections=9)
+    assert wyoming_options_from_args(parser.parse_args(["wyoming", "--model-dir", "m"]))["connection_limits"] == \
+        ConnectionLimits()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["wyoming", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--write-timeout", 60), ("--idle-timeout", 30), ("--header-timeout", 10),
+                          ("--max-connections", 256)):
+        assert flag in out and f"(default {default})" in out
+    assert "Wyoming an error event" in out

@@ -44,6 +44,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,7 @@ MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="h
 VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url="")
 
 MAX_SESSIONS = 4  # sessions one connection may have waiting or speaking
+SEND_BUFFER_BYTES = 128 * 1024  # a connection's kernel send buffer: 2.7 s of audio, plenty for any link
 QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
 BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
 
@@ -642,6 +644,10 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
             if writer.transport.get_write_buffer_size():
                 asyncio.get_running_loop().call_later(service.limits.write_timeout, writer.transport.abort)
         return
+    sock = writer.get_extra_info("socket")
+    if sock is not None:  # the kernel holds at most this much of what a client has not read (else up to MBs)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     conn = _Connection(service, reader, writer)
     service.connections[task] = conn
     try:
