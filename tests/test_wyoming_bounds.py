@@ -406,6 +406,11 @@ def test_malformed_events_are_protocol_errors_without_tracebacks(server, caplog)
     for name, (events, closed) in got.items():
         data = _only_error(events)
         assert closed and data["code"] == "protocol_error", (name, data)
+    reason = {name: _only_error(events)["text"] for name, (events, _) in got.items()}
+    assert reason["data a string"] == "the event's data is a string, not an object"
+    assert reason["text missing"] == "synthesize needs a text (a string); got none"
+    assert reason["unknown type"].startswith("unknown event type 'recognize'; this server answers describe, ")
+    assert reason["not UTF-8"] == "the event's header line is not UTF-8"
     records = caplog.records
     assert not [r for r in records if r.exc_info], [r.getMessage() for r in records if r.exc_info]
     assert not [r for r in records if "never retrieved" in r.getMessage() or "Traceback" in r.getMessage()]

@@ -100,6 +100,7 @@ MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="h
 VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url="")
 
 MAX_SESSIONS = 4  # sessions one connection may have waiting or speaking
+STOP_GRACE_S = 5.0  # seconds a stopping server lets connections take their last events
 SEND_BUFFER_BYTES = 128 * 1024  # a connection's kernel send buffer: 2.7 s of audio, plenty for any link
 QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
 BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
@@ -204,8 +205,12 @@ class WyomingService:
                               f"{describe_ids([DEFAULT_VOICE, *ids], listed_by='describe')}", "voice_not_found")
 
     def warn_bad_client(self, peer: str, why: str) -> None:
-        """One warning line for a client that broke the protocol (at most :data:`BAD_CLIENT_LINES` a minute)."""
-        self._warned("Wyoming client %s broke the protocol: %s", peer, why)
+        """One warning line for a client that broke the protocol (:meth:`warn`)."""
+        self.warn("Wyoming client %s broke the protocol: %s", peer, why)
+
+    def warn(self, msg: str, *args) -> None:
+        """A warning about a client, at most :data:`BAD_CLIENT_LINES` a minute (the rest are counted)."""
+        self._warned(msg, *args)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -623,7 +628,11 @@ class WyomingServer:
         for conn in connections.values():
             conn._close()  # each connection's reader ends, so it cancels its sessions
         if connections:
-            await asyncio.wait(list(connections))
+            _, stuck = await asyncio.wait(list(connections), timeout=STOP_GRACE_S)
+            for task in stuck:  # a client that reads nothing: drop what it was sent
+                connections[task].writer.transport.abort()
+            if stuck:
+                await asyncio.wait(stuck)
         if self.unix_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.unix_path)
@@ -635,7 +644,7 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
     task = asyncio.current_task()
     limit = service.limits.max_connections
     if len(service.connections) >= limit:
-        service.warn_bad_client("-", f"refused a connection: {limit} open, --max-connections {limit}")
+        service.warn("refused a Wyoming connection: %d open, --max-connections %d", limit, limit)
         refusal = Error(text=f"the server has {limit} connections open, its limit (--max-connections); retry in "
                              "a moment", code="busy").event()
         with contextlib.suppress(Exception):

@@ -89,7 +89,7 @@ async def read_event(reader: asyncio.StreamReader, first: bytes, caps: dict[str,
             raise ProtocolError(f"unknown event type {shown(kind)}; this server answers {', '.join(EVENT_TYPES)}")
         inline = header.get("data")
         if inline is not None and not isinstance(inline, dict):
-            raise ProtocolError(f"the {kind} event's data is a JSON {type(inline).__name__}, not an object")
+            raise ProtocolError(f"the {kind} event's data is {json_kind(inline)}, not an object")
         n_data, n_payload = _length(header, "data_length"), _length(header, "payload_length")
         if n_payload:
             raise ProtocolError(f"a {kind} event carries no payload (payload_length {n_payload})")
@@ -120,6 +120,13 @@ def event_bytes(event: Event) -> bytes:
     return json.dumps(header, ensure_ascii=False).encode() + b"\n" + data + (event.payload or b"")
 
 
+def json_kind(value) -> str:
+    """What JSON calls ``value``'s kind, with an article: "a string", "an array", "null" ..."""
+    kinds = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "an array",
+             dict: "an object", type(None): "null"}
+    return kinds.get(type(value), "a value")
+
+
 def _json_object(raw: bytes, what: str) -> dict:
     try:
         value = json.loads(raw.decode("utf-8"))
@@ -128,7 +135,7 @@ def _json_object(raw: bytes, what: str) -> dict:
     except ValueError:
         raise ProtocolError(f"the event's {what} is not JSON") from None
     if not isinstance(value, dict):
-        raise ProtocolError(f"the event's {what} is a JSON {type(value).__name__}, not an object")
+        raise ProtocolError(f"the event's {what} is {json_kind(value)}, not an object")
     return value
 
 
@@ -144,7 +151,7 @@ def _length(header: dict, key: str) -> int:
 def optional_str(data: dict, key: str, what: str) -> str | None:
     value = data.get(key)
     if value is not None and not isinstance(value, str):
-        raise ProtocolError(f"{what}'s {key} is a JSON {type(value).__name__}, not a string")
+        raise ProtocolError(f"{what}'s {key} is {json_kind(value)}, not a string")
     return value
 
 
@@ -154,7 +161,7 @@ def voice_field(data: dict, what: str) -> SynthesizeVoice | None:
     if voice is None:
         return None
     if not isinstance(voice, dict):
-        raise ProtocolError(f"{what}'s voice is a JSON {type(voice).__name__}, not an object")
+        raise ProtocolError(f"{what}'s voice is {json_kind(voice)}, not an object")
     name = optional_str(voice, "name", f"{what}'s voice")
     speaker = optional_str(voice, "speaker", f"{what}'s voice")
     language = optional_str(voice, "language", f"{what}'s voice")
@@ -169,7 +176,7 @@ def text_field(data: dict, what: str) -> str:
     text = data.get("text")
     if not isinstance(text, str):
         raise ProtocolError(f"{what} needs a text (a string); got " +
-                            ("none" if text is None else f"a JSON {type(text).__name__}"))
+                            ("none" if text is None else json_kind(text)))
     return text
 
 
