@@ -453,8 +453,7 @@ class _Connection:
                     return await asyncio.wait_for(self.reader.read(1), wait)
                 except asyncio.TimeoutError:
                     pass
-            if busy or self._busy():
-                self.touch()
+            if self._busy():  # a session that ends or waits for text touches the connection
                 continue
             if self.loop.time() - self.quiet_since >= idle:
                 log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer, idle)
