@@ -37,13 +37,13 @@ NAMED_IDS = 5  # ids an "unknown voice" message names; the rest are counted
 log = logging.getLogger("cosyllama.voices")
 
 
-def describe_ids(ids: list[str], n: int = NAMED_IDS) -> str:
-    """``ids`` for a message: the first ``n``, then how many more (a message must not grow with the
-    store), or ``none``."""
+def describe_ids(ids: list[str], n: int = NAMED_IDS, listed_by: str = "GET /v1/voices") -> str:
+    """``ids`` for a message: the first ``n``, then how many more and what lists them all
+    (``listed_by``: a message must not grow with the store), or ``none``."""
     if not ids:
         return "none"
     head = ", ".join(ids[:n])
-    return head if len(ids) <= n else f"{head} and {len(ids) - n} more (GET /v1/voices lists them)"
+    return head if len(ids) <= n else f"{head} and {len(ids) - n} more ({listed_by} lists them)"
 
 
 def unknown_voice(voice_id, ids: list[str]) -> str:

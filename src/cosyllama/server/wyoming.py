@@ -24,6 +24,17 @@ scheduler request, batched with everyone else's. A bad request (unknown voice, n
 limit, the server busy) is answered with an ``error`` event, after which the server closes the
 connection (Home Assistant's client waits for audio until then). A client that closes the
 connection cancels its session: the LLM sequence is released at the next decode step.
+
+The protocol has no authentication, so everything a client controls is bounded
+(:class:`~cosyllama.server.conn.ConnectionLimits`, the flags ``serve`` has too, and
+:func:`event_caps`): events are read here, not by the `wyoming` package (which buffers whatever a
+header announces): a header line and its data at most so many bytes for the event's type, checked
+before they are read, no payload; an event complete within ``header_timeout`` of its first byte;
+no event for ``idle_timeout`` while nothing is being spoken closes the connection; a write that
+makes no progress for ``write_timeout`` (a client that stops reading) aborts the connection and
+frees its session's sequence, flow work and slot; ``max_connections`` open at once. A malformed
+event gets ``error`` ``protocol_error`` with a one-line reason and the connection is closed; the
+log says so in one warning line per client (rate-limited), never a traceback.
 """
 
 from __future__ import annotations
@@ -31,8 +42,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from urllib.parse import urlparse
@@ -43,15 +57,34 @@ from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
 from ..text.normalize import is_only_punctuation, take_sentences
+from ..voices import describe_ids
+from .conn import ConnectionLimits
 from .serving import Gate, ServerBusyError, pcm16
+from .wyoming_wire import (
+    ProtocolError,
+    RequestRefused,
+    event_bytes,
+    event_caps,
+    optional_str,
+    read_event,
+    shown,
+    text_field,
+    voice_field,
+)
 
 try:
     from wyoming.audio import AudioChunk, AudioStart, AudioStop
     from wyoming.error import Error
     from wyoming.event import Event
     from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
-    from wyoming.server import AsyncEventHandler, AsyncServer
-    from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
+    from wyoming.ping import Ping, Pong
+    from wyoming.tts import (
+        Synthesize,
+        SynthesizeChunk,
+        SynthesizeStart,
+        SynthesizeStop,
+        SynthesizeStopped,
+    )
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the Wyoming server needs its extra: pip install 'cosyllama[wyoming]'") from e
 
@@ -66,17 +99,16 @@ CHANNELS = 1
 MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="https://github.com/FunAudioLLM/CosyVoice")
 VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url="")
 
-
-class RequestRefused(InputError):
-    """A request the server answers with an ``error`` event; ``code`` is its machine-readable reason."""
-
-    def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
+MAX_SESSIONS = 4  # sessions one connection may have waiting or speaking
+STOP_GRACE_S = 5.0  # seconds a stopping server lets connections take their last events
+SEND_BUFFER_BYTES = 128 * 1024  # a connection's kernel send buffer: 2.7 s of audio, plenty for any link
+QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
+BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
 
 
 def error_event(e: BaseException) -> Event:
-    """The ``error`` event answering an exception raised by a request."""
+    """The ``error`` event answering an exception raised by a request: its text says what the
+    client can act on, never the server's files, libraries or exception texts (the log has those)."""
     if isinstance(e, RequestRefused):
         code = e.code
     elif isinstance(e, LimitExceeded):
@@ -89,8 +121,9 @@ def error_event(e: BaseException) -> Event:
         code = "invalid_request"
     else:
         log.error("synthesis failed", exc_info=e)
-        return Error(text=f"synthesis failed: {type(e).__name__}: {e}", code="internal_error").event()
-    return Error(text=str(e), code=code).event()
+        return Error(text="synthesis failed: an internal error (the server's log says why)",
+                     code="internal_error").event()
+    return Error(text=" ".join(str(e).split()), code=code).event()  # one line
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,13 +135,18 @@ class WyomingService:
     voice, the synthesis options of every request (e.g. ``greedy``/``seed``, which the protocol
     cannot carry) and the threads that run model code (never the event loop)."""
 
-    def __init__(self, serving, gate: Gate, *, default_voice: str | None = None, options=None):
+    def __init__(self, serving, gate: Gate, *, default_voice: str | None = None, options=None,
+                 connection_limits: ConnectionLimits | None = None):
         from ..tts import SynthesisOptions
 
         self.serving, self.tts, self.gate = serving, serving.tts, gate
         self.default_voice = default_voice
         self.options = replace(options or SynthesisOptions(), stream=True)
+        self.limits = connection_limits if connection_limits is not None else ConnectionLimits()
+        self.caps = event_caps(serving.limits)
         self.executor = ThreadPoolExecutor(serving.max_concurrent + 2, thread_name_prefix="cosyllama-wyoming")
+        self.connections: dict[asyncio.Task, _Connection] = {}
+        self._warned = _RateLimitedLog(BAD_CLIENT_LINES, 60.0)
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -135,7 +173,7 @@ class WyomingService:
         if self.default_voice is not None:
             if self.default_voice not in ids:
                 raise RequestRefused(f"the default voice {self.default_voice!r} is not registered; registered "
-                                     f"voices: {', '.join(ids) or 'none'}", "voice_not_found")
+                                     f"voices: {describe_ids(ids, listed_by='describe')}", "voice_not_found")
             return self.default_voice
         if not ids:
             raise RequestRefused("no voice is registered; register one through the HTTP API (POST /v1/voices) "
@@ -154,12 +192,49 @@ class WyomingService:
         if name is None or (name == DEFAULT_VOICE and name not in ids):
             name = self._default_id(ids)
         elif name not in ids:
-            raise RequestRefused(f"unknown voice {name!r}; voices: {', '.join([DEFAULT_VOICE, *ids])}",
-                                 "voice_not_found")
-        return name, self.tts.voices.get(name)
+            raise self._unknown(name, ids)
+        try:
+            return name, self.tts.voices.get(name)
+        except Exception as e:  # e.g. its file went bad: the client learns no path, the log has it
+            log.warning("voice %s cannot be read: %s", name, e)
+            raise self._unknown(name, ids) from e
+
+    @staticmethod
+    def _unknown(name: str, ids: list[str]) -> RequestRefused:
+        return RequestRefused(f"unknown voice {shown(name)}; voices: "
+                              f"{describe_ids([DEFAULT_VOICE, *ids], listed_by='describe')}", "voice_not_found")
+
+    def warn_bad_client(self, peer: str, why: str) -> None:
+        """One warning line for a client that broke the protocol (:meth:`warn`)."""
+        self.warn("Wyoming client %s broke the protocol: %s", peer, why)
+
+    def warn(self, msg: str, *args) -> None:
+        """A warning about a client, at most :data:`BAD_CLIENT_LINES` a minute (the rest are counted)."""
+        self._warned(msg, *args)
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _RateLimitedLog:
+    """``log.warning`` at most ``n`` times per ``window`` seconds; the lines left out are counted
+    and the count is logged with the next line let through."""
+
+    def __init__(self, n: int, window: float):
+        self.n, self.window = n, window
+        self.start, self.count, self.dropped = time.monotonic(), 0, 0
+
+    def __call__(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.start >= self.window:
+            if self.dropped:
+                log.warning("%d more such Wyoming clients were not logged", self.dropped)
+            self.start, self.count, self.dropped = now, 0, 0
+        if self.count < self.n:
+            self.count += 1
+            log.warning(msg, *args)
+        else:
+            self.dropped += 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,6 +281,7 @@ class _Session:
         self.pending = ""  # streamed text not yet a complete sentence
         self.n_sentences = 0
         self.job: _Job | None = None
+        self.waiting_for_text = False  # an open stream has spoken all it was sent: the client's turn
         self.task = asyncio.create_task(self._run(after), name=f"cosyllama-wyoming-{voice_id}")
 
     def add_text(self, piece: str) -> None:
@@ -229,7 +305,15 @@ class _Session:
 
     def _queue(self, sentence: str) -> None:
         if sentence and not is_only_punctuation(sentence):
-            self.service.serving.limits.check_chars("input", sentence)
+            limits = self.service.serving.limits
+            limits.check_chars("input", sentence)
+            if self.conn.queued_chars + len(sentence) > QUEUED_INPUTS * limits.input_chars:
+                raise LimitExceeded(f"this connection has {self.conn.queued_chars} characters waiting to be "
+                                    f"spoken, at most {QUEUED_INPUTS} x --max-input-chars "
+                                    f"({QUEUED_INPUTS * limits.input_chars}); send more once its audio comes",
+                                    field="input", limit=QUEUED_INPUTS * limits.input_chars,
+                                    flag="--max-input-chars")
+            self.conn.queued_chars += len(sentence)
             self.n_sentences += 1
             self.sentences.put_nowait(sentence)
 
@@ -256,12 +340,23 @@ class _Session:
             await self.conn.fail(e)
         finally:
             gate.release()
+            self.conn.touch()
 
     async def _speak(self) -> None:
         service, tts, conn = self.service, self.service.tts, self.conn
         rate, ms, k = tts.sample_rate, 0.0, 0
         started = False
-        while (text := await self.sentences.get()) is not None:
+        while True:
+            if self.sentences.empty():
+                self.waiting_for_text = True  # from here the idle timeout runs
+                self.conn.touch()
+            try:
+                text = await self.sentences.get()
+            finally:
+                self.waiting_for_text = False
+            if text is None:
+                break
+            self.conn.queued_chars -= len(text)
             opts = service.options if service.options.seed is None else replace(service.options,
                                                                                   seed=service.options.seed + k)
             job = self.job = _Job(tts, text, self.voice, opts)
@@ -292,62 +387,194 @@ class _Session:
 # A connection
 
 
-class _Connection(AsyncEventHandler):
-    def __init__(self, service: WyomingService, reader, writer):
-        super().__init__(reader, writer)
-        self.service = service
+class _Closed(Exception):
+    """The connection ends here (the client left, or it was answered and closed)."""
+
+
+class _Connection:
+    """One client: reads its events (bounded, :meth:`_read_event`), answers them, and writes
+    events with a bound on how long a write may make no progress (:meth:`write_event`)."""
+
+    def __init__(self, service: WyomingService, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.service, self.reader, self.writer = service, reader, writer
+        self.limits = service.limits
+        self.loop = asyncio.get_running_loop()
+        peer = writer.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
         self.stream: _Session | None = None  # the open synthesize-start ... -stop
         self.sessions: list[_Session] = []  # in order; the last one may still be speaking
+        self.queued_chars = 0  # text of its sessions not yet spoken
         self.failed = False
+        self.quiet_since = self.loop.time()  # when the client's turn began (for the idle timeout)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Answer events until the client leaves, breaks the protocol or is refused; never raises."""
+        try:
+            while not self.failed:
+                try:
+                    event = await self._read_event()
+                except InputError as e:  # a malformed event, or one over its bounds
+                    if not isinstance(e, ProtocolError):
+                        self.service.warn_bad_client(self.peer, str(e))
+                    await self.fail(e)
+                    break
+                if event is None or not await self.handle_event(event):
+                    break
+        except (_Closed, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception as e:  # a bug: say so once in the log, and close
+            log.error("Wyoming connection of %s failed", self.peer, exc_info=e)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.disconnect()
+            self._close()
+
+    def touch(self) -> None:
+        """Nothing of this connection is being spoken from now on until it sends more: the idle timeout restarts."""
+        self.quiet_since = self.loop.time()
+
+    def _busy(self) -> bool:
+        """Whether a session is waiting for a slot or speaking (the client may be silent meanwhile)."""
+        return any(not s.task.done() and not s.waiting_for_text for s in self.sessions)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    async def _first_byte(self) -> bytes:
+        """The first byte of the next event; b"" when the client is gone. Closes the connection
+        when the client sends nothing for ``idle_timeout`` seconds while nothing is being spoken."""
+        idle = self.limits.idle_timeout
+        while True:
+            busy = self._busy()
+            wait = idle if busy else self.quiet_since + idle - self.loop.time()
+            if wait > 0:
+                try:
+                    return await asyncio.wait_for(self.reader.read(1), wait)
+                except asyncio.TimeoutError:
+                    pass
+            if self._busy():  # a session that ends or waits for text touches the connection
+                continue
+            if self.loop.time() - self.quiet_since >= idle:
+                log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer, idle)
+                await self.fail(RequestRefused(f"no event for {idle:g} s (--idle-timeout); the connection is "
+                                               "closed", "idle_timeout"))
+                raise _Closed
+
+    async def _read_event(self) -> Event | None:
+        """The next event, read within bounds: None when the client left. :class:`ProtocolError`
+        (or :class:`LimitExceeded`) for an event this server does not read."""
+        first = await self._first_byte()
+        if not first:
+            return None
+        self.touch()
+        try:
+            return await read_event(self.reader, first, self.service.caps, self.limits.header_timeout,
+                                    self.service.serving.limits.input_chars)
+        except asyncio.TimeoutError:
+            seconds = self.limits.header_timeout
+            log.info("closed the Wyoming connection of %s: an event took more than %g s (--header-timeout)",
+                     self.peer, seconds)
+            await self.fail(RequestRefused(f"the event did not arrive within {seconds:g} s of its first byte "
+                                           "(--header-timeout)", "request_timeout"))
+            raise _Closed from None
+
+    # -- answering -----------------------------------------------------------------------------
 
     async def handle_event(self, event: Event) -> bool:
+        """Answer one (well-formed) event; False once the connection is to close."""
         try:
-            if Describe.is_type(event.type):
+            data, kind = event.data, event.type
+            if Describe.is_type(kind):
                 await self.write_event((await self.service.call(self.service.info)).event())
-            elif SynthesizeStart.is_type(event.type):
+            elif Ping.is_type(kind):
+                await self.write_event(Pong(text=optional_str(data, "text", "ping")).event())
+            elif SynthesizeStart.is_type(kind):
+                voice = voice_field(data, kind)
                 if self.stream is not None:
-                    raise RequestRefused("synthesize-start inside a stream; end it with synthesize-stop first",
-                                         "protocol_error")
-                self.stream = await self._open(SynthesizeStart.from_event(event).voice, streaming=True)
-            elif SynthesizeChunk.is_type(event.type):
-                self._stream("synthesize-chunk").add_text(SynthesizeChunk.from_event(event).text)
-            elif SynthesizeStop.is_type(event.type):
-                stream, self.stream = self._stream("synthesize-stop"), None
+                    raise ProtocolError("synthesize-start inside a stream; end it with synthesize-stop first")
+                self.stream = await self._open(voice, streaming=True)
+            elif SynthesizeChunk.is_type(kind):
+                text = text_field(data, kind)
+                self._stream(kind).add_text(text)
+            elif SynthesizeStop.is_type(kind):
+                stream, self.stream = self._stream(kind), None
                 stream.finish()
-            elif Synthesize.is_type(event.type) and self.stream is None:  # inside a stream: its copy for old servers
-                request = Synthesize.from_event(event)
-                if is_only_punctuation(request.text.strip()):  # empty, blank or nothing to say
-                    raise RequestRefused("text is empty; give some text to speak", "empty_text")
-                self.service.serving.limits.check_chars("input", request.text)
-                session = await self._open(request.voice, streaming=False)
-                session.add_whole(request.text)
-                session.sentences.put_nowait(None)
-            return True  # other events are not for a TTS server
+            elif Synthesize.is_type(kind):
+                text, voice = text_field(data, kind), voice_field(data, kind)
+                if self.stream is None:  # inside a stream: its copy for old servers, ignored
+                    if is_only_punctuation(text.strip()):  # empty, blank or nothing to say
+                        raise RequestRefused("text is empty; give some text to speak", "empty_text")
+                    self.service.serving.limits.check_chars("input", text)
+                    session = await self._open(voice, streaming=False)
+                    session.add_whole(text)
+                    session.sentences.put_nowait(None)
+            return True
+        except (ConnectionError, _Closed):
+            return False
         except Exception as e:
             await self.fail(e)
             return False
 
     def _stream(self, what: str) -> _Session:
         if self.stream is None:
-            raise RequestRefused(f"{what} without synthesize-start", "protocol_error")
+            raise ProtocolError(f"{what} without synthesize-start")
         return self.stream
 
     async def _open(self, voice, streaming: bool) -> _Session:
-        voice_id, features = await self.service.call(self.service.voice, voice)
         self.sessions = [s for s in self.sessions if not s.task.done()]
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise RequestRefused(f"this connection has {len(self.sessions)} requests waiting or speaking, at most "
+                                 f"{MAX_SESSIONS}; wait for audio-stop before sending more", "busy")
+        voice_id, features = await self.service.call(self.service.voice, voice)
         after = self.sessions[-1].task if self.sessions else None
         session = _Session(self, voice_id, features, streaming, after)
         self.sessions.append(session)
         return session
+
+    # -- writing and closing -------------------------------------------------------------------
+
+    async def write_event(self, event: Event) -> None:
+        """Send ``event``; a ``ConnectionError`` when the client is gone, or when the write made no
+        progress for ``write_timeout`` seconds (then the connection is aborted)."""
+        transport = self.writer.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the connection is closed")
+        self.writer.write(event_bytes(event))
+        seconds = self.limits.write_timeout
+        while True:
+            before = transport.get_write_buffer_size()
+            try:
+                await asyncio.wait_for(self.writer.drain(), seconds)
+                return
+            except asyncio.TimeoutError:
+                if not transport.is_closing() and transport.get_write_buffer_size() < before:
+                    continue  # a slow reader, but it reads
+            log.info("closed the Wyoming connection of %s: it read nothing for %g s (--write-timeout)",
+                     self.peer, seconds)
+            self.failed = True
+            transport.abort()  # its sessions are cancelled as when it leaves
+            raise ConnectionResetError("the client stopped reading")
 
     async def fail(self, e: BaseException) -> None:
         """Answer ``e`` with an ``error`` event, then close the connection."""
         if self.failed:
             return
         self.failed = True
+        if isinstance(e, ProtocolError):
+            self.service.warn_bad_client(self.peer, str(e))
         with contextlib.suppress(ConnectionError, RuntimeError):
             await self.write_event(error_event(e))
-        await self.stop()
+        self._close()
+
+    def _close(self) -> None:
+        """Close the connection: what is written goes out, within ``write_timeout``; the reader ends."""
+        transport = self.writer.transport
+        if not transport.is_closing():
+            transport.close()
+            if transport.get_write_buffer_size():
+                self.loop.call_later(self.limits.write_timeout, transport.abort)
+        self.reader.feed_eof()
 
     async def disconnect(self) -> None:
         """The connection ended: cancel its sessions; their sequences are free when this returns."""
@@ -377,47 +604,98 @@ def check_uri(uri: str) -> str:
 
 
 def wyoming_options_from_args(args) -> dict:
-    """The Wyoming keyword arguments of :func:`start_wyoming` from parsed options, checked."""
+    """The Wyoming keyword arguments of :func:`start_wyoming` from parsed options, checked: the
+    default voice and the connection bounds (``--header-timeout`` ..., shared with ``serve``)."""
     if getattr(args, "default_voice", None) is not None:
         from ..voices import check_voice_id
 
         check_voice_id(args.default_voice)
-    return {"default_voice": getattr(args, "default_voice", None)}
+    return {"default_voice": getattr(args, "default_voice", None),
+            "connection_limits": ConnectionLimits.from_args(args)}
 
 
 class WyomingServer:
     """A running Wyoming server (from :func:`start_wyoming`); ``address`` is where it listens."""
 
-    def __init__(self, server: AsyncServer, service: WyomingService, address):
-        self.server, self.service, self.address = server, service, address
+    def __init__(self, server: asyncio.AbstractServer, service: WyomingService, address, unix_path: str | None):
+        self.server, self.service, self.address, self.unix_path = server, service, address, unix_path
 
     async def stop(self) -> None:
         """Stop listening and end every connection (their sessions are cancelled)."""
-        await self.server.stop()  # each connection's reader ends, so its handler cancels its sessions
-        handlers = list(getattr(self.server, "_handlers", ()))
-        if handlers:
-            await asyncio.wait(handlers)
+        self.server.close()
+        connections = dict(self.service.connections)
+        for conn in connections.values():
+            conn._close()  # each connection's reader ends, so it cancels its sessions
+        if connections:
+            _, stuck = await asyncio.wait(list(connections), timeout=STOP_GRACE_S)
+            for task in stuck:  # a client that reads nothing: drop what it was sent
+                connections[task].writer.transport.abort()
+            if stuck:
+                await asyncio.wait(stuck)
+        if self.unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
         self.service.close()
 
 
+async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A new connection: served, or refused with ``busy`` past ``max_connections``."""
+    task = asyncio.current_task()
+    limit = service.limits.max_connections
+    if len(service.connections) >= limit:
+        service.warn("refused a Wyoming connection: %d open, --max-connections %d", limit, limit)
+        refusal = Error(text=f"the server has {limit} connections open, its limit (--max-connections); retry in "
+                             "a moment", code="busy").event()
+        with contextlib.suppress(Exception):
+            writer.write(event_bytes(refusal))
+            writer.transport.close()
+            if writer.transport.get_write_buffer_size():
+                asyncio.get_running_loop().call_later(service.limits.write_timeout, writer.transport.abort)
+        return
+    sock = writer.get_extra_info("socket")
+    if sock is not None:  # the kernel holds at most this much of what a client has not read (else up to MBs)
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    conn = _Connection(service, reader, writer)
+    service.connections[task] = conn
+    try:
+        await conn.run()
+    finally:
+        service.connections.pop(task, None)
+
+
 async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_voice: str | None = None,
-                        options=None) -> WyomingServer:
+                        options=None, connection_limits: ConnectionLimits | None = None) -> WyomingServer:
     """Listen at ``uri`` in the running event loop and answer the Wyoming protocol from ``serving``
     (a :class:`~cosyllama.server.serving.Serving`); ``gate``: the admission gate to share (default: a new
     one of ``serving``'s bounds). ``options``: the :class:`~cosyllama.tts.SynthesisOptions` of
-    every request (always streaming). A TCP port 0 listens on a free port (see ``address``)."""
+    every request (always streaming). ``connection_limits``: what a client may hold (default
+    :class:`ConnectionLimits`()). A TCP port 0 listens on a free port (see ``address``)."""
     check_uri(uri)
     gate = gate if gate is not None else Gate(serving.max_concurrent, serving.max_queue)
-    service = WyomingService(serving, gate, default_voice=default_voice, options=options)
-    server = AsyncServer.from_uri(uri)
+    service = WyomingService(serving, gate, default_voice=default_voice, options=options,
+                             connection_limits=connection_limits)
+    u = urlparse(uri)
+    line_cap = max(service.caps.values())  # the reader buffers at most about this much of a header line
+
+    async def accept(reader, writer):
+        await _accept(service, reader, writer)
+
+    unix_path = None
     try:
-        await server.start(lambda reader, writer: _Connection(service, reader, writer))
+        if u.scheme == "unix":
+            unix_path = u.path
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(unix_path)
+            server = await asyncio.start_unix_server(accept, path=unix_path, limit=line_cap)
+        else:
+            server = await asyncio.start_server(accept, host=u.hostname, port=u.port, limit=line_cap)
     except OSError as e:  # e.g. the port is taken
         service.close()
         raise InputError(f"cannot listen at {uri}: {e.strerror or e}") from e
-    sockets = server._server.sockets if getattr(server, "_server", None) is not None else ()
+    sockets = server.sockets or ()
     address = sockets[0].getsockname() if sockets else uri
-    return WyomingServer(server, service, address)
+    return WyomingServer(server, service, address, unix_path)
 
 
 def run_wyoming(args) -> None:
@@ -453,5 +731,6 @@ def run_wyoming(args) -> None:
         serving.close()
 
 
-__all__ = ["DEFAULT_VOICE", "LANGUAGES", "RequestRefused", "WyomingServer", "WyomingService", "check_uri",
-           "error_event", "run_wyoming", "start_wyoming", "wyoming_options_from_args"]
+__all__ = ["DEFAULT_VOICE", "LANGUAGES", "ProtocolError", "RequestRefused", "WyomingServer", "WyomingService",
+           "check_uri", "error_event", "event_bytes", "event_caps", "run_wyoming", "start_wyoming",
+           "wyoming_options_from_args"]
