@@ -14,7 +14,7 @@ from pathlib import Path
 from ..commands.flags import add_gpu_options, add_llm_weights_option
 from ..errors import InputError
 from ..options import LoadOptions
-from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files
+from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files, voice_folders
 from .manifest import Manifest, read_manifest
 from .output import FORMATS, RESULTS, DirLock, ResultsLog, compact_results, is_done, prepare_out_dir, read_results
 from .progress import STAGES, BatchProgress
@@ -96,14 +96,17 @@ def _check_args(args) -> EngineOptions:
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:
     """Registered voice ids and whether each has a transcript (read without loading a model)."""
-    from ..voices import VoiceStore
+    from ..voices import REF_TXT, VoiceStore
 
     if path is None:
         return set(), {}
     store = VoiceStore()
     for f in voice_files(path):
         store.load(f)
-    return set(store.ids()), {v: store.get(v).prompt_text is not None for v in store.ids()}
+    transcripts = {v: store.get(v).prompt_text is not None for v in store.ids()}
+    for vid, folder in voice_folders(path).items():  # made with the model; a file of the same id wins
+        transcripts.setdefault(vid, (folder / REF_TXT).is_file())
+    return set(transcripts), transcripts
 
 
 def plan(manifest: Manifest, out_dir: Path, fmt: str, retry_failed: bool):
