@@ -13,9 +13,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import BackendBusyError, CosyllamaError, InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import SchedulerBusyError
+from ..voices import UnknownVoiceError
 from .common import ApiError, busy, error_body
 
 log = logging.getLogger("cosyllama.server")
+
+INTERNAL_ERROR = "internal error; the server's log has the details"  # a 500's message: nothing of the server
 
 
 def synthesis_error(e: Exception) -> ApiError:
@@ -26,12 +29,14 @@ def synthesis_error(e: Exception) -> ApiError:
         return busy(str(e))
     if isinstance(e, LimitExceeded):
         return limit_error(e)
+    if isinstance(e, UnknownVoiceError):  # removed since the request was checked
+        return ApiError(404, str(e), "not_found_error", param="voice", code="voice_not_found")
     if isinstance(e, InputError):
         return ApiError(422, str(e))
     if isinstance(e, CosyllamaError):
         return ApiError(400, str(e))
-    log.exception("synthesis failed", exc_info=e)
-    return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", "internal_error")
+    log.error("synthesis failed", exc_info=e)  # what failed is for the operator, not the client
+    return ApiError(500, INTERNAL_ERROR, "internal_error")
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
@@ -78,7 +83,7 @@ async def _http_error(request, e: StarletteHTTPException):
 
 async def _unexpected_error(request, e: Exception):
     """A bug: answer 500 with the JSON error body (the traceback goes to the log)."""
-    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500)
+    return JSONResponse(error_body(INTERNAL_ERROR, "internal_error"), status_code=500)
 
 
 def add_error_handlers(app) -> None:

@@ -35,8 +35,9 @@ from ..defaults import SPEED_RANGE
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
+from ..text.normalize import text_problem
 from ..tts import MODES
-from ..voices import describe_ids
+from ..voices import unknown_voice
 from .common import ApiError, error_body, gate
 from .errors import synthesis_error
 from .wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
@@ -169,6 +170,22 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
 router = APIRouter()
 
 
+def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
+    """The 404 for a voice that is not registered (or whose file the server skipped)."""
+    return ApiError(404, unknown_voice(voice_id, ids, more=" (GET /v1/voices lists them)")
+                    + "; add one with POST /v1/voices", "not_found_error", param="voice", code="voice_not_found")
+
+
+async def check_voice(tts, voice) -> None:
+    """422 for an empty voice field, 404 for a voice that is not registered (the store may read a
+    file or make a folder's voice: off the event loop)."""
+    if isinstance(voice, str) and not voice.strip():
+        raise ApiError(422, "voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
+                       param="voice", code="empty_string")
+    if not await run_in_threadpool(tts.voices.__contains__, voice):
+        raise unknown_voice_error(voice, await run_in_threadpool(tts.voices.ids))
+
+
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
     tts, limits = request.app.state.tts, request.app.state.limits
@@ -182,11 +199,12 @@ async def speech(body: SpeechRequest, request: Request):
     if body.instructions is not None and not body.instructions.strip():
         raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
                        param="instructions", code="empty_string")
+    for field, text in (("input", body.input), ("instructions", body.instructions)):
+        problem = None if text is None else text_problem(text)
+        if problem is not None:
+            raise ApiError(422, f"{field} {problem}", param=field, code="invalid_characters")
     body.synthesis_mode()
-    if body.voice not in tts.voices:
-        ids = await run_in_threadpool(tts.voices.ids)
-        raise ApiError(404, f"unknown voice {body.voice!r}; registered voices: {describe_ids(ids)} "
-                       "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
+    await check_voice(tts, body.voice)
     streaming = body.streaming()
     if streaming and body.response_format not in STREAMABLE:
         raise ApiError(422, f"response_format {body.response_format!r} cannot be streamed (its header is "
