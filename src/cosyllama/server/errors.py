@@ -15,10 +15,9 @@ from ..limits import LimitExceeded
 from ..llm.scheduler import SchedulerBusyError
 from ..voices import UnknownVoiceError
 from .common import ApiError, busy, error_body
+from .serving import INTERNAL_ERROR
 
 log = logging.getLogger("cosyllama.server")
-
-INTERNAL_ERROR = "internal error; the server's log has the details"  # a 500's message: nothing of the server
 
 
 def synthesis_error(e: Exception) -> ApiError:

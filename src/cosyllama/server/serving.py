@@ -3,11 +3,13 @@
 
 * :func:`load_tts` and :func:`check_options`: the model and the per-request limits that the
   ``serve`` / ``wyoming`` options ask for, checked before the minutes of loading a model;
-* :func:`open_voice_store` and :func:`warm_voices`: the voices of ``--voices``;
+* :func:`open_voice_store`, :func:`report_voices` and :func:`warm_voices`: the voices of ``--voices``;
 * :func:`prepare`: the served view of a TTS (its tokens from one batching scheduler, its calls
   checked against the limits, long texts normalized in a helper process), as a :class:`Serving`;
 * :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
 * :func:`pcm16`: the 16-bit samples both protocols send.
+* :data:`INTERNAL_ERROR`: all a client is told of a failure that is the server's (the unknown-voice
+  message both use is :func:`cosyllama.voices.unknown_voice`).
 
 One process serving both protocols (``serve --wyoming``) shares one :class:`Serving` and one gate.
 """
@@ -31,6 +33,10 @@ from ..options import LoadOptions
 from ..voices import ClipEncoder, VoiceDirectory, VoiceStore, describe_ids
 
 log = logging.getLogger("cosyllama.server")
+
+# what a client is told of a failure that is the server's (HTTP 500, Wyoming's internal_error): nothing
+# of its files, libraries or exceptions, which go to the log
+INTERNAL_ERROR = "internal error; the server's log has the details"
 
 
 def pcm16(samples: np.ndarray) -> bytes:
@@ -251,5 +257,5 @@ def _warm_all(tts) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["Gate", "ServerBusyError", "Serving", "check_options", "interleave_choice", "load_tts",
+__all__ = ["INTERNAL_ERROR", "Gate", "ServerBusyError", "Serving", "check_options", "interleave_choice", "load_tts",
            "open_voice_store", "pcm16", "prepare", "report_voices", "stage_turns", "warm_voices"]
