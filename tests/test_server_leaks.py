@@ -200,6 +200,8 @@ def _bad_requests(c, vdir):
     yield "mode", post({**speak, "mode": "vc"})
     yield "instructions", post({**speak, "mode": "instruct"})
     yield "extra", post({**speak, "bogus": 1})
+    yield "long extra", post({**speak, "k" * 10_000: 1})
+    yield "many extras", post({**speak, **{f"field{i}": i for i in range(500)}})
     yield "bad json", c.post("/v1/audio/speech", content=b"{nope", headers={"Content-Type": "application/json"})
     yield "not json", c.post("/v1/audio/speech", content=b"\xff\xfe", headers={"Content-Type": "text/plain"})
     yield "garbage audio", c.post("/v1/voices", files=files(b"RIFF\x00\x00garbage" * 10), data={"id": "g"})
