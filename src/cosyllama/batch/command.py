@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     b.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
     b.add_argument("--gguf", help="run the LLM on llama.cpp from this GGUF (default: PyTorch)")
     b.add_argument("--voices", metavar="DIR|FILE", help="registered voices: a voice file (VoiceStore.save) or a "
-                                                        "directory of them (*.pt)")
+                                                        "directory of them (*.pt) and of voice folders "
+                                                        "(NAME/ref.wav + ref.txt)")
     b.add_argument("--format", choices=FORMATS, default="wav", help="audio file format (16-bit, 24 kHz mono)")
     b.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default="auto",
                    help="flow compute precision")
