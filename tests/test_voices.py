@@ -18,6 +18,7 @@ from cosyllama.errors import InputError
 from cosyllama.frontend import PromptFeatures
 from cosyllama.voices import (
     ReadOnlyVoicesError,
+    UnknownVoiceError,
     VoiceDirectory,
     VoiceExistsError,
     VoiceStore,
@@ -126,16 +127,19 @@ def test_directory_refuses_what_it_cannot_serve(tmp_path):
     bundle.save(d / "team.pt")
     store = VoiceDirectory(d)  # every file is read at start: a bad one is skipped and reported then
     assert list(store.skipped) == ["team.pt"]
-    assert "holds the voice(s) 'x', 'y'; a voice directory holds one" in store.skipped["team.pt"]
-    with pytest.raises(InputError, match=r"team\.pt: holds the voice\(s\) 'x', 'y'; a voice directory holds one"):
+    assert store.skipped["team.pt"].startswith("holds the voice(s) 'x', 'y'; a voice directory holds one")
+    assert str(d) not in store.skipped["team.pt"]  # the reason names no path (the log does)
+    # a skipped file is no voice: the same error as an unknown id, not counted, not listed
+    with pytest.raises(UnknownVoiceError, match=r"^unknown voice 'team'; registered voices: none$"):
         store.get("team")
-    assert store.items() == {}
-    (d / "team.pt").write_text("junk")
-    with pytest.raises(InputError, match="not a voice file"):
+    assert store.items() == {} and store.ids() == [] and "team" not in store and len(store) == 0
+    (d / "team.pt").write_text("junk")  # changed: read again, still bad
+    with pytest.raises(UnknownVoiceError):
         store.get("team")
+    assert store.skipped["team.pt"].startswith("not a voice file (")
     assert "not a voice file" in VoiceDirectory(d).skipped["team.pt"]
     VoiceDirectory(d).add("team", _voice(1))  # replaced by a good one: no longer skipped
-    assert store.get("team") is not None and store.skipped == {}
+    assert store.get("team") is not None and store.skipped == {} and store.ids() == ["team"]
 
 
 def test_stale_temporary_files_are_removed_fresh_ones_kept(tmp_path):

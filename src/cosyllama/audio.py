@@ -34,7 +34,8 @@ TOKENIZER_SAMPLE_RATE = 16_000  # Hz: speech tokenizer and speaker encoder input
 MIN_FILE_SAMPLE_RATE = 16_000  # Hz: the reference refuses files below this (no upsampling from 8 kHz)
 MAX_PROMPT_SECONDS = 30.0  # the speech tokenizer's limit
 MIN_PROMPT_SECONDS = 0.1  # shorter clips give no speech token / mel frame
-SILENCE_PEAK = 1e-3  # peak |amplitude| at or below -60 dBFS counts as silence
+SILENCE_RMS = 1e-3  # a clip whose RMS after removing its DC offset is at or below -60 dBFS has no signal
+MAX_PEAK = 4.0  # |sample| above +12 dBFS: a float file not scaled to [-1, 1] (a few dB over is a clipped export)
 MAX_CHANNELS = 8  # more is no speech recording; with the rate bound, bounds what one second decodes to
 MAX_FILE_SAMPLE_RATE = 192_000  # Hz: the highest common recording rate
 
@@ -120,7 +121,9 @@ def _too_long(named: str, seconds: float | None, max_seconds: float) -> str:
 
 
 def check_prompt_audio(wav: torch.Tensor, sample_rate: int, what: str = "prompt audio") -> None:
-    """Refuse audio the frontend cannot use: below 16 kHz, empty, too short, over 30 s, or silent."""
+    """Refuse audio the frontend cannot use: below 16 kHz, empty, too short, over 30 s, samples
+    far outside [-1, 1] (above :data:`MAX_PEAK`), or no signal: the RMS after removing the mean
+    (the DC offset) at or below :data:`SILENCE_RMS` (silence, a constant)."""
     n = wav.shape[-1]
     _check_rate(sample_rate, what)
     if n == 0:
@@ -133,9 +136,16 @@ def check_prompt_audio(wav: torch.Tensor, sample_rate: int, what: str = "prompt 
     peak = float(wav.abs().max())
     if not math.isfinite(peak):  # audio read elsewhere than read_audio
         raise InputError(f"{what} holds samples that are not finite numbers (NaN or infinity)")
-    if peak <= SILENCE_PEAK:
-        raise InputError(f"{what} is silent (peak amplitude {peak:.2e}, at most {SILENCE_PEAK:g} = -60 dBFS); "
-                         "give a recording of speech")
+    if peak > MAX_PEAK:
+        raise InputError(f"{what} holds samples far outside [-1, 1] (peak {peak:.3g}, at most {MAX_PEAK:g} allowed); "
+                         "give audio scaled to [-1, 1] (e.g. 16-bit PCM)")
+    x = wav.double()
+    offset = float(x.mean())
+    rms = float((x - offset).pow(2).mean().sqrt())
+    if rms <= SILENCE_RMS:
+        kind = "constant (a DC offset, no sound)" if abs(offset) > SILENCE_RMS else "silent"
+        raise InputError(f"{what} has no signal: it is {kind}, its RMS after removing the mean ({offset:.3g}) is "
+                         f"{rms:.2e}, at most {SILENCE_RMS:g} = -60 dBFS; give a recording of speech")
 
 
 def _check_rate(sample_rate: int, what: str) -> None:

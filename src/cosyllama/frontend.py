@@ -33,7 +33,13 @@ from .audio import (
 from .config import PROMPT_MEL_PER_TOKEN, ModelConfig
 from .errors import InputError
 from .prompt import PromptEncoder
-from .text.normalize import DEFAULT_PROMPT_PREFIX, TextNormalizer, instruct_prompt_text, zero_shot_prompt_text
+from .text.normalize import (
+    DEFAULT_PROMPT_PREFIX,
+    TextNormalizer,
+    instruct_prompt_text,
+    text_problem,
+    zero_shot_prompt_text,
+)
 from .text.tokenizer import ENDOFPROMPT, TextTokenizer
 
 MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
@@ -53,6 +59,7 @@ class PromptFeatures:
     prompt_text: str | None  # LLM prompt text incl. <|endofprompt|>; None when no transcript was given
     prompt_text_ids: tuple[int, ...]  # token ids of prompt_text; () when None
     token_rate: int = 25  # speech tokens per second: the config's token_frame_rate (25 for CosyVoice3)
+    instruction: str | None = None  # the voice's style instruction: instruct mode when a request gives none
 
     @property
     def duration(self) -> float:
@@ -127,6 +134,15 @@ def _check_finite(what: str, audio, computed: dict[str, torch.Tensor]) -> None:
         peak = float(audio.wav16.abs().max())
         raise InputError(f"{what} gives {' and '.join(bad)} that are not finite numbers: its samples are far "
                          f"outside [-1, 1] (peak {peak:.3g}); give audio scaled to [-1, 1] (e.g. 16-bit PCM)")
+
+
+def check_text(field: str, text: str) -> None:
+    """Refuse text holding a control character or a lone surrogate (:func:`text_problem`)."""
+    problem = text_problem(text) if isinstance(text, str) else None
+    if problem is not None:
+        raise InputError(f"{field} {problem}")
+
+
 _EMPTY_TOKENS = torch.zeros(0, dtype=torch.int32)
 
 
@@ -162,6 +178,7 @@ class Frontend:
             raise InputError(f"text must be a str, got {type(text).__name__}")
         if not text.strip():
             raise InputError("text is empty; give the text to speak")
+        check_text("text", text)
         segments = self.normalizer.normalize(text, split=True, text_frontend=text_frontend,
                                              russian_numbers=russian_numbers)
         segments = [s for s in segments if s.strip()]
@@ -177,6 +194,8 @@ class Frontend:
         ``prompt_text``: the clip's transcript (needed for zero-shot); without ``<|endofprompt|>``
         the default system prefix is prepended. Not normalized (reference behaviour).
         """
+        if prompt_text is not None:
+            check_text("transcript", prompt_text)
         tokens, feat, embedding = self._extract(prompt_wav, "prompt audio")
         # The reference's frontend trims to its fixed 2:1 ratio (config.load_config refuses a yaml that differs).
         n = min(feat.shape[0] // PROMPT_MEL_PER_TOKEN, tokens.shape[0])
@@ -242,6 +261,7 @@ class Frontend:
 
         The instruction replaces the transcript as LLM prompt text and is never normalized.
         """
+        check_text("instruction", instruction)
         voice = self._voice(voice)
         instruct_ids = self.tokenize(instruct_prompt_text(instruction))
         return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS)

@@ -269,10 +269,14 @@ class TTS:
                    voice: PromptFeatures | str | None = None, prompt_wav: AudioSource | None = None,
                    prompt_text: str | None = None, options: SynthesisOptions | None = None, **kw) -> Synthesis:
         """One of the three text modes, chosen by :func:`choose_mode` when ``mode`` is None: instruct
-        with an ``instruction``, zero-shot when the voice (or ``prompt_text``) has a transcript,
-        else cross-lingual."""
-        if mode is None:
+        with an ``instruction`` (or a voice that has one, e.g. from a voice folder's
+        ``instruct.txt``: an ``instruction`` given replaces it), zero-shot when the voice (or
+        ``prompt_text``) has a transcript, else cross-lingual."""
+        if mode is None or (mode == "instruct" and instruction is None):
             v = self.voices.get(voice) if isinstance(voice, str) else voice
+            if instruction is None:
+                instruction = getattr(v, "instruction", None)
+        if mode is None:
             has_text = bool(prompt_text) or bool(getattr(v, "prompt_text", None))
             mode = choose_mode(None, instruction, has_text)
         else:

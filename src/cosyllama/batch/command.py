@@ -14,7 +14,7 @@ from pathlib import Path
 from ..commands.flags import add_gpu_options, add_llm_weights_option
 from ..errors import InputError
 from ..options import LoadOptions
-from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files
+from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files, voice_folders
 from .manifest import Manifest, read_manifest
 from .output import FORMATS, RESULTS, DirLock, ResultsLog, compact_results, is_done, prepare_out_dir, read_results
 from .progress import STAGES, BatchProgress
@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     b.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
     b.add_argument("--gguf", help="run the LLM on llama.cpp from this GGUF (default: PyTorch)")
     b.add_argument("--voices", metavar="DIR|FILE", help="registered voices: a voice file (VoiceStore.save) or a "
-                                                        "directory of them (*.pt)")
+                                                        "directory of them (*.pt) and of voice folders "
+                                                        "(NAME/ref.wav + ref.txt)")
     b.add_argument("--format", choices=FORMATS, default="wav", help="audio file format (16-bit, 24 kHz mono)")
     b.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default="auto",
                    help="flow compute precision")
@@ -96,14 +97,17 @@ def _check_args(args) -> EngineOptions:
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:
     """Registered voice ids and whether each has a transcript (read without loading a model)."""
-    from ..voices import VoiceStore
+    from ..voices import REF_TXT, VoiceStore
 
     if path is None:
         return set(), {}
     store = VoiceStore()
     for f in voice_files(path):
         store.load(f)
-    return set(store.ids()), {v: store.get(v).prompt_text is not None for v in store.ids()}
+    transcripts = {v: store.get(v).prompt_text is not None for v in store.ids()}
+    for vid, folder in voice_folders(path).items():  # made with the model; a file of the same id wins
+        transcripts.setdefault(vid, (folder / REF_TXT).is_file())
+    return set(transcripts), transcripts
 
 
 def plan(manifest: Manifest, out_dir: Path, fmt: str, retry_failed: bool):

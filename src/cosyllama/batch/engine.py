@@ -9,6 +9,7 @@ one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.b
 
 from __future__ import annotations
 
+import logging
 import queue
 import signal
 import threading
@@ -23,6 +24,8 @@ from ..errors import CosyllamaError, InputError
 from ..options import LoadOptions
 from .manifest import Row
 from .output import audio_name, write_audio
+
+log = logging.getLogger("cosyllama.batch")
 
 DEFAULT_CONCURRENCY = 4
 VOICE_CACHE = 128  # prompt clips whose features are kept (one per distinct prompt_wav + prompt_text)
@@ -42,31 +45,57 @@ class EngineOptions:
 
 
 def voice_files(path: str | Path) -> list[Path]:
-    """The voice files ``--voices`` names: the file itself, or a directory's ``*.pt`` files."""
+    """The voice files ``--voices`` names: the file itself, or a directory's ``*.pt`` files (its
+    voice folders: :func:`voice_folders`)."""
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("*.pt"))
-        if not files:
-            raise InputError(f"--voices directory {str(p)!r} holds no voice files (*.pt)")
+        if not files and not voice_folders(p):
+            raise InputError(f"--voices directory {str(p)!r} holds no voice files (*.pt) and no voice folders "
+                             "(NAME/ref.wav)")
         return files
     if not p.is_file():
         raise InputError(f"--voices {str(p)!r} does not exist")
     return [p]
 
 
-def load_voices(store, path: str | Path | None) -> None:
-    """Register the voices of ``path`` (see :func:`voice_files`) in ``store``."""
-    if path is not None:
-        for f in voice_files(path):
-            store.load(f)
+def voice_folders(path: str | Path) -> dict[str, Path]:
+    """The voice folders of a ``--voices`` directory (``NAME/ref.wav``, see
+    :func:`cosyllama.voices.read_voice_folder`), by id; none for a file."""
+    from ..voices import is_voice_folder
+
+    p = Path(path)
+    if not p.is_dir():
+        return {}
+    return {f.name: f for f in sorted(p.iterdir()) if f.is_dir() and is_voice_folder(f)}
+
+
+def load_voices(store, path: str | Path | None, encoder=None) -> None:
+    """Register the voices of ``path`` (see :func:`voice_files`) in ``store``, and its voice folders'
+    made with ``encoder`` (a :class:`~cosyllama.voices.ClipEncoder`; kept in each folder): a folder
+    that cannot be made into a voice is skipped with a warning, as ``serve`` skips it."""
+    from ..voices import read_voice_folder
+
+    if path is None:
+        return
+    for f in voice_files(path):
+        store.load(f)
+    for vid, folder in voice_folders(path).items():
+        if encoder is None or vid in store:
+            continue
+        try:
+            store.add(vid, read_voice_folder(folder, encoder))
+        except InputError as e:
+            log.warning("voices: skipped, not served: %s/: %s", folder, e)
 
 
 def load_tts(opts: EngineOptions):
     """The TTS an engine runs, with the voices of ``opts.voices``."""
     from ..tts import TTS
+    from ..voices import ClipEncoder
 
     tts = TTS(opts.load)
-    load_voices(tts.voices, opts.voices)
+    load_voices(tts.voices, opts.voices, ClipEncoder.of(tts))
     return tts
 
 

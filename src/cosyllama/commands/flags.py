@@ -81,7 +81,8 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
                         "(the log says which)")
     v.add_argument("--voices", metavar="DIR|FILE",
                    help="DIR: keep voices there, one file each (made if missing; registrations and deletions "
-                        "survive restarts and are seen by every server sharing DIR); FILE: a voice file "
+                        "survive restarts and are seen by every server sharing DIR), and serve its voice folders "
+                        "NAME/ref.wav (+ ref.txt transcript or instruct.txt); FILE: a voice file "
                         "(VoiceStore.save) served read-only; default: voices in memory only")
     v.add_argument("--stream-cache-mb", type=float, default=None,
                    help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "

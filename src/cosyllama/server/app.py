@@ -30,7 +30,15 @@ from ..errors import InputError, MissingDependencyError
 from ..heap import bound_onednn_cache
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
-from .serving import check_options, interleave_choice, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
+from .serving import (
+    check_options,
+    interleave_choice,
+    load_tts,
+    open_voice_store,
+    openmp_hint,
+    prepare,
+    warm_voices,
+)
 
 try:
     from fastapi import APIRouter, FastAPI, Request
@@ -42,7 +50,7 @@ from .common import gate as _gate  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .errors import add_error_handlers  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
-from .security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
+from .security import API_KEY_ENV, add_guard, guard_options, has_api_key  # noqa: E402
 from .speech import VoiceNames, parse_voice_aliases  # noqa: E402
 from .speech import router as speech_router  # noqa: E402
 from .voices import router as voices_router  # noqa: E402
@@ -97,8 +105,10 @@ async def health(request: Request):
     prompt_cache = getattr(getattr(state.tts, "token2wav", None), "prompt_cache_info", None)
     if callable(prompt_cache):
         out["prompt_cache"] = prompt_cache()
-    skipped = state.tts.voices.skipped  # voice files that could not be read: the operator should look
-    out["voices"] = {"skipped": [{"file": name, "error": why} for name, why in sorted(skipped.items())]}
+    skipped = await run_in_threadpool(lambda: state.tts.voices.skipped)  # files that could not be read
+    out["voices"] = {"skipped_count": len(skipped)}
+    if has_api_key(request.headers, state.api_key):  # which and why: only for who holds the key
+        out["voices"]["skipped"] = [{"file": name, "error": why} for name, why in skipped.items()]
     return out
 
 
@@ -175,6 +185,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app.state.gate = None
     app.state.voice_names = voice_names
     app.state.speech_defaults = speech_defaults
+    app.state.api_key = api_key  # /health shows details only with it
     app.state.wyoming = None  # the WyomingServer while the app runs, with ``wyoming``
     add_error_handlers(app)
     app.include_router(router)
@@ -213,18 +224,15 @@ def serve(args) -> None:
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
     tts.voices = voices
-    warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
                      wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args),
                      default_voice=default_voice, voice_aliases=voice_aliases)
+    warm_voices(tts)  # after create_app: voice folders are made by then
     openmp_hint(tts)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     args.host, API_KEY_ENV)
-    skipped = tts.voices.skipped
-    if skipped:
-        log.warning("voices: %d file(s) skipped, listed in /health: %s", len(skipped), ", ".join(sorted(skipped)))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits))
 
 

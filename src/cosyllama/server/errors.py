@@ -13,7 +13,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import BackendBusyError, CosyllamaError, InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import SchedulerBusyError
+from ..voices import NAMED_IDS, SHOWN_ID_CHARS, UnknownVoiceError
 from .common import ApiError, busy, error_body
+from .serving import INTERNAL_ERROR
 
 log = logging.getLogger("cosyllama.server")
 
@@ -26,12 +28,14 @@ def synthesis_error(e: Exception) -> ApiError:
         return busy(str(e))
     if isinstance(e, LimitExceeded):
         return limit_error(e)
+    if isinstance(e, UnknownVoiceError):  # removed since the request was checked
+        return ApiError(404, str(e), "not_found_error", param="voice", code="voice_not_found")
     if isinstance(e, InputError):
         return ApiError(422, str(e))
     if isinstance(e, CosyllamaError):
         return ApiError(400, str(e))
-    log.exception("synthesis failed", exc_info=e)
-    return ApiError(500, f"synthesis failed: {type(e).__name__}: {e}", "internal_error")
+    log.error("synthesis failed", exc_info=e)  # what failed is for the operator, not the client
+    return ApiError(500, INTERNAL_ERROR, "internal_error")
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
@@ -52,8 +56,10 @@ async def _api_error(request, e: ApiError):
 
 
 async def _validation_error(request, e: RequestValidationError):
-    """422 naming every bad field; ``param`` and ``code`` come from the first (pydantic's error type,
-    e.g. ``missing``, ``bool_type``, ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
+    """422 naming the bad fields (the first 5, then how many more; a client's field name clipped to
+    64 characters: the body does not grow with the request); ``param`` and
+    ``code`` come from the first (pydantic's error type, e.g. ``missing``, ``bool_type``,
+    ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
     parts, first = [], None
     for err in e.errors():
         loc = [str(x) for x in err.get("loc", ())]
@@ -61,12 +67,13 @@ async def _validation_error(request, e: RequestValidationError):
             loc = loc[1:]  # the field's name, as OpenAI's `param` gives it
         if err.get("type") == "json_invalid":
             loc = []  # the location is a character offset, not a field
-        where = ".".join(loc) or None
+        where = ".".join(x if len(x) <= SHOWN_ID_CHARS else x[:SHOWN_ID_CHARS] + "..." for x in loc) or None
         parts.append(f"{where or 'body'}: {err.get('msg')}")
         if first is None:
             first = (where, err.get("type"))
     param, code = first or (None, None)
-    return JSONResponse(error_body("; ".join(parts) or "invalid request", "invalid_request_error", param, code),
+    message = "; ".join(parts[:NAMED_IDS]) + (f"; and {len(parts) - NAMED_IDS} more" if len(parts) > NAMED_IDS else "")
+    return JSONResponse(error_body(message or "invalid request", "invalid_request_error", param, code),
                         status_code=422)
 
 
@@ -78,7 +85,7 @@ async def _http_error(request, e: StarletteHTTPException):
 
 async def _unexpected_error(request, e: Exception):
     """A bug: answer 500 with the JSON error body (the traceback goes to the log)."""
-    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500)
+    return JSONResponse(error_body(INTERNAL_ERROR, "internal_error"), status_code=500)
 
 
 def add_error_handlers(app) -> None:

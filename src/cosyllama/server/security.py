@@ -116,6 +116,15 @@ class RequestGuard:
         return True
 
 
+def has_api_key(headers, api_key: str | None) -> bool:
+    """Whether a request carries ``api_key`` (``Authorization: Bearer <key>``, compared in constant
+    time); True when no key is set (every caller may see everything)."""
+    if api_key is None:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.strip().encode())
+
+
 def add_guard(app, api_key: str | None, allow_origins: Iterable[str], open_paths: Iterable[str] = ()) -> None:
     """Install the guard on a FastAPI ``app`` (call it after the other middleware: it must run
     first), and, with origins allowed, CORS answers for them in front of it. ``open_paths``: paths

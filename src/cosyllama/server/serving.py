@@ -3,11 +3,13 @@
 
 * :func:`load_tts` and :func:`check_options`: the model and the per-request limits that the
   ``serve`` / ``wyoming`` options ask for, checked before the minutes of loading a model;
-* :func:`open_voice_store` and :func:`warm_voices`: the voices of ``--voices``;
+* :func:`open_voice_store`, :func:`report_voices` and :func:`warm_voices`: the voices of ``--voices``;
 * :func:`prepare`: the served view of a TTS (its tokens from one batching scheduler, its calls
   checked against the limits, long texts normalized in a helper process), as a :class:`Serving`;
 * :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
 * :func:`pcm16`: the 16-bit samples both protocols send.
+* :data:`INTERNAL_ERROR`: all a client is told of a failure that is the server's (the unknown-voice
+  message both use is :func:`cosyllama.voices.unknown_voice`).
 
 One process serving both protocols (``serve --wyoming``) shares one :class:`Serving` and one gate.
 """
@@ -28,9 +30,13 @@ from ..limits import RequestLimits
 from ..llm.factory import make_token_source
 from ..llm.scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
 from ..options import LoadOptions
-from ..voices import VoiceDirectory, VoiceStore
+from ..voices import ClipEncoder, VoiceDirectory, VoiceStore, describe_ids
 
 log = logging.getLogger("cosyllama.server")
+
+# what a client is told of a failure that is the server's (HTTP 500, Wyoming's internal_error): nothing
+# of its files, libraries or exceptions, which go to the log
+INTERNAL_ERROR = "internal error; the server's log has the details"
 
 
 def pcm16(samples: np.ndarray) -> bytes:
@@ -133,6 +139,9 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
                          f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
     view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
     view = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the event loop
+    if hasattr(view.voices, "set_encoder"):  # voice folders: made now (within the limits), else read as kept
+        view.voices.set_encoder(ClipEncoder.of(view))
+    report_voices(view.voices)
     return Serving(view, scheduler, max_concurrent, max_queue, limits, owns_scheduler)
 
 
@@ -195,28 +204,42 @@ def open_voice_store(path: str | None) -> VoiceStore:
     bad one is reported at once):
 
     * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
-      registered or deleted over HTTP are kept there and seen by every server sharing it; a file
-      there that cannot be read is skipped with a warning (and listed in ``/health``), so one bad
-      file does not keep every replica down;
+      registered or deleted over HTTP are kept there and seen by every server sharing it; voice
+      folders (``NAME/ref.wav`` and ``ref.txt`` or ``instruct.txt``) are made into voices by
+      :func:`prepare`; a file or folder that cannot be read is skipped with a warning (it is no
+      voice; ``/health`` counts it), so one bad file does not keep every replica down;
     * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
     * None: an empty store in memory; registered voices last until the server stops.
+
+    :func:`prepare` says what was found (:func:`report_voices`).
     """
     if path is None:
-        log.warning("voices: kept in memory only (registered voices are lost when the server stops; "
-                    "--voices DIR keeps them)")
         return VoiceStore()
     if Path(path).is_file():
         store = VoiceStore()
         store.load(path)
         store.read_only = True
-        log.warning("voices: %d from the read-only file %s", len(store), path)
         return store
     if Path(path).suffix == ".pt":
         raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
                          "without the .pt suffix)")
-    store = VoiceDirectory(path)
-    log.warning("voices: %d in the directory %s, where registrations are kept", len(store) - len(store.skipped), path)
-    return store
+    return VoiceDirectory(path)
+
+
+def report_voices(store: VoiceStore) -> None:
+    """The start-up line of the voices (:func:`prepare` logs it): how many are served (skipped
+    files are none of them) and which files were skipped (the store logged each with its reason;
+    the log is the operator's, ``/health`` says only how many without the API key)."""
+    n = len(store)
+    if isinstance(store, VoiceDirectory):
+        skipped = store.skipped  # each was logged with its path and reason when it was found
+        log.warning("voices: %d in the directory %s, where registrations are kept%s", n, store.directory,
+                    f"; {len(skipped)} skipped: {describe_ids(list(skipped))}" if skipped else "")
+    elif store.read_only:
+        log.warning("voices: %d from a read-only voice file", n)
+    else:
+        log.warning("voices: %d, kept in memory only (registered voices are lost when the server stops; "
+                    "--voices DIR keeps them)", n)
 
 
 def warm_voices(tts) -> None:
@@ -234,5 +257,5 @@ def _warm_all(tts) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["Gate", "ServerBusyError", "Serving", "check_options", "interleave_choice", "load_tts",
-           "open_voice_store", "pcm16", "prepare", "stage_turns", "warm_voices"]
+__all__ = ["INTERNAL_ERROR", "Gate", "ServerBusyError", "Serving", "check_options", "interleave_choice", "load_tts",
+           "open_voice_store", "pcm16", "prepare", "report_voices", "stage_turns", "warm_voices"]

@@ -46,8 +46,9 @@ from ..errors import InputError
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
+from ..text.normalize import text_problem
 from ..tts import MODES
-from ..voices import check_voice_id, describe_ids
+from ..voices import check_voice_id, describe_ids, show_id, unknown_voice
 from .common import ApiError, error_body, gate
 from .errors import synthesis_error
 from .wire import (
@@ -241,6 +242,22 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
 router = APIRouter()
 
 
+def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
+    """The 404 for a voice that is not registered (or whose file the server skipped)."""
+    return ApiError(404, unknown_voice(voice_id, ids, more=" (GET /v1/voices lists them)")
+                    + "; add one with POST /v1/voices", "not_found_error", param="voice", code="voice_not_found")
+
+
+async def voice_of(tts, names: VoiceNames, name: str) -> str:
+    """The registered voice a request's ``name`` speaks with: 422 for an empty name, 404 for one that
+    is not registered and not mapped (the store may read a file or make a folder's voice: off the
+    event loop)."""
+    if isinstance(name, str) and not name.strip():
+        raise ApiError(422, "voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
+                       param="voice", code="empty_string")
+    return await run_in_threadpool(_voice_id, tts.voices, names, name)
+
+
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
     tts, limits = request.app.state.tts, request.app.state.limits
@@ -254,6 +271,10 @@ async def speech(body: SpeechRequest, request: Request):
     if body.instructions is not None and not body.instructions.strip():
         raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
                        param="instructions", code="empty_string")
+    for name, text in (("input", body.input), ("instructions", body.instructions)):
+        problem = None if text is None else text_problem(text)
+        if problem is not None:
+            raise ApiError(422, f"{name} {problem}", param=name, code="invalid_characters")
     body.synthesis_mode()
     for name, value in request.app.state.speech_defaults.items():
         if name not in body.model_fields_set:
@@ -263,7 +284,7 @@ async def speech(body: SpeechRequest, request: Request):
         formats = ", ".join(f for f in FORMATS if f != "aac")
         raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
                        param="response_format", code="unsupported_value")
-    voice = await run_in_threadpool(_voice_id, tts.voices, request.app.state.voice_names, body.voice_name())
+    voice = await voice_of(tts, request.app.state.voice_names, body.voice_name())
     streaming = body.streaming()
     g = gate(request.app)
     await g.acquire()
@@ -321,18 +342,17 @@ def _voice_id(voices, names: VoiceNames, name: str) -> str:
     elif name in OPENAI_VOICES and names.default is not None:
         target, how = names.default, f"--default-voice {names.default}"
     else:
-        ids = describe_ids(voices.ids())
         if name in OPENAI_VOICES:
+            ids = describe_ids(voices.ids(), more=" (GET /v1/voices lists them)")
             msg = (f"voice {name!r} (one of OpenAI's names) is not registered here and the server has no default "
                    f"voice; register a voice with id {name!r} (POST /v1/voices), or start the server with "
                    f"--default-voice ID or --voice-alias {name}=ID; registered voices: {ids}")
-        else:
-            msg = f"unknown voice {name!r}; registered voices: {ids} (add one with POST /v1/voices)"
-        raise ApiError(404, msg, "not_found_error", param="voice", code="voice_not_found")
+            raise ApiError(404, msg, "not_found_error", param="voice", code="voice_not_found")
+        raise unknown_voice_error(name, voices.ids())
     if target not in voices:
-        raise ApiError(404, f"voice {name!r} speaks with {target!r} ({how}), which is not registered; registered "
-                       f"voices: {describe_ids(voices.ids())} (add one with POST /v1/voices)", "not_found_error",
-                       param="voice", code="voice_not_found")
+        raise ApiError(404, f"voice {show_id(name)} speaks with {target!r} ({how}), which is not registered; "
+                       f"registered voices: {describe_ids(voices.ids(), more=' (GET /v1/voices lists them)')} "
+                       "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
     return target
 
 

@@ -13,7 +13,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..errors import CosyllamaError, InputError
 from ..limits import LimitExceeded, RequestLimits
-from ..voices import VoiceExistsError, check_voice_id
+from ..text.normalize import text_problem
+from ..voices import ReadOnlyVoicesError, VoiceExistsError, check_voice_id
 from .common import ApiError, gate
 from .errors import limit_error
 
@@ -33,6 +34,11 @@ def _check_id(voice_id: str) -> None:
         check_voice_id(voice_id)
     except InputError as e:
         raise ApiError(422, str(e)) from e
+
+
+def _folder(e: ReadOnlyVoicesError) -> ApiError:
+    """403 for a voice folder's id (it changes through its files only)."""
+    return ApiError(403, str(e), "permission_error", param="id", code="voice_folder")
 
 
 def _exists(voice_id: str) -> ApiError:
@@ -72,6 +78,9 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     voice_id = id if id else f"voice-{secrets.token_hex(4)}"
     _check_id(voice_id)
     if text:
+        problem = text_problem(text)
+        if problem is not None:
+            raise ApiError(422, f"text {problem}", param="text", code="invalid_characters")
         _check_transcript(tts, text, limits.request)
     if not replace and await run_in_threadpool(tts.voices.__contains__, voice_id):
         raise _exists(voice_id)  # before the work; add() checks again, atomically
@@ -97,6 +106,8 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
         await run_in_threadpool(lambda: tts.voices.add(voice_id, voice, replace=replace))
     except VoiceExistsError as e:
         raise _exists(voice_id) from e
+    except ReadOnlyVoicesError as e:
+        raise _folder(e) from e
     background.add_task(_warm_voice, request.app, voice_id, voice)
     return {"id": voice_id}
 
@@ -118,10 +129,11 @@ async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
 
 
 @router.get("/v1/voices")
+@router.head("/v1/voices", include_in_schema=False)
 async def list_voices(request: Request):
     voices = await run_in_threadpool(request.app.state.tts.voices.items)  # a directory store reads files
-    return {"voices": [{"id": vid, "has_transcript": bool(v.prompt_text), "seconds": round(v.duration, 3)}
-                       for vid, v in voices.items()]}
+    return {"voices": [{"id": vid, "has_transcript": bool(v.prompt_text), "seconds": round(v.duration, 3),
+                        "instructions": v.instruction} for vid, v in voices.items()]}
 
 
 @router.delete("/v1/voices/{voice_id}")
@@ -131,6 +143,8 @@ async def delete_voice(voice_id: str, request: Request):
     _check_id(voice_id)
     try:
         await run_in_threadpool(tts.voices.remove, voice_id)
+    except ReadOnlyVoicesError as e:
+        raise _folder(e) from e
     except InputError as e:
-        raise ApiError(404, str(e), "not_found_error") from e
+        raise ApiError(404, str(e), "not_found_error", param="id", code="voice_not_found") from e
     return {"id": voice_id, "deleted": True}

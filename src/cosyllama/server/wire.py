@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..errors import MissingDependencyError
 from .common import error_body
-from .serving import pcm16
+from .serving import INTERNAL_ERROR, pcm16
 
 PCM_BYTES = 2  # 16-bit samples on the wire
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "opus": "audio/ogg",
@@ -374,8 +374,8 @@ class RequestId:
 
         try:
             await self.app(scope, receive, with_id)
-        except Exception as e:
+        except Exception:
             if not started:
-                msg = f"internal error: {type(e).__name__}"
-                await JSONResponse(error_body(msg, "internal_error"), status_code=500)(scope, receive, with_id)
+                body = error_body(INTERNAL_ERROR, "internal_error")
+                await JSONResponse(body, status_code=500)(scope, receive, with_id)
             raise

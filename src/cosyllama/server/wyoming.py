@@ -57,9 +57,9 @@ from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
 from ..text.normalize import is_only_punctuation, take_sentences
-from ..voices import describe_ids
+from ..voices import describe_ids, unknown_voice
 from .conn import ConnectionLimits
-from .serving import Gate, ServerBusyError, pcm16
+from .serving import INTERNAL_ERROR, Gate, ServerBusyError, pcm16
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -89,6 +89,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the Wyoming server needs its extra: pip install 'cosyllama[wyoming]'") from e
 
 log = logging.getLogger("cosyllama.wyoming")
+LISTED_BY = " (describe lists them)"  # where a Wyoming client finds every voice id
 
 DEFAULT_VOICE = "default"  # the voice name that means "the server's default voice"
 # the languages CosyVoice3 was trained on (ISO 639-1); it also speaks Chinese dialects through
@@ -121,7 +122,7 @@ def error_event(e: BaseException) -> Event:
         code = "invalid_request"
     else:
         log.error("synthesis failed", exc_info=e)
-        return Error(text="synthesis failed: an internal error (the server's log says why)",
+        return Error(text=INTERNAL_ERROR,
                      code="internal_error").event()
     return Error(text=" ".join(str(e).split()), code=code).event()  # one line
 
@@ -172,8 +173,8 @@ class WyomingService:
     def _default_id(self, ids: list[str]) -> str:
         if self.default_voice is not None:
             if self.default_voice not in ids:
-                raise RequestRefused(f"the default voice {self.default_voice!r} is not registered; registered "
-                                     f"voices: {describe_ids(ids, listed_by='describe')}", "voice_not_found")
+                raise RequestRefused(f"the default voice {shown(self.default_voice)} is not registered; registered "
+                                     f"voices: {describe_ids(ids, more=LISTED_BY)}", "voice_not_found")
             return self.default_voice
         if not ids:
             raise RequestRefused("no voice is registered; register one through the HTTP API (POST /v1/voices) "
@@ -201,8 +202,7 @@ class WyomingService:
 
     @staticmethod
     def _unknown(name: str, ids: list[str]) -> RequestRefused:
-        return RequestRefused(f"unknown voice {shown(name)}; voices: "
-                              f"{describe_ids([DEFAULT_VOICE, *ids], listed_by='describe')}", "voice_not_found")
+        return RequestRefused(unknown_voice(name, [DEFAULT_VOICE, *ids], more=LISTED_BY), "voice_not_found")
 
     def warn_bad_client(self, peer: str, why: str) -> None:
         """One warning line for a client that broke the protocol (:meth:`warn`)."""

@@ -24,6 +24,7 @@ Prompt conventions (our choice, documented here and in the engine): the LLM need
 from __future__ import annotations
 
 import copy
+import logging
 import re
 import threading
 import unicodedata
@@ -48,6 +49,24 @@ SPLIT_MAX_TOKENS = 80  # a segment is flushed before it would exceed this length
 SPLIT_MIN_TOKENS = 60  # ... if it already holds more than this
 SPLIT_MERGE_LEN = 20  # a last segment shorter than this joins the previous one
 _CLOSING_QUOTES = ('"', "”")
+# control characters other than tab, newline and carriage return; lone surrogates (not Unicode text)
+_BAD_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+log = logging.getLogger("cosyllama.text")
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` is no text to speak, for a message that starts with the field's name, or None:
+    a control character (tab, newline and carriage return are fine) or a lone surrogate (half of
+    a UTF-16 pair, not Unicode text), each named with its code point and position (0-based)."""
+    m = _BAD_CHAR_RE.search(text)
+    if m is None:
+        return None
+    c, i = m.group(), m.start()
+    if "\ud800" <= c <= "\udfff":
+        return (f"holds a lone surrogate (U+{ord(c):04X}) at character {i}, which is not Unicode text; send the "
+                "text as valid UTF-8 (a character outside the BMP is one code point, not a broken pair)")
+    return f"holds a control character (U+{ord(c):04X}) at character {i}; remove it (tab and newline are fine)"
 
 
 def has_markup(text: str) -> bool:
@@ -224,10 +243,11 @@ class TextNormalizer:
                 with self._lock:
                     out = self._wetext_normalizers[kind].normalize(text)
             return out
-        except Exception as e:
+        except Exception as e:  # the library and its exception go to the log, not to the user
             shown = text if len(text) <= 80 else text[:77] + "..."
-            raise InputError(f"the text normalizer (wetext) fails on {shown!r} ({type(e).__name__}); "
-                             "write out the symbols next to numbers (e.g. '10¢' as '10 cents')") from e
+            log.warning("wetext (%s) failed on %r: %s: %s", kind, shown, type(e).__name__, e)
+            raise InputError(f"the text normalizer cannot read {shown!r}; write out the symbols next to numbers "
+                             "(e.g. '10¢' as '10 cents')") from e
 
     def normalize(self, text: str, split: bool = True, text_frontend: bool = True,
                   russian_numbers: bool = True) -> list[str] | str:
@@ -241,7 +261,7 @@ class TextNormalizer:
             raise InputError(f"text must be a str, got {type(text).__name__}")
         if not text_frontend or has_markup(text) or text == "":
             return [text] if split else text
-        text = text.strip()
+        text = text.strip().replace("\r\n", "\n").replace("\r", "\n")  # wetext fails on a carriage return
         if contains_chinese(text):
             text = self._normalize_zh(text)
             segments = split_paragraph(text, len, "zh") if split else []
