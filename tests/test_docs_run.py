@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from docs_run import ROOT, STAND_INS, DocsError, Session, blocks
+from docs_run import ROOT, SERVE_PORT, STAND_INS, WYOMING_PORT, DocsError, Session, blocks
 from helpers import FIXTURES, MODEL_DIR
 
 DOCS = ["README.md", "docs/usage.md", "docs/server.md", "docs/wyoming.md", "docs/batch.md"]
@@ -43,6 +43,11 @@ def test_every_block_is_understood_and_each_skip_says_why():
     text = "".join(b.text for b in readme)
     assert f"--out {README_GGUF}" in text and all(f"{k}={v}" in text for k, v in README_VARIABLES.items())
     assert set(STAND_INS) >= {"cosyllama", "pip", "aplay", "curl"}
+    from cosyllama.cli import build_parser
+    from cosyllama.defaults import WYOMING_URI
+
+    assert build_parser().parse_args(["serve", "--model-dir", "m"]).port == SERVE_PORT
+    assert WYOMING_URI.endswith(f":{WYOMING_PORT}")  # the ports a document's servers get moved off
 
 
 @pytest.fixture
@@ -122,6 +127,7 @@ def test_a_server_that_does_not_come_up_fails_the_run(folder, tmp_path):
     ("```python\nimport cosyllama\ncosyllama.nope()\n```\n", r"x.md:1 \(python block\) stopped(.|\n)*line 3"),
     ("```bash\necho $UNSET_IN_THE_DOCS\n```\n", r"x.md:1 \(bash block\) stopped(.|\n)*line 2: UNSET_IN_THE_DOCS"),
     ("```bash\nfalse | cat\necho not reached\n```\n", r"x.md:1 \(bash block\) stopped with exit status 1"),
+    ("```bash\npip install -e \".[server,nope]\"\n```\n", r"x.md:1 \(bash block\) stopped(.|\n)*no extra nope"),
     ("<!-- docs-run: skip -->\n```bash\nfalse\n```\n", r"x.md:1: `docs-run: skip` needs its reason"),
     ("<!-- docs-run: skipp (typo) -->\n```bash\nfalse\n```\n", r"x.md:1: unknown marker"),
     ("<!-- docs-run: skip (no block) -->\ntext\n", r"x.md:1: a marker not followed by a block"),
