@@ -4,6 +4,7 @@ options in one place (``LoadOptions.from_args``), with errors naming the flags."
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,19 @@ def test_defaults_are_the_apis():
     assert LoadOptions("m", llm=None, gguf="x.gguf").llm == "llamacpp" and LoadOptions("m", llm=None).llm == "torch"
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.threads = 2
+
+
+def test_paths_are_held_absolute(tmp_path, monkeypatch):
+    """Relative paths are taken from the current directory once, at construction: a later change of
+    directory (or a Ray actor elsewhere) finds the same files; ``~`` is expanded, absolute paths kept."""
+    monkeypatch.chdir(tmp_path)
+    o = LoadOptions("M", llm=None, gguf="sub/m.gguf")
+    assert (o.model_dir, o.gguf) == (tmp_path / "M", tmp_path / "sub" / "m.gguf")
+    monkeypatch.chdir("/")
+    assert o.replace(threads=1).model_dir == tmp_path / "M"
+    assert LoadOptions(MODEL_DIR).model_dir == MODEL_DIR
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert LoadOptions("~/M").model_dir == tmp_path / "M"
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -49,7 +63,7 @@ def test_each_command_turns_its_flags_into_options():
                    "--precision", "bf16", "--llm-weights", "llm.rl.pt"])
     o = LoadOptions.from_args(synth)
     assert (o.model_dir, o.llm, o.gguf, o.threads, o.precision, o.llm_weights) == (
-        "m", "llamacpp", "g.gguf", 3, "bf16", "llm.rl.pt")
+        Path.cwd() / "m", "llamacpp", Path.cwd() / "g.gguf", 3, "bf16", "llm.rl.pt")
     serve = _args(["serve", "--model-dir", "m", "--parallel", "5", "--max-seq-tokens", "1000",
                    "--stream-cache-mb", "64", "--prompt-cache-mb", "0"])
     o = LoadOptions.from_args(serve)

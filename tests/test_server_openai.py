@@ -222,20 +222,6 @@ def test_speed_range_is_openais(client, reference):
         assert abs(audio.size - rel * reference.size) <= 480  # int(frames / speed) mel frames, 480 samples each
 
 
-def test_the_readme_sdk_example_runs(server, tmp_path, monkeypatch):
-    from test_readme import SERVER_URL, _blocks
-
-    blocks = [b for b in _blocks("python") if SERVER_URL in b]
-    assert blocks
-    r = httpx.post(f"{server.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
-                   data={"text": "Hello, this is my voice.", "id": "anna"}, timeout=60)
-    assert r.status_code == 200, r.text
-    monkeypatch.chdir(tmp_path)
-    for code in blocks:
-        exec(compile(code.replace(SERVER_URL, f"{server.url}/v1"), "README.md", "exec"), {})
-    assert sf.info(str(tmp_path / "out.mp3")).duration > 0
-
-
 @pytest.mark.parametrize("fmt", ["mp3", "opus"])
 def test_a_streamed_encoding_sends_each_chunk_as_it_comes(fmt):
     """After each 1 s chunk most of its audio is on the wire (opus: 100 ms Ogg pages, where

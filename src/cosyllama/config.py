@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from .errors import ModelDirError
+from .defaults import LLM_WEIGHTS
+from .errors import InputError, ModelDirError
 
 YAML_NAME = "cosyvoice3.yaml"
 QWEN_DIR = "CosyVoice-BlankEN"
@@ -290,14 +292,31 @@ class ModelConfig:
     def qwen_dir(self) -> Path:
         return self.model_dir / QWEN_DIR
 
+    def llm_weights_path(self, llm_weights: str | Path = LLM_WEIGHTS) -> Path:
+        """The LLM checkpoint ``llm_weights`` names: a file of the model directory (``llm.pt``,
+        ``llm.rl.pt``) or an absolute path, the one place the name is joined onto the directory. Refuses
+        a file that does not exist, listing the directory's choices."""
+        path = self.model_dir / llm_weights
+        if not path.is_file():
+            found = sorted(p.name for p in self.model_dir.glob("llm*.pt"))
+            raise InputError(f"LLM weights {str(path)!r} do not exist; {self.model_dir} has: "
+                             f"{', '.join(found) or 'no llm*.pt file'}")
+        return path
+
 
 # ----------------------------------------------------------------------------------------------
 # Loading
 
 
+def absolute_path(path: str | os.PathLike) -> Path:
+    """``path`` as an absolute path (``~`` expanded, a relative one taken from the current directory,
+    symbolic links kept), so what is joined onto it never depends on where a later step runs."""
+    return Path(path).expanduser().absolute()
+
+
 def check_model_dir(model_dir: str | Path) -> Path:
-    """Return the directory as a Path, or raise listing every required file that is missing."""
-    d = Path(model_dir).expanduser()
+    """Return the directory as an absolute Path, or raise listing every required file that is missing."""
+    d = absolute_path(model_dir)
     if not d.is_dir():
         raise ModelDirError(f"model directory {str(d)!r} does not exist or is not a directory; "
                             + _expected_listing())
@@ -355,7 +374,7 @@ def load_config(model_dir: str | Path, *, check_files: bool = True) -> ModelConf
 
     ``check_files=False`` skips the check that every other required file exists (used while a
     model directory is being written)."""
-    d = check_model_dir(model_dir) if check_files else Path(model_dir).expanduser()
+    d = check_model_dir(model_dir) if check_files else absolute_path(model_dir)
     ypath = d / YAML_NAME
     doc = read_hyperpyyaml(ypath, overrides={"qwen_pretrain_path": str(d / QWEN_DIR)})
     qwen = read_qwen_config(d / QWEN_DIR / "config.json")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from .config import absolute_path
 from .defaults import LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, N_SEQ_MAX, PRECISION
 from .errors import InputError
 from .limits import RequestLimits
@@ -33,10 +34,11 @@ class OptionError(InputError):
 class LoadOptions:
     """Everything that decides how a TTS is built.
 
-    model_dir: the official model directory. llm: ``"torch"`` (PyTorch) or ``"llamacpp"`` (needs
-    ``gguf``); None: llama.cpp when ``gguf`` is given, else torch. llm_weights: the LLM checkpoint in the
-    model directory (``"llm.pt"``, or the RL-tuned ``"llm.rl.pt"``); a GGUF must have been converted from
-    the same file. device: ``"cpu"`` or ``"cuda"``
+    model_dir: the official model directory. gguf: the LLM as a GGUF file. Both may be relative (to the
+    current directory) or absolute; the options hold them absolute. llm: ``"torch"`` (PyTorch) or
+    ``"llamacpp"`` (needs ``gguf``); None: llama.cpp when ``gguf`` is given, else torch. llm_weights: the
+    LLM checkpoint, a file of the model directory (``"llm.pt"``, or the RL-tuned ``"llm.rl.pt"``) or an
+    absolute path; a GGUF must have been converted from the same file. device: ``"cpu"`` or ``"cuda"``
     for the flow and vocoder (and the torch LLM, whose decode steps run as CUDA graphs there).
     n_gpu_layers: llama.cpp layers on the GPU (None: all of them with ``device="cuda"``, else none).
     llm_precision: the torch LLM's weights, ``"fp32"`` (parity) or ``"bf16"``/``"fp16"`` (for a GPU).
@@ -66,6 +68,11 @@ class LoadOptions:
     prompt_cache_mb: float | None = None
 
     def __post_init__(self):
+        # Paths are made absolute once, here: relative ones are taken from the current directory, and
+        # nothing built from these options (a llama.cpp backend, a Ray actor) depends on where it runs.
+        object.__setattr__(self, "model_dir", absolute_path(self.model_dir))
+        if self.gguf not in (None, ""):
+            object.__setattr__(self, "gguf", absolute_path(self.gguf))
         if self.llm is None:
             object.__setattr__(self, "llm", "llamacpp" if self.gguf else "torch")
         if self.llm not in LLM_CHOICES:

@@ -88,9 +88,8 @@ def _check_args(args) -> EngineOptions:
     changes = {}
     if args.threads is None and args.ray is not None:
         changes["threads"] = max(1, int(args.ray_cpus))  # an actor computes on the CPUs it reserved
-    load = LoadOptions.from_args(args, model_dir=str(model_dir.resolve()),
-                                 gguf=str(Path(args.gguf).resolve()) if args.gguf else None,
-                                 parallel=args.concurrency, **changes)
+    # LoadOptions holds the model directory and GGUF absolute, so Ray's actors find them from their own cwd
+    load = LoadOptions.from_args(args, parallel=args.concurrency, **changes)
     return EngineOptions(load, voices=voices, concurrency=args.concurrency, fmt=args.format,
                          flow_slots=args.flow_slots)
 

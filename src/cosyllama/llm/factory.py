@@ -32,17 +32,6 @@ def choose_llm(llm: str | None, gguf: str | Path | None) -> str:
     return llm
 
 
-def llm_weights_path(config: ModelConfig, llm_weights: str | Path = LLM_WEIGHTS) -> Path:
-    """The LLM checkpoint ``llm_weights`` names: a file of the model directory (``llm.pt``,
-    ``llm.rl.pt``) or a path. Refuses a file that does not exist, listing the directory's choices."""
-    path = config.model_dir / llm_weights
-    if not path.is_file():
-        found = sorted(p.name for p in config.model_dir.glob("llm*.pt"))
-        raise InputError(f"LLM weights {str(path)!r} do not exist; {config.model_dir} has: "
-                         f"{', '.join(found) or 'no llm*.pt file'}")
-    return path
-
-
 ALL_LAYERS = 999  # llama.cpp offloads min(n_gpu_layers, layers): more than any model has means all
 
 
@@ -68,7 +57,7 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
     llm = choose_llm(llm, gguf)
     if llm_precision not in LLM_PRECISIONS:
         raise InputError(f"LLM precision must be one of {', '.join(LLM_PRECISIONS)}, got {llm_precision!r}")
-    weights_path = llm_weights_path(config, llm_weights)
+    weights_path = config.llm_weights_path(llm_weights)  # refused here, before any backend is built
     on_cuda = torch.device(device).type == "cuda"
     if llm == "torch":
         from ..weights import load_llm_weights
@@ -96,7 +85,7 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
                                   "pass n_gpu_layers=0 (--n-gpu-layers 0) to run the LLM on the CPU")
             n_gpu_layers = ALL_LAYERS
     return LlamaCppLLM(gguf, config, n_threads=threads, n_gpu_layers=n_gpu_layers, n_seq_max=n_seq_max,
-                       llm_weights=weights_path, max_seq_tokens=max_seq_tokens,
+                       llm_weights=llm_weights, max_seq_tokens=max_seq_tokens,
                        n_ctx=None if max_seq_tokens is None else n_seq_max * max_seq_tokens)
 
 

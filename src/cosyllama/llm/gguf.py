@@ -276,10 +276,8 @@ def convert(model_dir: str | os.PathLike, out: str | os.PathLike, layout: str = 
         raise InputError(f"{out} already exists; pass force=True (CLI: --force) to overwrite it")
     if not out.parent.is_dir():
         raise InputError(f"output directory {str(out.parent)!r} does not exist")
-    from .factory import llm_weights_path
-
     config = load_config(model_dir)
-    weights_path = llm_weights_path(config, llm_weights)
+    weights_path = config.llm_weights_path(llm_weights)
     weights = load_llm_weights(weights_path, config.llm)
     fingerprint = llm_fingerprint(weights, config.llm.qwen.num_hidden_layers)
 

@@ -121,7 +121,7 @@ class LlamaCppLLM:
             raise TypeError(f"config must be a ModelConfig (cosyllama.config.load_config), got {type(config).__name__}")
         self.cfg = config.llm  # the LLMConfig, as every backend names it (LLMBackend.cfg)
         self.vocab_size = self.cfg.vocab_size
-        weights_path = config.model_dir / llm_weights
+        weights_path = config.llm_weights_path(llm_weights)
         weights = load_llm_weights(weights_path, self.cfg)
         self.info = inspect_gguf(gguf_path, self.cfg, layout=layout,
                                  fingerprint=llm_fingerprint(weights, self.cfg.qwen.num_hidden_layers),
