@@ -271,11 +271,12 @@ def test_a_record_of_another_shape_is_measured_again(monkeypatch, machine):
     Flow.from_dir(MODEL_DIR, precision="auto")
     path = check.cache_dir() / "precision-checks.json"
     data = json.loads(path.read_text())
-    for k in _verdicts(check.cache_dir()):
-        data[k] = {"seconds": 1.0}  # e.g. a timing cached before verdicts had records
-    path.write_text(json.dumps(data))
-    _new_process(monkeypatch)
-    assert Flow.from_dir(MODEL_DIR, precision="auto").precision_choice.auto.source == "measured"
+    (key,) = _verdicts(check.cache_dir())
+    for broken in ({"seconds": 1.0}, {**data[key], "rounds": [1.0]}, {**data[key], "verdict": "fp64"}, [1]):
+        data[key] = broken  # e.g. a timing cached before verdicts had records
+        path.write_text(json.dumps(data))
+        _new_process(monkeypatch)
+        assert Flow.from_dir(MODEL_DIR, precision="auto").precision_choice.auto.source == "measured"
 
 
 def test_a_candidate_that_fails_the_check_is_never_timed_nor_chosen(monkeypatch, fresh_machine):

@@ -317,7 +317,8 @@ class Measurement:
 
     @classmethod
     def from_record(cls, d: dict) -> Measurement:
-        """The measurement of a cached record (raises KeyError/TypeError/ValueError for another shape)."""
+        """The measurement of a cached record (raises AttributeError, KeyError, TypeError or ValueError for a
+        record of another shape)."""
         rounds_ = {str(n): [float(x) for x in rs] for n, rs in d["rounds"].items()}
         if not rounds_ or any(not rs for rs in rounds_.values()):
             raise ValueError("a record without timings")
@@ -326,7 +327,7 @@ class Measurement:
                    float(d["wall_s"]), float(d["measured_at"]), *loads)
 
     def conditions(self) -> str:
-        """``load 0.4, CPU 97 % of 2 threads``: the load average when it started and the CPU it got."""
+        """``load 0.4, CPU 97% of 2 threads``: the load average when it started and the CPU it got."""
         load = f"load {self.load_before[0]:.1f}, " if self.load_before else ""
         return f"{load}CPU {self.cpu_share:.0%} of {self.threads} threads"
 
@@ -380,7 +381,7 @@ def cached_verdict(flow: Flow, cands: list[Candidate]) -> tuple[str, Measurement
     try:
         m = Measurement.from_record(rec)
         verdict = str(rec["verdict"])
-    except (KeyError, TypeError, ValueError):
+    except (AttributeError, KeyError, TypeError, ValueError):
         return None  # a record of another shape: measure again
     if verdict not in {c.name for c in cands} or set(m.rounds) != {c.name for c in cands}:
         return None
