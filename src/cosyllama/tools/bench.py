@@ -170,7 +170,7 @@ def format_auto(a: dict) -> list[str]:
     n = max(len(rs) for rs in m.rounds.values())
     order = " ".join(m.order[:len(m.rounds)])
     lines = ["", f"auto: the flow candidates timed again ({TIME_PROMPT_TOKENS}+{TIME_TOKENS} tokens, {n} interleaved "
-             f"rounds from {order}; {m.threads} threads)",
+             f"rounds: {order}, then back; {m.threads} threads)",
              f"{'candidate':<18}" + "".join(f"{f'round {i + 1} s':>11}" for i in range(n)) + f"{'best s':>9}"
              f"{'mel vs fp32 mean / max':>25}"]
     for name, rs in sorted(m.rounds.items(), key=lambda kv: min(kv[1])):
