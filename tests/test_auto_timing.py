@@ -330,9 +330,12 @@ def test_ages_read_as_a_person_would_say_them(seconds, want):
 # cosyllama bench --parts auto
 
 
-def test_bench_measures_again_and_shows_the_verdict_beside_the_cached_one(monkeypatch, machine, capsys):
+def test_bench_measures_again_and_shows_the_verdict_beside_the_cached_one(monkeypatch, machine, capsys, request):
     from cosyllama.cli import main
 
+    real_threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(real_threads))  # bench sets --threads for the process
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # the verdict's key: the same as bench's --threads 2
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
     machine.seconds = _times(True, int8__onednn=0.5)
     Flow.from_dir(MODEL_DIR, precision="auto")  # cached: int8/onednn

@@ -277,7 +277,8 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
     for (i, label, spec), rs in zip(configs, runs):
         med = {k: _median_or_none([r[k] for r in rs]) for k in ("rtf", "first_chunk_s", "llm_s", "token2wav_s",
                                                                 "stream_llm_s", "stream_token2wav_s")}
-        rows.append({"llm": label, "device": str(device), "flow": rs[-1]["flow"], **med,
+        rows.append({"llm": label, "device": str(device), "flow": rs[-1]["flow"], "flow_why": rs[-1].get("flow_why"),
+                     **med,
                      "peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "rounds": rs})
     return rows
 
