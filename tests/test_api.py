@@ -145,7 +145,7 @@ def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):
     from cosyllama.cpu import cpu_class
 
     assert f"class {cpu_class()}" in err and "torch kernels" in err
-    assert "precision on cpu: flow fp32 (asked for); vocoder fp32 (asked for)" in err
+    assert "precision on cpu: flow fp32 (fixed by --precision); vocoder fp32 (fixed by --precision)" in err
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -46,7 +46,7 @@ def test_llama_cpp_features_keeps_what_is_on(monkeypatch):
 
 
 def test_precision_reasons():
-    assert cpu.precision_reason("fp32", "fp32") == "asked for"
+    assert cpu.precision_reason("fp32", "fp32") == "fixed by --precision"
     assert "no native bf16" in cpu.precision_reason("auto", "fp32")
     assert "vocoder at fp32" in cpu.precision_reason("auto", "fp32", stage="vocoder")
     assert "GPU" in cpu.precision_reason("auto", "bf16", "cuda")

@@ -52,7 +52,7 @@ def isolated_cache(monkeypatch, tmp_path):
 
 
 def test_int8_stays_within_bound_on_recorded_calls(flow_int8):
-    assert flow_int8.precision is INT8 and flow_int8.precision_choice.reason == "asked for"
+    assert flow_int8.precision is INT8 and flow_int8.precision_choice.reason == "fixed by --precision"
     mean, mx = _worst(flow_int8)
     print(f"flow int8 vs upstream fp32 mel, worst over {len(CASES)} e2e cases: mean {mean:.2e} max {mx:.2e}")
     assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)
@@ -119,7 +119,8 @@ def test_auto_picks_int8_without_native_bf16_and_caches_the_check(monkeypatch, i
     again = Flow.from_dir(MODEL_DIR, precision="auto").precision_choice
     assert again.check.cached and again.check.mean_abs == c.check.mean_abs and again.chosen == "int8"
     line = CpuPath(threads=1, flow=c.chosen, vocoder="fp32", flow_why=c.reason).lines()[1]
-    assert line.startswith("precision on cpu: flow int8 (auto: int8 matrix products")
+    assert line.startswith("precision on cpu: flow int8 (auto (rule of thumb: COSYLLAMA_AUTO=rule): int8 matrix "
+                           "products")
 
 
 def test_auto_falls_back_to_fp32_when_the_candidate_fails_the_check(monkeypatch, isolated_cache):

@@ -186,7 +186,7 @@ def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: st
     """Why ``requested`` became ``chosen`` for ``stage`` on ``device``, in a few words."""
     requested = str(requested).strip().lower()
     if requested != "auto":
-        return "asked for"
+        return "fixed by --precision"
     if stage == "vocoder":
         return "auto keeps the vocoder at fp32: its bf16 audio is measurably worse"
     if str(device).startswith("cuda"):

@@ -6,6 +6,9 @@ Light on purpose (no torch): ``cosyllama --help`` prints them without loading an
 LLM_CHOICES = ("torch", "llamacpp")
 LLM_WEIGHTS = "llm.pt"  # LLM checkpoint in the model directory; the official one also ships llm.rl.pt
 PRECISION = "auto"  # flow compute precision (see cosyllama.precision)
+# auto trusts a timing of the flow candidates only if the process got this share of the CPU its threads asked for
+# (why this value: cosyllama.flow.check.CPU_SHARE_MIN)
+AUTO_CPU_SHARE_MIN = 0.8
 SPEED_RANGE = (0.25, 4.0)  # time-stretch factors allowed (OpenAI's speech API allows the same)
 N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..defaults import AUTO_CPU_SHARE_MIN
 from ..progress import to_stderr
 from .flags import add_threads_option
 
@@ -13,7 +14,10 @@ def add_parser(sub) -> None:
     b.add_argument("--json", help="also write the results as JSON")
     b.add_argument("--parts", default="llm,flow,vocoder,pipeline",
                    help="comma list of parts to run: llm, flow, vocoder, pipeline, and the opt-in flow-batch "
-                        "(N concurrent flows one after another vs one batch)")
+                        "(N concurrent flows one after another vs one batch) and auto (time --precision auto's "
+                        "flow candidates again, whatever is cached, show the new verdict beside the cached one, "
+                        "and cache it in its place unless the machine was busy meanwhile: the process got under "
+                        f"{AUTO_CPU_SHARE_MIN * 100:.0f}%% of the CPU its threads asked for)")
     b.add_argument("--repeat", type=int, default=1,
                    help="runs per configuration, median reported; the flow, vocoder and pipeline rows take "
                         "turns round by round (A B C, C B A, ...) so their ratios are side by side")

@@ -112,14 +112,17 @@ class Flow(nn.Module):
         :data:`cosyllama.precision.INT8` (int8 block matrices, float32 activations)."""
         return self.decoder.compute_dtype
 
-    def set_precision(self, precision: str | torch.dtype | None) -> torch.dtype:
+    def set_precision(self, precision: str | torch.dtype | None, remeasure: bool = False) -> torch.dtype:
         """Choose the DiT compute precision: ``"fp32"`` — the reference float32 solver;
         ``"bf16"`` — bfloat16 matrix products with float32 LayerNorm statistics, residual stream and
         interfaces (:class:`FastDiT`); ``"int8"`` (CPU) — the same solver with the block matrices on
         PyTorch's int8 kernels, everything else float32; ``"auto"`` — this device's candidate
         (bf16 where it computes bf16 natively, int8 on other x86 CPUs; see
         :func:`cosyllama.precision.auto_candidate`), kept only if it passes the fidelity check on
-        these weights (:mod:`cosyllama.flow.check`, cached per weight file), else fp32.
+        these weights (:mod:`cosyllama.flow.check`, cached per weight file), else fp32; on the CPU the
+        candidates that pass are timed and the fastest kept, unless the machine is too busy to tell
+        (then the rule of thumb runs, uncached). ``remeasure``: time again even where a verdict is
+        cached or the load is high (a trusted result replaces the cached verdict).
         ``precision_choice`` and the ``cosyllama.flow`` log say which path runs and why. Returns the
         dtype chosen; raises :class:`InputError` for an unknown name. The float32 weights stay (the
         fp32 path needs them); bf16/int8 add pre-packed copies of the block matrices (their size: see
@@ -130,30 +133,32 @@ class Flow(nn.Module):
         check = None
         if requested == "auto" and self.device.type == "cpu" and \
                 os.environ.get(AUTO_ENV, "measure").strip().lower() != "rule":
-            return self._choose_by_timing()
+            return self._choose_by_timing(remeasure)
+        rule = f" (rule of thumb: {AUTO_ENV}=rule)" if self.device.type == "cpu" else ""
         if requested != "auto":
-            reason = "asked for"
+            reason = "fixed by --precision"
         elif dtype == torch.float32:
-            reason = "auto: no faster path on this device (no native bf16, no int8 kernels)"
+            reason = f"auto{rule}: no faster path on this device (no native bf16, no int8 kernels)"
         else:
             check = check_candidate(self, dtype)
             if check.passed:
                 why = "this device computes bf16 natively" if dtype == torch.bfloat16 else \
                     "int8 matrix products (this CPU has no native bf16)"
-                reason = f"auto: {why}; {check.summary()}"
+                reason = f"auto{rule}: {why}; {check.summary()}"
             else:
-                reason = f"auto: fell back to fp32, {check.summary()} misses the bound"
+                reason = f"auto{rule}: fell back to fp32, {check.summary()} misses the bound"
                 dtype = torch.float32
         self.decoder.set_compute_dtype(dtype)
         self.precision_choice = PrecisionChoice(requested, precision_name(dtype), reason, check)
         log.info("flow precision %s (%s)", precision_name(dtype), reason)
         return dtype
 
-    def _choose_by_timing(self) -> torch.dtype:
-        """``auto`` on the CPU: the fastest path that passes the fidelity check (:func:`choose_fastest`)."""
-        auto = choose_fastest(self)
+    def _choose_by_timing(self, remeasure: bool = False) -> torch.dtype:
+        """``auto`` on the CPU: the fastest path that passes the fidelity check (:func:`choose_fastest`),
+        or its rule of thumb where the machine was too busy to measure."""
+        auto = choose_fastest(self, remeasure)
         dtype = auto.chosen.dtype
-        reason = f"auto: fastest here, {auto.summary()}"
+        reason = auto.reason()
         self.precision_choice = PrecisionChoice("auto", precision_name(dtype), reason, auto.check, auto)
         log.info("flow precision %s (%s)", auto.chosen.name, reason)
         return dtype

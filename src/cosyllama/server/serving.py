@@ -179,10 +179,14 @@ def check_options(args) -> tuple[RequestLimits, int | None]:
 def load_tts(args):
     """The TTS the ``serve`` / ``wyoming`` command asks for (llama.cpp when ``--gguf`` is given); its
     LLM holds ``--parallel`` sequences of ``--max-seq-tokens`` positions. The options are checked
-    before the minutes of loading a model."""
+    before the minutes of loading a model; the CPU line (the path that runs, and why) is logged after."""
+    from ..cpu import tts_path
     from ..tts import TTS
 
-    return TTS(LoadOptions.from_args(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}))
+    tts = TTS(LoadOptions.from_args(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}))
+    for line in tts_path(tts, getattr(args, "precision", "auto"), getattr(args, "threads", None)).lines():
+        log.warning("%s", line)  # the CPU line, as synth and demo print it (start-up facts go out at warning)
+    return tts
 
 
 def openmp_hint(tts) -> None:

@@ -33,7 +33,7 @@ LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("spee
 # (LLM backend, GGUF layout, GGUF type, flow precision): the all-reference path, then the product default
 PIPELINE_CONFIGS = [("torch", None, None, "fp32"), ("llamacpp", "speech", "Q8_0", "fp32"),
                     ("llamacpp", "speech", "Q8_0", "auto")]
-PARTS = ("llm", "flow", "vocoder", "pipeline", "flow-batch")  # flow-batch: opt-in (not in --parts' default)
+PARTS = ("llm", "flow", "vocoder", "pipeline", "flow-batch", "auto")  # flow-batch, auto: opt-in (not in the default)
 
 
 def _median(xs: list[float]) -> float:
@@ -133,6 +133,76 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 
 
 # ----------------------------------------------------------------------------------------------
+# auto's verdict, measured again
+
+
+def run_auto(model_dir: Path, progress: Progress, device: torch.device = torch.device("cpu")) -> dict:
+    """``--parts auto``: ``--precision auto``'s measurement of the flow candidates, taken again now
+    whatever is cached and whatever the load (:func:`cosyllama.flow.check.choose_fastest` with
+    ``remeasure``), beside the verdict cached before; a trusted measurement replaces that verdict."""
+    from ..flow import Flow, check
+
+    if device.type != "cpu":
+        raise InputError("--parts auto measures the flow candidates on the CPU; on a GPU, auto is bf16 where the "
+                         "GPU computes it, fp32 elsewhere")
+    flow = Flow.from_dir(model_dir, device)
+    progress("auto: checking the flow candidates and timing them again (interleaved rounds)")
+    c = check.choose_fastest(flow, remeasure=True)
+    m = c.measurement
+    now = check._clock()
+    prev = None
+    if c.previous is not None:
+        name, pm = c.previous
+        prev = {"verdict": name, "age_s": now - pm.measured_at, **pm.record(name)}
+    return {"verdict": c.chosen.name, "trusted": c.source == "measured", "busy": c.busy,
+            "replaced": c.source == "measured" and prev is not None,
+            "written": c.source == "measured" and getattr(flow, "weights_file", None) is not None,
+            "measurement": m.record(c.chosen.name) if m else None, "previous": prev,
+            "checks": {r.candidate: {"mean_abs": r.mean_abs, "max_abs": r.max_abs, "passed": r.passed}
+                       for r in c.checks + c.failed}}
+
+
+def format_auto(a: dict) -> list[str]:
+    """The lines of the ``auto`` part: the candidates' rounds and checks, the new verdict, the cached one."""
+    from ..flow.check import CPU_SHARE_MIN, TIME_PROMPT_TOKENS, TIME_TOKENS, Measurement, format_age
+
+    m = Measurement.from_record(a["measurement"])
+    n = max(len(rs) for rs in m.rounds.values())
+    order = " ".join(m.order[:len(m.rounds)])
+    lines = ["", f"auto: the flow candidates timed again ({TIME_PROMPT_TOKENS}+{TIME_TOKENS} tokens, {n} interleaved "
+             f"rounds: {order}, then back; {m.threads} threads)",
+             f"{'candidate':<18}" + "".join(f"{f'round {i + 1} s':>11}" for i in range(n)) + f"{'best s':>9}"
+             f"{'mel vs fp32 mean / max':>25}"]
+    for name, rs in sorted(m.rounds.items(), key=lambda kv: min(kv[1])):
+        ck = a["checks"].get(name)
+        fid = f"{ck['mean_abs']:.4f} / {ck['max_abs']:.4f}" if ck else "-"
+        lines.append(f"{name:<18}" + "".join(f"{r:>11.3f}" for r in rs) + f"{min(rs):>9.3f}{fid:>25}")
+    for name, ck in a["checks"].items():
+        if not ck["passed"]:
+            lines.append(f"{name:<18}failed the fidelity check ({ck['mean_abs']:.4f} / {ck['max_abs']:.4f}): not timed")
+    best = min(m.seconds, key=m.seconds.get)
+    share = f"CPU {m.cpu_share:.0%} of {m.threads} threads (trusted from {CPU_SHARE_MIN:.0%})"
+    load = f", load {m.load_before[0]:.1f} -> {m.load_after[0]:.1f}" if m.load_before and m.load_after else ""
+    lines.append(f"now:    fastest {best}, {share}{load}")
+    p = a["previous"]
+    if p:
+        pm = Measurement.from_record(p)
+        lines.append(f"cached: {p['verdict']}, measured {format_age(p['age_s'])} ago at {pm.conditions()}")
+    else:
+        lines.append("cached: none for this model file, machine and thread count")
+    if not a["trusted"]:
+        lines.append(f"-> not cached: {a['busy']}; " + ("the cached verdict stays" if p else "nothing is written")
+                     + f" (this run would use the rule of thumb, {a['verdict']})")
+    elif not a["written"]:
+        lines.append(f"-> {best} (not cached: the model was not loaded from a file)")
+    elif p and p["verdict"] == best:
+        lines.append(f"-> {best} again: the record is renewed")
+    else:
+        lines.append(f"-> {best} is cached" + (f", replacing {p['verdict']}" if p else ""))
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
 # Whole pipeline (child processes)
 
 
@@ -165,7 +235,8 @@ def pipeline_worker(spec: dict) -> dict:
     from ..precision import precision_name
 
     flow = precision_name(tts.token2wav.flow.precision)
-    return {"flow": flow, "rtf": rtf, "first_chunk_s": first, "peak_rss_mb": peak_rss_mb(),
+    why = tts.token2wav.flow.precision_choice.reason
+    return {"flow": flow, "flow_why": why, "rtf": rtf, "first_chunk_s": first, "peak_rss_mb": peak_rss_mb(),
             "llm_s": llm_s, "token2wav_s": token2wav_s,  # of the non-streaming run (the RTF's)
             "stream_llm_s": syn.timings.llm, "stream_token2wav_s": syn.timings.token2wav}
 
@@ -198,13 +269,16 @@ def run_pipeline(model_dir: Path, threads: int, prompt_s: float, output_s: float
             raise RuntimeError(f"pipeline worker for {label} failed:\n{proc.stderr[-4000:]}")
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         runs[i].append(r)
+        if r.get("flow_why"):
+            progress(f"  flow {r['flow']} ({r['flow_why']})")  # auto: measured when, or why the rule of thumb
         fc = "-" if r["first_chunk_s"] is None else f"{r['first_chunk_s']:.2f} s"
         progress(f"  RTF {r['rtf']:.3f}, first chunk {fc}, peak RSS {r['peak_rss_mb']:.0f} MB")
     rows = []
     for (i, label, spec), rs in zip(configs, runs):
         med = {k: _median_or_none([r[k] for r in rs]) for k in ("rtf", "first_chunk_s", "llm_s", "token2wav_s",
                                                                 "stream_llm_s", "stream_token2wav_s")}
-        rows.append({"llm": label, "device": str(device), "flow": rs[-1]["flow"], **med,
+        rows.append({"llm": label, "device": str(device), "flow": rs[-1]["flow"], "flow_why": rs[-1].get("flow_why"),
+                     **med,
                      "peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "rounds": rs})
     return rows
 
@@ -232,6 +306,8 @@ def format_table(res: dict) -> str:
             if ("speech", t) in by and ("merged", t) in by:
                 lines.append(f"speech/merged at {t}: {by[('speech', t)] / by[('merged', t)]:.2f}x")
     lines += format_lines(res)
+    if res.get("auto"):
+        lines += format_auto(res["auto"])
     if res["pipeline"]:
         lines += ["", f"{'pipeline LLM':<24}{'flow':<6}{'RTF':>8}{'first chunk s':>15}{'peak RSS MB':>13}"]
         for r in res["pipeline"]:
@@ -276,7 +352,7 @@ def run_bench(args, progress: Progress = print) -> int:
     machine = machine_info(threads, device, llm=bool(parts & {"llm", "pipeline"}))
     res = {"machine": machine, "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
            "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": [],
-           "flow_batch": []}
+           "flow_batch": [], "auto": None}
     if "llm" in parts:
         res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
                              configs=llm_configs(getattr(args, "llm_types", None)), device=device)
@@ -287,6 +363,8 @@ def run_bench(args, progress: Progress = print) -> int:
     if "flow-batch" in parts:
         res["flow_batch"] = run_flow_batch(model_dir, args.prompt_seconds, args.output_seconds, args.repeat,
                                            progress, device, batch_variants, sizes)
+    if "auto" in parts:
+        res["auto"] = run_auto(model_dir, progress, device)
     if "pipeline" in parts:
         res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
                                        progress, device)
