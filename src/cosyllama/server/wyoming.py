@@ -42,8 +42,8 @@ from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDepend
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
-from ..text.normalize import is_only_punctuation, take_sentences
-from .serving import Gate, ServerBusyError, pcm16
+from ..text.normalize import is_only_punctuation
+from .serving import Gate, SentenceStream, ServerBusyError, pcm16
 
 try:
     from wyoming.audio import AudioChunk, AudioStart, AudioStop
@@ -203,35 +203,26 @@ class _Session:
         self.conn, self.service = conn, conn.service
         self.voice_id, self.voice, self.streaming = voice_id, voice, streaming
         self.sentences: asyncio.Queue[str | None] = asyncio.Queue()
-        self.pending = ""  # streamed text not yet a complete sentence
-        self.n_sentences = 0
+        self.text = SentenceStream(self.service.serving.limits)  # streamed text, cut into sentences
         self.job: _Job | None = None
         self.task = asyncio.create_task(self._run(after), name=f"cosyllama-wyoming-{voice_id}")
 
     def add_text(self, piece: str) -> None:
         """Streamed text: queue each sentence it completes."""
-        sentences, self.pending = take_sentences(self.pending + piece)
-        self.service.serving.limits.check_chars("input", self.pending)  # a sentence never ends: refuse, not grow
-        for s in sentences:
-            self._queue(s)
+        for s in self.text.add(piece):
+            self.sentences.put_nowait(s)
 
     def add_whole(self, text: str) -> None:
-        self._queue(text)
+        self.sentences.put_nowait(text)  # checked by the caller: one request, as it is
 
     def finish(self) -> None:
         """No more text: queue the rest (a last sentence without end punctuation)."""
-        self._queue(self.pending.strip())
-        self.pending = ""
-        if not self.n_sentences:
+        for s in self.text.finish():
+            self.sentences.put_nowait(s)
+        if not self.text.n_sentences:
             raise RequestRefused("the stream ended without text to speak; send synthesize-chunk events with text "
                                  "between synthesize-start and synthesize-stop", "empty_text")
         self.sentences.put_nowait(None)
-
-    def _queue(self, sentence: str) -> None:
-        if sentence and not is_only_punctuation(sentence):
-            self.service.serving.limits.check_chars("input", sentence)
-            self.n_sentences += 1
-            self.sentences.put_nowait(sentence)
 
     def cancel(self) -> None:
         """The client is gone: free the LLM sequence now, stop the session."""
