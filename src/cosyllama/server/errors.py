@@ -35,7 +35,8 @@ def synthesis_error(e: Exception) -> ApiError:
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
-_LIMIT_PARAM = {"input": "input", "instructions": "instructions", "transcript": "voice", "sequence": "input"}
+_LIMIT_PARAM = {"input": "input", "instructions": "instructions", "transcript": "voice", "sequence": "input",
+                "session": "input"}
 
 
 def limit_error(e: LimitExceeded, param: str | None = None) -> ApiError:
@@ -51,11 +52,12 @@ async def _api_error(request, e: ApiError):
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _validation_error(request, e: RequestValidationError):
-    """422 naming every bad field; ``param`` and ``code`` come from the first (pydantic's error type,
-    e.g. ``missing``, ``bool_type``, ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
+def describe_invalid(errors) -> tuple[str, str | None, str | None]:
+    """The message naming every bad field of pydantic's ``errors`` (a validation error's
+    ``errors()``), and the ``param`` and ``code`` of the first (pydantic's error type, e.g.
+    ``missing``, ``bool_type``, ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
     parts, first = [], None
-    for err in e.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ())]
         if loc and loc[0] in ("body", "path", "query", "header", "cookie"):
             loc = loc[1:]  # the field's name, as OpenAI's `param` gives it
@@ -66,8 +68,13 @@ async def _validation_error(request, e: RequestValidationError):
         if first is None:
             first = (where, err.get("type"))
     param, code = first or (None, None)
-    return JSONResponse(error_body("; ".join(parts) or "invalid request", "invalid_request_error", param, code),
-                        status_code=422)
+    return "; ".join(parts) or "invalid request", param, code
+
+
+async def _validation_error(request, e: RequestValidationError):
+    """422 naming every bad field (:func:`describe_invalid`)."""
+    message, param, code = describe_invalid(e.errors())
+    return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=422)
 
 
 async def _http_error(request, e: StarletteHTTPException):

@@ -166,19 +166,25 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
             return
 
 
-router = APIRouter()
-
-
-@router.post("/v1/audio/speech")
-async def speech(body: SpeechRequest, request: Request):
-    tts, limits = request.app.state.tts, request.app.state.limits
-    try:  # before any work; tokens and the LLM budget are checked after the frontend (in tts.synthesize)
-        limits.request.check_chars("input", body.input)
-        limits.request.check_chars("instructions", body.instructions)
+def check_input(body: SpeechRequest, limits) -> None:
+    """The ``input`` checks before any work (``limits``: the :class:`~cosyllama.limits.RequestLimits`);
+    tokens and the LLM budget are checked after the frontend (in ``tts.synthesize``)."""
+    try:
+        limits.check_chars("input", body.input)
     except LimitExceeded as e:
         raise synthesis_error(e) from e
     if not body.input.strip():
         raise ApiError(422, "input is empty; give some text to speak", param="input", code="empty_string")
+
+
+async def check_request(body: SpeechRequest, tts, limits) -> str | None:
+    """The checks of everything but ``input`` before any work (instructions, mode, voice, how the
+    audio is streamed), as :class:`ApiError`; returns :meth:`SpeechRequest.streaming`. Shared with
+    ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`)."""
+    try:
+        limits.check_chars("instructions", body.instructions)
+    except LimitExceeded as e:
+        raise synthesis_error(e) from e
     if body.instructions is not None and not body.instructions.strip():
         raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
                        param="instructions", code="empty_string")
@@ -196,6 +202,17 @@ async def speech(body: SpeechRequest, request: Request):
         raise ApiError(422, f"speed {body.speed} needs non-streaming synthesis (the time stretch applies to "
                        "the finished audio); omit stream_format and stream, or use speed 1.0",
                        param="speed", code="unsupported_for_streaming")
+    return streaming
+
+
+router = APIRouter()
+
+
+@router.post("/v1/audio/speech")
+async def speech(body: SpeechRequest, request: Request):
+    tts, limits = request.app.state.tts, request.app.state.limits
+    check_input(body, limits.request)
+    streaming = await check_request(body, tts, limits.request)
     g = gate(request.app)
     await g.acquire()
     job = _Job(tts, body, streaming)
