@@ -1,4 +1,6 @@
-"""HTTP server: an OpenAI-style ``/v1/audio/speech`` endpoint, voice registration and ``/health``.
+"""HTTP server: an OpenAI-style ``/v1/audio/speech`` endpoint, its WebSocket sibling for text as it is
+written (``/v1/audio/speech/stream``, :mod:`cosyllama.server.speech_stream`), voice registration and
+``/health``.
 
 ``create_app(tts)`` builds the FastAPI app; ``serve(args)`` runs it with uvicorn (127.0.0.1 by
 default). Concurrent requests share one LLM context through a :class:`~cosyllama.llm.scheduler.BatchScheduler`,
@@ -44,6 +46,8 @@ from .errors import add_error_handlers  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, guard_options  # noqa: E402
 from .speech import router as speech_router  # noqa: E402
+from .speech_stream import router as speech_stream_router  # noqa: E402
+from .speech_stream import uvicorn_ws_options  # noqa: E402
 from .voices import router as voices_router  # noqa: E402
 from .wire import BodyLimit  # noqa: E402
 
@@ -109,7 +113,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                scheduler: BatchScheduler | None = None, prefill_chunk: int | None = None,
                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
                wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
-               interleave: str | None = None) -> FastAPI:
+               interleave: str | None = None, connection_limits: ConnectionLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -129,7 +133,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server.page`). ``wyoming``: a
     URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming protocol
     (:mod:`cosyllama.server.wyoming`, with ``wyoming_options``) from the same TTS, scheduler, voices and
-    admission gate.
+    admission gate. ``connection_limits``: the idle and write timeouts of a WebSocket session at
+    ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`; default :class:`ConnectionLimits`()).
     """
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
@@ -163,9 +168,11 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app.state.limits = ServerLimits(serving.max_concurrent, serving.max_queue, max_prompt_bytes, limits, max_voices)
     app.state.gate = None
     app.state.wyoming = None  # the WyomingServer while the app runs, with ``wyoming``
+    app.state.connection_limits = connection_limits or ConnectionLimits()
     add_error_handlers(app)
     app.include_router(router)
     app.include_router(speech_router)
+    app.include_router(speech_stream_router)
     app.include_router(voices_router)
     add_page(app)
     return app
@@ -200,15 +207,22 @@ def serve(args) -> None:
     warm_voices(tts)
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
-                     wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args))
+                     wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args),
+                     connection_limits=conn_limits)
     openmp_hint(tts)
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    if AutoWebSocketsProtocol is None:  # uvicorn answers a WebSocket handshake with 400 without one
+        log.warning("%s needs a WebSocket implementation for uvicorn: pip install 'cosyllama[server]' "
+                    "(websockets)", "/v1/audio/speech/stream")
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     args.host, API_KEY_ENV)
     skipped = tts.voices.skipped
     if skipped:
         log.warning("voices: %d file(s) skipped, listed in /health: %s", len(skipped), ", ".join(sorted(skipped)))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits),
+                **uvicorn_ws_options(limits))
 
 
 __all__ = ["create_app", "serve"]
