@@ -4,6 +4,7 @@ in ``conftest.py``."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -239,6 +240,39 @@ class _SlowPiecewiseBackend(SlowBackend):
 def slow_backend(inner, *, piecewise: bool = False, **delays) -> SlowBackend:
     """A :class:`SlowBackend` over ``inner``; ``piecewise``: offer ``inner``'s piecewise prefill."""
     return (_SlowPiecewiseBackend if piecewise else SlowBackend)(inner, **delays)
+
+
+class Gated:
+    """An LLM backend whose decode steps can be held: after :meth:`hold_after` ``n`` more steps run,
+    then steps wait until :meth:`let_go` (so a sequence is still decoding when a client goes)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.cfg = inner, getattr(inner, "name", "torch"), inner.cfg
+        self._cond = threading.Condition()
+        self._budget: int | None = None
+
+    def hold_after(self, n: int) -> None:
+        with self._cond:
+            self._budget = n
+
+    def let_go(self) -> None:
+        with self._cond:
+            self._budget = None
+            self._cond.notify_all()
+
+    def start(self, prefill, max_new_tokens):
+        return self.inner.start(prefill, max_new_tokens)
+
+    def step(self, batch):
+        with self._cond:
+            while self._budget is not None and self._budget <= 0:
+                self._cond.wait()
+            if self._budget is not None:
+                self._budget -= 1
+        return self.inner.step(batch)
+
+    def release(self, handle):
+        self.inner.release(handle)
 
 
 class LoopbackServer:

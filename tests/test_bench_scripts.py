@@ -45,3 +45,16 @@ def test_load_test_against_a_server_it_starts(tmp_path):
     for lv in res["levels"]:
         assert lv["ok"] == lv["requests"] >= 1 and not lv["errors"] and lv["first_chunk_p50"] > 0
     assert res["health"]["status"] == "ok"
+
+
+def test_speech_stream_against_the_http_endpoint(tmp_path, capsys):
+    out = tmp_path / "speech-stream.jsonl"
+    main = runpy.run_path(str(SCRIPTS / "bench_speech_stream.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--requests", "1",
+                 "--prompt-seconds", "1", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert set(row["first_audio_s"]) == {"websocket", "http"}
+    assert all(len(t) == 1 and t[0] > 0 for t in row["first_audio_s"].values())
+    assert row["machine"]["cpu_class"] and row["threads"] == 1
+    printed = capsys.readouterr().out
+    assert "/v1/audio/speech/stream (pieces)" in printed and row["machine"]["cpu_class"] in printed

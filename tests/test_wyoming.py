@@ -5,12 +5,11 @@ to the HTTP endpoint's audio, two clients at once, a disconnect frees its sequen
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR, LoopbackServer
+from helpers import FIXTURES, MODEL_DIR, Gated, LoopbackServer
 
 pytest.importorskip("wyoming")
 pytest.importorskip("fastapi")
@@ -26,41 +25,6 @@ from cosyllama.server.app import create_app  # noqa: E402
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TIMEOUT = 120  # seconds for any one event: generous, only a hang reaches it
 LONG = "This is a long sentence that keeps the model busy for a good while, word after word after word."
-
-
-class Gated:
-    """An LLM backend whose decode steps can be held: after :meth:`hold_after` ``n`` more steps run,
-    then steps wait until :meth:`let_go` (so a sequence is still decoding when a client goes)."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.cfg = inner, getattr(inner, "name", "torch"), inner.cfg
-        self._cond = threading.Condition()
-        self._budget: int | None = None
-
-    def hold_after(self, n: int) -> None:
-        with self._cond:
-            self._budget = n
-
-    def let_go(self) -> None:
-        with self._cond:
-            self._budget = None
-            self._cond.notify_all()
-
-    def start(self, prefill, max_new_tokens):
-        return self.inner.start(prefill, max_new_tokens)
-
-    def step(self, batch):
-        with self._cond:
-            while self._budget is not None and self._budget <= 0:
-                self._cond.wait()
-            if self._budget is not None:
-                self._budget -= 1
-        return self.inner.step(batch)
-
-    def release(self, handle):
-        self.inner.release(handle)
-
-
 
 
 @pytest.fixture(scope="module")

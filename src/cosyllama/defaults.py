@@ -30,3 +30,6 @@ MAX_INSTRUCTIONS_TOKENS = 256  # its text tokens, system prefix included
 MAX_TRANSCRIPT_CHARS = 1000
 MAX_TRANSCRIPT_TOKENS = 512  # its text tokens, system prefix included (odd characters can take several each)
 MAX_SEQ_TOKENS = 4096  # LLM positions of one sequence: its prompt plus the speech tokens it may decode
+# characters of text one streamed session takes in all (a /v1/audio/speech/stream connection, a Wyoming
+# synthesize-start ... -stop); ~2 hours of speech
+MAX_SESSION_CHARS = 100_000

@@ -20,6 +20,7 @@ from .defaults import (
     MAX_INSTRUCTIONS_CHARS,
     MAX_INSTRUCTIONS_TOKENS,
     MAX_SEQ_TOKENS,
+    MAX_SESSION_CHARS,
     MAX_TRANSCRIPT_CHARS,
     MAX_TRANSCRIPT_TOKENS,
 )
@@ -29,7 +30,8 @@ TEXT_FIELDS = ("input", "instructions", "transcript")
 
 _ADVICE = {"input": "split the text over several requests",
            "instructions": "give a short style instruction",
-           "transcript": "give only the transcript of the prompt clip (at most 30 s of speech)"}
+           "transcript": "give only the transcript of the prompt clip (at most 30 s of speech)",
+           "session": "open a new session (connection) for more text"}
 
 # what each limit bounds, for `serve --help` (the flag is --max-<name with dashes>)
 LIMIT_HELP = {
@@ -42,6 +44,8 @@ LIMIT_HELP = {
     "seq_tokens": "LLM positions one text segment may use: its prompt (transcript or instructions, "
                   "prompt speech, text) plus up to 20 speech tokens per text token; the llama.cpp context "
                   "is sized for --parallel of these at start and never grows",
+    "session_chars": "characters of text one streamed session takes in all (a /v1/audio/speech/stream "
+                     "connection, a Wyoming synthesize-start ... -stop; each message counts at least one)",
 }
 
 
@@ -51,8 +55,8 @@ def limit_flag(name: str) -> str:
 
 
 class LimitExceeded(InputError):
-    """A request is over one of its limits. ``field`` (``input``, ``instructions``, ``transcript``
-    or ``sequence``), ``limit`` (its value) and ``flag`` (the ``serve`` option) say which."""
+    """A request is over one of its limits. ``field`` (``input``, ``instructions``, ``transcript``,
+    ``sequence`` or ``session``), ``limit`` (its value) and ``flag`` (the ``serve`` option) say which."""
 
     def __init__(self, message: str, *, field: str, limit: int, flag: str):
         super().__init__(message)
@@ -70,6 +74,7 @@ class RequestLimits:
     transcript_chars: int = MAX_TRANSCRIPT_CHARS
     transcript_tokens: int = MAX_TRANSCRIPT_TOKENS
     seq_tokens: int = MAX_SEQ_TOKENS
+    session_chars: int = MAX_SESSION_CHARS
 
     def __post_init__(self):
         for f in fields(self):
@@ -90,6 +95,14 @@ class RequestLimits:
             flag = limit_flag(f"{field}_chars")
             raise LimitExceeded(f"{field} is too long: {len(text)} characters, at most {limit} allowed ({flag}); "
                                 f"{_ADVICE[field]}", field=field, limit=limit, flag=flag)
+
+    def check_session(self, n_chars: int) -> None:
+        """Refuse a streamed session that has taken ``n_chars`` characters when they are too many."""
+        limit = self.session_chars
+        if n_chars > limit:
+            flag = limit_flag("session_chars")
+            raise LimitExceeded(f"the session's text is too long: {n_chars} characters, at most {limit} allowed "
+                                f"({flag}); {_ADVICE['session']}", field="session", limit=limit, flag=flag)
 
     def check_tokens(self, field: str, n_tokens: int) -> None:
         """Refuse ``n_tokens`` text tokens of ``field`` when they are too many."""

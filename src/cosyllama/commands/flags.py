@@ -27,13 +27,13 @@ def add_gpu_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_limit_options(p: argparse.ArgumentParser) -> None:
-    """``--max-input-chars`` ... ``--max-seq-tokens``: the per-request bounds of the server."""
+    """``--max-input-chars`` ... ``--max-session-chars``: the per-request bounds of the server."""
     from dataclasses import fields
 
     from ..limits import LIMIT_HELP, RequestLimits, limit_flag
 
     g = p.add_argument_group("per-request limits (a request over one is refused naming it: 413 over HTTP, "
-                             "an error event over Wyoming)")
+                             "an error message over the WebSocket, an error event over Wyoming)")
     for f in fields(RequestLimits):
         g.add_argument(limit_flag(f.name), type=int, default=f.default, metavar="N",
                        help=f"{LIMIT_HELP[f.name]} (default {f.default})")

@@ -1,4 +1,6 @@
-"""HTTP server: an OpenAI-style ``/v1/audio/speech`` endpoint, voice registration and ``/health``.
+"""HTTP server: an OpenAI-style ``/v1/audio/speech`` endpoint, its WebSocket sibling for text as it is
+written (``/v1/audio/speech/stream``, :mod:`cosyllama.server.speech_stream`), voice registration and
+``/health``.
 
 ``create_app(tts)`` builds the FastAPI app; ``serve(args)`` runs it with uvicorn (127.0.0.1 by
 default). Concurrent requests share one LLM context through a :class:`~cosyllama.llm.scheduler.BatchScheduler`,
@@ -53,6 +55,8 @@ from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, guard_options, has_api_key  # noqa: E402
 from .speech import VoiceNames, parse_voice_aliases  # noqa: E402
 from .speech import router as speech_router  # noqa: E402
+from .speech_stream import router as speech_stream_router  # noqa: E402
+from .speech_stream import uvicorn_ws_options  # noqa: E402
 from .voices import router as voices_router  # noqa: E402
 from .wire import BodyLimit, RequestId  # noqa: E402
 
@@ -121,7 +125,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
                wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
                interleave: str | None = None, default_voice: str | None = None,
-               voice_aliases: dict[str, str] | None = None, speech_defaults: dict | None = None) -> FastAPI:
+               voice_aliases: dict[str, str] | None = None, speech_defaults: dict | None = None,
+               connection_limits: ConnectionLimits | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -146,6 +151,8 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     ``speech_defaults``: ``seed`` and ``greedy`` for speech requests that do not give them (e.g.
     reproducible audio for clients that cannot send cosyllama's fields). Every response carries
     ``x-request-id`` (:class:`~cosyllama.server.wire.RequestId`).
+    ``connection_limits``: the idle and write timeouts of a WebSocket session at
+    ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`; default :class:`ConnectionLimits`()).
     """
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
@@ -187,9 +194,11 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     app.state.speech_defaults = speech_defaults
     app.state.api_key = api_key  # /health shows details only with it
     app.state.wyoming = None  # the WyomingServer while the app runs, with ``wyoming``
+    app.state.connection_limits = connection_limits or ConnectionLimits()
     add_error_handlers(app)
     app.include_router(router)
     app.include_router(speech_router)
+    app.include_router(speech_stream_router)
     app.include_router(voices_router)
     add_page(app)
     return app
@@ -227,13 +236,19 @@ def serve(args) -> None:
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
                      wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args),
-                     default_voice=default_voice, voice_aliases=voice_aliases)
+                     default_voice=default_voice, voice_aliases=voice_aliases, connection_limits=conn_limits)
     warm_voices(tts)  # after create_app: voice folders are made by then
     openmp_hint(tts)
+    from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
+
+    if AutoWebSocketsProtocol is None:  # uvicorn answers a WebSocket handshake with 400 without one
+        log.warning("%s needs a WebSocket implementation for uvicorn: pip install 'cosyllama[server]' "
+                    "(websockets)", "/v1/audio/speech/stream")
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     args.host, API_KEY_ENV)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits),
+                **uvicorn_ws_options(limits))
 
 
 __all__ = ["create_app", "serve"]

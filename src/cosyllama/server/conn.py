@@ -109,6 +109,10 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._disarm()
             super().connection_lost(exc)
 
+        def handle_websocket_upgrade(self, *args) -> None:
+            self._disarm()  # the connection is a WebSocket's now: its protocol bounds it (not an HTTP request's)
+            super().handle_websocket_upgrade(*args)
+
         def _between_requests(self) -> bool:
             c = self.cycle
             return c is None or (c is self._seen and c.response_complete and not c.more_body)

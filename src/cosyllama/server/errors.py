@@ -39,7 +39,8 @@ def synthesis_error(e: Exception) -> ApiError:
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
-_LIMIT_PARAM = {"input": "input", "instructions": "instructions", "transcript": "voice", "sequence": "input"}
+_LIMIT_PARAM = {"input": "input", "instructions": "instructions", "transcript": "voice", "sequence": "input",
+                "session": "input"}
 
 
 def limit_error(e: LimitExceeded, param: str | None = None) -> ApiError:
@@ -55,13 +56,13 @@ async def _api_error(request, e: ApiError):
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _validation_error(request, e: RequestValidationError):
-    """422 naming the bad fields (the first 5, then how many more; a client's field name clipped to
-    64 characters: the body does not grow with the request); ``param`` and
-    ``code`` come from the first (pydantic's error type, e.g. ``missing``, ``bool_type``,
-    ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
+def describe_invalid(errors) -> tuple[str, str | None, str | None]:
+    """The message naming the bad fields of pydantic's ``errors`` (a validation error's ``errors()``:
+    the first 5, then how many more; a client's field name clipped to 64 characters, so the message
+    does not grow with the request), and the ``param`` and ``code`` of the first (pydantic's error
+    type, e.g. ``missing``, ``bool_type``, ``less_than_equal``, ``extra_forbidden``, ``json_invalid``)."""
     parts, first = [], None
-    for err in e.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ())]
         if loc and loc[0] in ("body", "path", "query", "header", "cookie"):
             loc = loc[1:]  # the field's name, as OpenAI's `param` gives it
@@ -73,8 +74,13 @@ async def _validation_error(request, e: RequestValidationError):
             first = (where, err.get("type"))
     param, code = first or (None, None)
     message = "; ".join(parts[:NAMED_IDS]) + (f"; and {len(parts) - NAMED_IDS} more" if len(parts) > NAMED_IDS else "")
-    return JSONResponse(error_body(message or "invalid request", "invalid_request_error", param, code),
-                        status_code=422)
+    return message or "invalid request", param, code
+
+
+async def _validation_error(request, e: RequestValidationError):
+    """422 naming the bad fields (:func:`describe_invalid`)."""
+    message, param, code = describe_invalid(e.errors())
+    return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=422)
 
 
 async def _http_error(request, e: StarletteHTTPException):

@@ -14,6 +14,9 @@ an API key is set, requests without it. Both answers come before the request bod
 * **API key**: with ``api_key`` set, every request but ``GET /health`` (load balancers probe it
   without credentials) and the static web page needs ``Authorization: Bearer <key>``, the header
   the OpenAI SDK sends for its ``api_key``; else 401. The key is compared in constant time.
+* **WebSockets** (``/v1/audio/speech/stream``): the handshake is checked like a state-changing
+  request (a browser sends ``Origin`` with it and no CORS check applies) and needs the key too;
+  a refusal is answered with the same status and JSON body before the socket opens.
 
 Needs the ``server`` extra.
 """
@@ -34,6 +37,8 @@ from ..errors import InputError
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+WEBSOCKET = "WebSocket"  # what a WebSocket handshake is called in the refusals (it is a GET)
+ORIGIN_CHECKED = STATE_CHANGING | {WEBSOCKET}
 _ORIGIN_RE = re.compile(r"^(https?)://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(:\d{1,5})?$")
 
 
@@ -65,6 +70,11 @@ class RequestGuard:
         self.open_paths = OPEN_PATHS | frozenset(open_paths)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket":  # a WebSocket is used, not read: checked like a state-changing request
+            refusal = self._check(WEBSOCKET, scope["path"], Headers(scope=scope))
+            if refusal is not None:
+                return await _refuse_websocket(refusal, scope, receive, send)
+            return await self.app(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
@@ -75,7 +85,7 @@ class RequestGuard:
 
     def _check(self, method: str, path: str, headers: Headers) -> JSONResponse | None:
         origin = headers.get("origin")
-        if (method in STATE_CHANGING and origin is not None and origin.lower() not in self.allow_origins
+        if (method in ORIGIN_CHECKED and origin is not None and origin.lower() not in self.allow_origins
                 and not self._same_origin(origin, headers.get("host"))):
             allowed = ", ".join(sorted(self.allow_origins)) or "none"
             return _error(403, f"cross-origin {method} from {origin!r} refused: this server takes "
@@ -123,6 +133,15 @@ def has_api_key(headers, api_key: str | None) -> bool:
         return True
     scheme, _, token = headers.get("authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.strip().encode())
+
+
+async def _refuse_websocket(refusal: JSONResponse, scope, receive, send) -> None:
+    """Answer a WebSocket handshake with ``refusal`` (its status and JSON body) where the server
+    can (ASGI's denial-response extension, uvicorn's), else close it unaccepted (HTTP 403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await refusal(scope, receive, send)  # Starlette sends a response's messages with the websocket. prefix
+    else:
+        await send({"type": "websocket.close", "code": 1008})
 
 
 def add_guard(app, api_key: str | None, allow_origins: Iterable[str], open_paths: Iterable[str] = ()) -> None:

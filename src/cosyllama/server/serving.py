@@ -7,6 +7,8 @@
 * :func:`prepare`: the served view of a TTS (its tokens from one batching scheduler, its calls
   checked against the limits, long texts normalized in a helper process), as a :class:`Serving`;
 * :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
+* :class:`SentenceStream`: text as it is written (an LLM's answer, piece by piece) cut into the
+  sentences to speak, within the limits (Wyoming's streamed synthesis, ``/v1/audio/speech/stream``);
 * :func:`pcm16`: the 16-bit samples both protocols send.
 * :data:`INTERNAL_ERROR`: all a client is told of a failure that is the server's (the unknown-voice
   message both use is :func:`cosyllama.voices.unknown_voice`).
@@ -30,6 +32,7 @@ from ..limits import RequestLimits
 from ..llm.factory import make_token_source
 from ..llm.scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
 from ..options import LoadOptions
+from ..text.normalize import is_only_punctuation, take_sentences
 from ..voices import ClipEncoder, VoiceDirectory, VoiceStore, describe_ids
 
 log = logging.getLogger("cosyllama.server")
@@ -79,6 +82,54 @@ class Gate:
     def release(self) -> None:
         self.running -= 1
         self._sem.release()
+
+
+# ----------------------------------------------------------------------------------------------
+# Text as it is written
+
+
+class SentenceStream:
+    """The text of one streamed session, piece by piece, cut into the sentences to speak as soon as
+    each is complete (:func:`~cosyllama.text.normalize.take_sentences`); ``whole=True`` keeps all
+    of it for :meth:`finish` instead (one request for the whole text).
+
+    Bounded by ``limits`` (a :class:`~cosyllama.limits.RequestLimits`): a piece, a sentence and the
+    text waiting for its sentence's end are each at most ``input_chars`` characters (a sentence
+    that never ends is refused, it does not grow), and the session at most ``session_chars`` in
+    all, each piece counting at least one (so empty pieces cannot go on for ever). A refusal is a
+    :class:`~cosyllama.limits.LimitExceeded`. Sentences made only of punctuation are dropped.
+    """
+
+    def __init__(self, limits: RequestLimits, whole: bool = False):
+        self.limits, self.whole = limits, whole
+        self.pending = ""  # text not yet a complete sentence
+        self.received = 0  # characters taken, at least one per piece
+        self.n_sentences = 0  # sentences handed out
+
+    def add(self, piece: str) -> list[str]:
+        """Take one piece; the sentences it completes."""
+        self.limits.check_chars("input", piece)
+        self.received += max(1, len(piece))
+        self.limits.check_session(self.received)
+        if self.whole:
+            self.pending += piece
+            self.limits.check_chars("input", self.pending)
+            return []
+        sentences, self.pending = take_sentences(self.pending + piece, known=len(self.pending))
+        self.limits.check_chars("input", self.pending)
+        return self._keep(sentences)
+
+    def finish(self) -> list[str]:
+        """No more text: the rest, as a last sentence (without end punctuation), if it says anything."""
+        rest, self.pending = self.pending.strip(), ""
+        return self._keep([rest])
+
+    def _keep(self, sentences: list[str]) -> list[str]:
+        out = [s for s in sentences if s and not is_only_punctuation(s)]
+        for s in out:
+            self.limits.check_chars("input", s)
+        self.n_sentences += len(out)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,5 +312,6 @@ def _warm_all(tts) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["INTERNAL_ERROR", "Gate", "ServerBusyError", "Serving", "check_options", "interleave_choice", "load_tts",
-           "open_voice_store", "pcm16", "prepare", "report_voices", "stage_turns", "warm_voices"]
+__all__ = ["INTERNAL_ERROR", "Gate", "SentenceStream", "ServerBusyError", "Serving", "check_options",
+           "interleave_choice", "load_tts", "open_voice_store", "pcm16", "prepare", "report_voices", "stage_turns",
+           "warm_voices"]

@@ -239,9 +239,6 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
             return
 
 
-router = APIRouter()
-
-
 def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
     """The 404 for a voice that is not registered (or whose file the server skipped)."""
     return ApiError(404, unknown_voice(voice_id, ids, more=" (GET /v1/voices lists them)")
@@ -258,25 +255,39 @@ async def voice_of(tts, names: VoiceNames, name: str) -> str:
     return await run_in_threadpool(_voice_id, tts.voices, names, name)
 
 
-@router.post("/v1/audio/speech")
-async def speech(body: SpeechRequest, request: Request):
-    tts, limits = request.app.state.tts, request.app.state.limits
-    try:  # before any work; tokens and the LLM budget are checked after the frontend (in tts.synthesize)
-        limits.request.check_chars("input", body.input)
-        limits.request.check_chars("instructions", body.instructions)
+def _check_text(name: str, text: str | None) -> None:
+    problem = None if text is None else text_problem(text)
+    if problem is not None:
+        raise ApiError(422, f"{name} {problem}", param=name, code="invalid_characters")
+
+
+def check_input(body: SpeechRequest, limits) -> None:
+    """The ``input`` checks before any work (``limits``: the :class:`~cosyllama.limits.RequestLimits`);
+    tokens and the LLM budget are checked after the frontend (in ``tts.synthesize``)."""
+    try:
+        limits.check_chars("input", body.input)
     except LimitExceeded as e:
         raise synthesis_error(e) from e
     if not body.input.strip():
         raise ApiError(422, "input is empty; give some text to speak", param="input", code="empty_string")
+    _check_text("input", body.input)
+
+
+async def check_request(body: SpeechRequest, state) -> tuple[str | None, str]:
+    """The checks of everything but ``input`` before any work (instructions, mode, format, voice),
+    as :class:`ApiError`, with the app's ``speech_defaults`` filled in; ``state``: the app's state
+    (tts, limits, voice names). Returns :meth:`SpeechRequest.streaming` and the registered voice the
+    request speaks with. Shared with ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`)."""
+    try:
+        state.limits.request.check_chars("instructions", body.instructions)
+    except LimitExceeded as e:
+        raise synthesis_error(e) from e
     if body.instructions is not None and not body.instructions.strip():
         raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
                        param="instructions", code="empty_string")
-    for name, text in (("input", body.input), ("instructions", body.instructions)):
-        problem = None if text is None else text_problem(text)
-        if problem is not None:
-            raise ApiError(422, f"{name} {problem}", param=name, code="invalid_characters")
+    _check_text("instructions", body.instructions)
     body.synthesis_mode()
-    for name, value in request.app.state.speech_defaults.items():
+    for name, value in state.speech_defaults.items():
         if name not in body.model_fields_set:
             setattr(body, name, value)
     if body.response_format == "aac" and not aac_available():
@@ -284,8 +295,18 @@ async def speech(body: SpeechRequest, request: Request):
         formats = ", ".join(f for f in FORMATS if f != "aac")
         raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
                        param="response_format", code="unsupported_value")
-    voice = await voice_of(tts, request.app.state.voice_names, body.voice_name())
-    streaming = body.streaming()
+    voice = await voice_of(state.tts, state.voice_names, body.voice_name())
+    return body.streaming(), voice
+
+
+router = APIRouter()
+
+
+@router.post("/v1/audio/speech")
+async def speech(body: SpeechRequest, request: Request):
+    tts, limits = request.app.state.tts, request.app.state.limits
+    check_input(body, limits.request)
+    streaming, voice = await check_request(body, request.app.state)
     g = gate(request.app)
     await g.acquire()
     job = _Job(tts, body, streaming, voice)

@@ -56,10 +56,10 @@ from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDepend
 from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
-from ..text.normalize import is_only_punctuation, take_sentences
+from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, unknown_voice
 from .conn import ConnectionLimits
-from .serving import INTERNAL_ERROR, Gate, ServerBusyError, pcm16
+from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError, pcm16
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -278,44 +278,39 @@ class _Session:
         self.conn, self.service = conn, conn.service
         self.voice_id, self.voice, self.streaming = voice_id, voice, streaming
         self.sentences: asyncio.Queue[str | None] = asyncio.Queue()
-        self.pending = ""  # streamed text not yet a complete sentence
-        self.n_sentences = 0
+        self.text = SentenceStream(self.service.serving.limits)  # streamed text, cut into sentences
         self.job: _Job | None = None
         self.waiting_for_text = False  # an open stream has spoken all it was sent: the client's turn
         self.task = asyncio.create_task(self._run(after), name=f"cosyllama-wyoming-{voice_id}")
 
     def add_text(self, piece: str) -> None:
         """Streamed text: queue each sentence it completes."""
-        sentences, self.pending = take_sentences(self.pending + piece)
-        self.service.serving.limits.check_chars("input", self.pending)  # a sentence never ends: refuse, not grow
-        for s in sentences:
+        for s in self.text.add(piece):
             self._queue(s)
 
     def add_whole(self, text: str) -> None:
-        self._queue(text)
+        self._queue(text)  # checked by the caller: one request, as it is
 
     def finish(self) -> None:
         """No more text: queue the rest (a last sentence without end punctuation)."""
-        self._queue(self.pending.strip())
-        self.pending = ""
-        if not self.n_sentences:
+        for s in self.text.finish():
+            self._queue(s)
+        if not self.text.n_sentences:
             raise RequestRefused("the stream ended without text to speak; send synthesize-chunk events with text "
                                  "between synthesize-start and synthesize-stop", "empty_text")
         self.sentences.put_nowait(None)
 
     def _queue(self, sentence: str) -> None:
-        if sentence and not is_only_punctuation(sentence):
-            limits = self.service.serving.limits
-            limits.check_chars("input", sentence)
-            if self.conn.queued_chars + len(sentence) > QUEUED_INPUTS * limits.input_chars:
-                raise LimitExceeded(f"this connection has {self.conn.queued_chars} characters waiting to be "
-                                    f"spoken, at most {QUEUED_INPUTS} x --max-input-chars "
-                                    f"({QUEUED_INPUTS * limits.input_chars}); send more once its audio comes",
-                                    field="input", limit=QUEUED_INPUTS * limits.input_chars,
-                                    flag="--max-input-chars")
-            self.conn.queued_chars += len(sentence)
-            self.n_sentences += 1
-            self.sentences.put_nowait(sentence)
+        """One sentence (or a whole text) to speak, within this connection's bound on waiting text."""
+        limits = self.service.serving.limits
+        if self.conn.queued_chars + len(sentence) > QUEUED_INPUTS * limits.input_chars:
+            raise LimitExceeded(f"this connection has {self.conn.queued_chars} characters waiting to be "
+                                f"spoken, at most {QUEUED_INPUTS} x --max-input-chars "
+                                f"({QUEUED_INPUTS * limits.input_chars}); send more once its audio comes",
+                                field="input", limit=QUEUED_INPUTS * limits.input_chars,
+                                flag="--max-input-chars")
+        self.conn.queued_chars += len(sentence)
+        self.sentences.put_nowait(sentence)
 
     def cancel(self) -> None:
         """The client is gone: free the LLM sequence now, stop the session."""
