@@ -58,3 +58,17 @@ def test_speech_stream_against_the_http_endpoint(tmp_path, capsys):
     assert row["machine"]["cpu_class"] and row["threads"] == 1
     printed = capsys.readouterr().out
     assert "/v1/audio/speech/stream (pieces)" in printed and row["machine"]["cpu_class"] in printed
+
+
+def test_llm_fidelity_on_the_tiny_model(tmp_path, monkeypatch, capsys):
+    """The quantization fidelity script: the float32 GGUF against the torch LLM is the same model (top-1
+    everywhere, KL at rounding level), Q4_0 is measurably not (its KL is past F32's by orders)."""
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "fidelity.json"
+    main = runpy.run_path(str(SCRIPTS / "llm_fidelity.py"))["main"]
+    assert main(["--tiny", "--types", "F32,Q4_0", "--prompts", "2", "--steps", "12", "--threads", "1",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())["types"]
+    assert res["F32"]["top1"] == 1.0 and res["F32"]["free_equal"] == 1.0 and res["F32"]["kl_max"] < 1e-6
+    assert res["Q4_0"]["kl_mean"] > 100 * max(res["F32"]["kl_mean"], 1e-9)
+    assert "Q4_0" in capsys.readouterr().out

@@ -77,8 +77,8 @@ def test_serve_with_a_voice_directory(here):
                        data={"id": "anna", "text": TRANSCRIPT}, timeout=120)
         assert r.status_code == 200, r.text
         assert (here / "voices" / "anna.pt").is_file()
-        r = httpx.post(f"{url}/v1/audio/speech", json={"input": "Hello there.", "voice": "anna", "greedy": True},
-                       timeout=120)
+        r = httpx.post(f"{url}/v1/audio/speech", json={"input": "Hello there.", "voice": "anna", "greedy": True,
+                                                              "response_format": "wav"}, timeout=120)
         assert r.status_code == 200 and r.content[:4] == b"RIFF", r.text[:300]
     finally:
         server.stop()

@@ -225,7 +225,8 @@ def test_serve_routes_and_wyoming_serve_folders(tts, tmp_path):
         assert sorted(voices) == ["anna", "bob", "carl"]
         assert voices["anna"]["has_transcript"] and voices["anna"]["instructions"] is None
         assert voices["bob"]["instructions"] == "Speak slowly and calmly."
-        r = c.post("/v1/audio/speech", json={"input": "Hello there.", "voice": "anna", "greedy": True})
+        r = c.post("/v1/audio/speech", json={"input": "Hello there.", "voice": "anna", "greedy": True,
+                                              "response_format": "wav"})
         assert r.status_code == 200 and r.content[:4] == b"RIFF"
         err = c.delete("/v1/voices/anna").json()["error"]
         assert err["code"] == "voice_folder" and "through its files" in err["message"]
@@ -246,7 +247,9 @@ def test_serve_routes_and_wyoming_serve_folders(tts, tmp_path):
 
 class SimpleServing:
     def __init__(self, tts):
-        self.tts, self.max_concurrent = tts, 1
+        from cosyllama.limits import RequestLimits
+
+        self.tts, self.max_concurrent, self.limits = tts, 1, RequestLimits()
 
 
 def test_batch_reads_voice_folders(tmp_path, capsys):
