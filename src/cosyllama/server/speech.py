@@ -37,7 +37,7 @@ from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..tts import MODES
 from ..voices import describe_ids
-from .common import ApiError, error_body, gate
+from .common import ApiError, client_gone, error_body, gate
 from .errors import synthesis_error
 from .wire import FORMATS, MEDIA_TYPES, STREAMABLE, AudioStream, StreamEncoder, encode
 
@@ -159,11 +159,8 @@ class _Job:
 
 async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
     """Wait for the client to go away, then cancel the request's generation."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            token.cancel()
-            return
+    await client_gone(request)
+    token.cancel()
 
 
 router = APIRouter()
@@ -197,9 +194,15 @@ async def speech(body: SpeechRequest, request: Request):
                        "the finished audio); omit stream_format and stream, or use speed 1.0",
                        param="speed", code="unsupported_for_streaming")
     g = gate(request.app)
-    await g.acquire()
     job = _Job(tts, body, streaming)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
+    try:
+        admitted = await g.acquire(gone=watcher)
+    except BaseException:
+        watcher.cancel()
+        raise
+    if not admitted:  # the client left while the request waited: it leaves the queue at once
+        return Response(status_code=499)
     done = handed_off = False
 
     async def cleanup():
