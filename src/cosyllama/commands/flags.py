@@ -40,12 +40,13 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_connection_options(p: argparse.ArgumentParser) -> None:
-    """``--header-timeout``, ``--body-timeout``, ``--max-connections``: what a client may hold open."""
+    """``--header-timeout``, ``--body-timeout``, ``--max-connections``, ``--write-timeout``, ``--idle-timeout``:
+    what a client may hold open."""
     from dataclasses import fields
 
     from ..server.conn import CONNECTION_HELP, ConnectionLimits
 
-    g = p.add_argument_group("connections (slow or idle clients are closed, 408)")
+    g = p.add_argument_group("connections (slow, stalled or idle clients are closed)")
     for f in fields(ConnectionLimits):
         g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                        metavar="N" if f.name == "max_connections" else "S",

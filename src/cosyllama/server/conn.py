@@ -47,7 +47,7 @@ CONNECTION_HELP = {
     "header_timeout": "seconds a client may take to send a request's headers (from its first byte)",
     "body_timeout": "seconds a client may take to send a request's body (from its headers), whatever "
                     "its rate",
-    "max_connections": "open connections; one more is answered 503 and closed",
+    "max_connections": "open connections; one more is refused at once (HTTP: 503 with Retry-After)",
     "write_timeout": "seconds a response may make no progress (the client reads nothing) before it is aborted "
                      "and its request's work and slot are freed",
     "idle_timeout": "seconds a connection may stay open with no request in progress before it is closed",
