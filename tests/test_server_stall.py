@@ -17,6 +17,8 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from fastapi import FastAPI, WebSocket  # noqa: E402  (module level: the route's annotation is resolved here)
+
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
@@ -257,4 +259,32 @@ def test_connections_past_the_cap_get_503_with_retry_after_and_no_reset(tts, voi
     finally:
         for s in held:
             s.close()
+        srv.stop()
+
+
+# -- a WebSocket ------------------------------------------------------------------------------------
+
+
+def test_an_upgraded_connection_outlives_the_header_timeout():
+    """Once a connection is a WebSocket its own protocol has it: the guard's header timer, armed for the
+    upgrade request, writes no 408 into the stream."""
+    ws_client = pytest.importorskip("websockets.sync.client")
+    app = FastAPI()
+
+    @app.websocket("/echo")
+    async def echo(ws: WebSocket):
+        await ws.accept()
+        while True:
+            await ws.send_text(await ws.receive_text())
+
+    limits = ConnectionLimits(header_timeout=0.5)
+    srv = LoopbackServer(app, http=guarded_protocol(limits))
+    try:
+        with ws_client.connect(f"ws://127.0.0.1:{srv.port}/echo") as c:
+            c.send("one")
+            assert c.recv(30) == "one"
+            time.sleep(limits.header_timeout * 3)  # past the timer the upgrade request armed
+            c.send("two")
+            assert c.recv(30) == "two"
+    finally:
         srv.stop()

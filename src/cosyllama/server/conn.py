@@ -219,6 +219,9 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             return c is None or (c is self._seen and c.response_complete and not c.more_body)
 
         def _track(self) -> None:
+            if self._counted.get_protocol() is not self:  # upgraded (a WebSocket): its protocol has the connection
+                self._disarm()
+                return
             c = self.cycle
             if c is not None and c is not self._seen:  # a request's headers are complete
                 self._seen = c
