@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,46 @@ from helpers import MODEL_DIR
 # model depends on the machine, so the suite (and the CLIs it starts) use the class rule for reproducible paths.
 # tests/test_auto_timing.py measures, with the timings mocked where a choice is asserted.
 os.environ.setdefault("COSYLLAMA_AUTO", "rule")
+
+# Every process the suite starts, and every process those start, inherits this mark; at the end of the
+# session none of them may be left (a server's helper process outliving it, a test's subprocess not
+# stopped). Read from /proc (Linux); elsewhere the check is skipped.
+SESSION_MARK = "COSYLLAMA_TEST_SESSION"
+os.environ[SESSION_MARK] = f"{os.getpid()}-{time.time_ns()}"
+LEFTOVER_GRACE_S = 15.0  # processes that end on their own (their parent gone) have this long
+
+
+def marked_processes(mark: str | None = None) -> dict[int, str]:
+    """pid -> command line of the live processes (not this one) whose environment holds the session mark."""
+    entry = f"{SESSION_MARK}={mark or os.environ[SESSION_MARK]}".encode()
+    found = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                found[int(name)] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when a process it started is still running at its end."""
+    gc.collect()  # helper processes of objects nobody holds any more stop with them
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := marked_processes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{len(left)} process(es) started by the tests are still running:"]
+        lines += [f"  pid {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items())]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

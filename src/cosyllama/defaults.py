@@ -13,6 +13,7 @@ SPEED_RANGE = (0.25, 4.0)  # time-stretch factors allowed (OpenAI's speech API a
 N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot
+RETRY_AFTER_S = 1  # seconds a server's 503 (busy, or at --max-connections) asks the client to wait: Retry-After
 MAX_VOICES = 1000  # voices a server registers (a voice file is at most ~0.5 MB: 30 s of prompt)
 PREFILL_CHUNK = 128  # prompt positions the server's scheduler prefills between two decode steps
 WYOMING_URI = "tcp://127.0.0.1:10200"  # where `cosyllama wyoming` listens (10200: Wyoming's usual TTS port)

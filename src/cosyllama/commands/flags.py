@@ -45,8 +45,8 @@ def add_connection_options(p: argparse.ArgumentParser) -> None:
 
     from ..server.conn import CONNECTION_HELP, ConnectionLimits
 
-    g = p.add_argument_group("connections (a client past a bound is closed: HTTP answers 408 or 503, Wyoming an "
-                             "error event; to Wyoming an event is a request's headers, and it has no body)")
+    g = p.add_argument_group("connections (a slow, stalled or idle client is closed: HTTP answers 408 or 503, "
+                             "Wyoming an error event; to Wyoming an event is a request's headers, and it has no body)")
     for f in fields(ConnectionLimits):
         g.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                        metavar="N" if f.name == "max_connections" else "S",

@@ -4,12 +4,13 @@ admission gate, one per app on ``app.state.gate``. Needs the ``server`` extra.""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+import asyncio
 
+from fastapi import FastAPI, Request
+
+from ..defaults import RETRY_AFTER_S
 from .serving import Gate as _Gate
 from .serving import ServerBusyError
-
-RETRY_AFTER_S = 1  # seconds, sent with 503
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -38,11 +39,19 @@ def busy(message: str) -> ApiError:
 class Gate(_Gate):
     """The app's :class:`~cosyllama.server.serving.Gate`: a refusal is answered 503 with ``Retry-After``."""
 
-    async def acquire(self) -> None:
+    async def acquire(self, gone: asyncio.Future | None = None) -> bool:
+        """A running slot (True), or False when ``gone`` (the task waiting for the client to leave)
+        ended first; see :meth:`~cosyllama.server.serving.Gate.admit`."""
         try:
-            await self.admit()
+            return await self.admit(gone)
         except ServerBusyError as e:
             raise busy(f"{e}; retry in {RETRY_AFTER_S} s") from None
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client of ``request`` has gone away (its body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def gate(app: FastAPI) -> Gate:

@@ -1,19 +1,27 @@
 """Slow clients and open connections: the limits uvicorn lacks, as its HTTP protocol class.
 
-uvicorn drops an idle keep-alive connection (``timeout_keep_alive``) but waits for ever for a
-request's headers and body, and never refuses a connection: clients trickling a byte a second
-hold a descriptor each for as long as they like. :func:`guarded_protocol` makes uvicorn's own
-protocol class (h11's, or httptools' when that is installed) with three bounds
+uvicorn waits for ever for a request's headers and body, for a client to read its response, and
+never refuses a connection: clients trickling a byte a second, or reading nothing, hold a
+descriptor (and a request's slot) each for as long as they like. :func:`guarded_protocol` makes
+uvicorn's own protocol class (h11's, or httptools' when that is installed) with these bounds
 (:class:`ConnectionLimits`):
 
 * the headers of a request must be complete within ``header_timeout`` seconds of its first byte
   (of the connection, for its first request);
 * its body within ``body_timeout`` seconds of its headers (whatever the rate: a trickle cannot
   stretch it by sending a byte now and then);
-* at most ``max_connections`` connections are open; one more gets 503 at once and is closed.
+* a response whose bytes wait to be sent (the client reads nothing) for ``write_timeout`` seconds
+  without one more of them leaving is aborted: the connection is dropped and the route sees the
+  client gone (its synthesis is cancelled, its slot freed). A slow reader is not cut as long as it
+  reads something now and then;
+* a connection with no request in progress is closed after ``idle_timeout`` seconds (uvicorn's
+  keep-alive timeout, set from it);
+* at most ``max_connections`` connections are open; one more gets 503 with ``Retry-After`` at once
+  and is closed once the client has read it (or after :data:`REFUSED_LINGER_S`); what it sent is
+  read and dropped first, so that closing does not reset the connection under the 503.
 
-A request over a timeout gets 408 when no response to it has started, and its connection is
-closed; the route reading the body sees the client gone. Needs the ``server`` extra.
+A request over the header or body timeout gets 408 when no response to it has started, and its
+connection is closed; the route reading the body sees the client gone. Needs the ``server`` extra.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import logging
 from dataclasses import dataclass, fields
 
+from ..defaults import RETRY_AFTER_S
 from ..errors import InputError
 
 log = logging.getLogger("cosyllama.server")
@@ -31,13 +40,14 @@ BODY_TIMEOUT_S = 60.0  # a 10 MB prompt upload at 1.5 Mbit/s
 MAX_CONNECTIONS = 256
 WRITE_TIMEOUT_S = 60.0  # a response that makes no progress this long is aborted (a slow link still drains)
 IDLE_TIMEOUT_S = 30.0  # a connection with no request (HTTP keep-alive, Wyoming between events) this long is closed
+REFUSED_LINGER_S = 1.0  # a connection refused at the cap is closed this long after its 503 at the latest
 
 # what each bound means, for `serve --help` (the flag is --<name with dashes>)
 CONNECTION_HELP = {
     "header_timeout": "seconds a client may take to send a request's headers (from its first byte)",
     "body_timeout": "seconds a client may take to send a request's body (from its headers), whatever "
                     "its rate",
-    "max_connections": "open connections; one more is answered 503 and closed",
+    "max_connections": "open connections; one more is refused at once (HTTP: 503 with Retry-After)",
     "write_timeout": "seconds a response may make no progress (the client reads nothing) before it is aborted "
                      "and its request's work and slot are freed",
     "idle_timeout": "seconds a connection may stay open with no request in progress before it is closed",
@@ -68,11 +78,43 @@ class ConnectionLimits:
         return cls(**{k: v for k, v in given.items() if v is not None})
 
 
-def _raw_response(status: int, reason: str, message: str, type: str, code: str) -> bytes:
+def _raw_response(status: int, reason: str, message: str, type: str, code: str,
+                  headers: dict[str, str] | None = None) -> bytes:
     body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n{extra}"
             f"content-length: {len(body)}\r\n\r\n")
     return head.encode("ascii") + body
+
+
+class _CountedTransport:
+    """A transport that counts the bytes written to it and says when they are written or it is
+    closed; the rest is the transport's. What has left (reached the kernel) is ``written`` less
+    the transport's buffer."""
+
+    def __init__(self, transport, on_write):
+        self._transport = transport
+        self._on_write = on_write
+        self.written = 0
+
+    def write(self, data) -> None:
+        self._transport.write(data)
+        self.written += len(data)
+        self._on_write()
+
+    def writelines(self, lines) -> None:
+        for data in lines:
+            self.write(data)
+
+    def close(self) -> None:
+        self._transport.close()
+        self._on_write()  # what is still buffered must leave within the write timeout too
+
+    def sent(self) -> int:
+        return self.written - self._transport.get_write_buffer_size()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
 
 
 def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type:
@@ -83,41 +125,107 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
 
         base = AutoHTTPProtocol
     full = _raw_response(503, "Service Unavailable", f"the server has {limits.max_connections} connections open, "
-                         "its limit (--max-connections); retry in a moment", "server_busy", "too_many_connections")
+                         f"its limit (--max-connections); retry in {RETRY_AFTER_S} s", "server_busy",
+                         "too_many_connections", {"retry-after": str(RETRY_AFTER_S)})
+    # how often a stalled response is looked at: it is aborted at most this much after write_timeout
+    write_check_s = min(1.0, limits.write_timeout / 4)
+    lingering = set()  # refused connections waiting for their client to read the 503 and close
 
     class GuardedProtocol(base):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.timeout_keep_alive = limits.idle_timeout  # uvicorn's keep-alive timer, on both protocols
+
         def connection_made(self, transport) -> None:
             self._timer = None  # the running deadline, if any
             self._timer_kind = None
             self._seen = None  # the request whose headers were complete last
-            super().connection_made(transport)
+            self._lost = self._refused = False
+            self._watch = None  # the write watchdog's next look, while bytes wait to leave
+            self._sent_mark = self._progress_at = 0
+            self._counted = _CountedTransport(transport, self._wrote)
+            super().connection_made(self._counted)
             if len(self.connections) > limits.max_connections:
-                log.warning("refused a connection: %d open, --max-connections %d", len(self.connections) - 1,
-                            limits.max_connections)
-                transport.write(full)
-                transport.close()
+                self._refuse()
                 return
             self._arm("header")
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # read and dropped: closing with unread bytes would reset the connection
             if self._timer is None and self._between_requests():
                 self._arm("header")  # the first bytes of a next request on a kept-alive connection
             super().data_received(data)
             self._track()
 
+        def eof_received(self):
+            if self._refused:
+                self.transport.close()
+                return None
+            return super().eof_received()
+
         def connection_lost(self, exc) -> None:
+            self._lost = True
             self._disarm()
+            if self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
+            lingering.discard(self)
             super().connection_lost(exc)
 
         def handle_websocket_upgrade(self, *args) -> None:
             self._disarm()  # the connection is a WebSocket's now: its protocol bounds it (not an HTTP request's)
             super().handle_websocket_upgrade(*args)
 
+        # -- refusing a connection past the cap ------------------------------------------------
+
+        def _refuse(self) -> None:
+            self._refused = True
+            log.warning("refused a connection: %d open, --max-connections %d", len(self.connections) - 1,
+                        limits.max_connections)
+            self.transport.write(full)
+            if len(lingering) >= limits.max_connections:  # a flood: no time for each to read its answer
+                self.transport.close()
+                return
+            lingering.add(self)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()  # the client reads the 503, then its end of the stream
+            self._timer = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
+
+        # -- the write timeout ------------------------------------------------------------------
+
+        def _wrote(self) -> None:
+            """Bytes were written (or the transport closed): watch them leave, when some wait."""
+            if self._watch is None and not self._lost and self._counted.get_write_buffer_size():
+                self._sent_mark = self._counted.sent()
+                self._progress_at = self.loop.time()
+                self._watch = self.loop.call_later(write_check_s, self._check_writes)
+
+        def _check_writes(self) -> None:
+            self._watch = None
+            if self._lost or not self._counted.get_write_buffer_size():
+                return  # all sent: the next write that has to wait starts the watch again
+            now, sent = self.loop.time(), self._counted.sent()
+            if sent != self._sent_mark:
+                self._sent_mark, self._progress_at = sent, now
+            elif now - self._progress_at >= limits.write_timeout:
+                client = "%s:%d" % self.client if self.client else "a client"
+                log.info("aborted the connection of %s: its response made no progress for %g s (--write-timeout)",
+                         client, limits.write_timeout)
+                self._counted.abort()  # uvicorn sees the connection lost; the route, its client gone
+                return
+            self._watch = self.loop.call_later(write_check_s, self._check_writes)
+
+        # -- the header and body timeouts --------------------------------------------------------
+
         def _between_requests(self) -> bool:
             c = self.cycle
             return c is None or (c is self._seen and c.response_complete and not c.more_body)
 
         def _track(self) -> None:
+            if self._counted.get_protocol() is not self:  # upgraded (a WebSocket): its protocol has the connection
+                self._disarm()
+                return
             c = self.cycle
             if c is not None and c is not self._seen:  # a request's headers are complete
                 self._seen = c

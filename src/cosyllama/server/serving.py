@@ -65,19 +65,47 @@ class Gate:
         self.waiting = 0
         self._sem = asyncio.Semaphore(limit)
 
-    async def admit(self) -> None:
-        """Wait for a running slot; :class:`ServerBusyError` when none is free and the queue is full."""
+    async def admit(self, gone: asyncio.Future | None = None) -> bool:
+        """Wait for a running slot (True); :class:`ServerBusyError` when none is free and the queue
+        is full. ``gone``: a future (e.g. the task that waits for the client to leave) whose end
+        takes the request out of the queue at once: False then, and no slot is held."""
         if self._sem.locked() and self.waiting >= self.queue:
             raise ServerBusyError(f"the server is busy ({self.running} requests running, {self.waiting} waiting)")
+        if gone is not None and gone.done():
+            return False
         self.waiting += 1
         try:
-            await self._sem.acquire()
+            if gone is None or not self._sem.locked():
+                await self._sem.acquire()
+            elif not await self._acquire_unless(gone):
+                return False
         finally:
             self.waiting -= 1
         self.running += 1
+        return True
 
-    async def acquire(self) -> None:
-        await self.admit()
+    async def acquire(self, gone: asyncio.Future | None = None) -> bool:
+        return await self.admit(gone)
+
+    async def _acquire_unless(self, gone: asyncio.Future) -> bool:
+        """The semaphore (True), unless ``gone`` ends first (False, nothing held)."""
+        take = asyncio.ensure_future(self._sem.acquire())
+        try:
+            await asyncio.wait({take, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if take.done():
+                return True
+            take.cancel()
+            await asyncio.wait({take})
+        except BaseException:  # this request was cancelled meanwhile: a slot taken after all goes back
+            take.add_done_callback(self._give_back)
+            take.cancel()
+            raise
+        self._give_back(take)
+        return False
+
+    def _give_back(self, take: asyncio.Future) -> None:
+        if not take.cancelled() and take.exception() is None:
+            self._sem.release()
 
     def release(self) -> None:
         self.running -= 1

@@ -49,7 +49,7 @@ from ..llm.scheduler import CancelToken, RequestCancelled
 from ..text.normalize import text_problem
 from ..tts import MODES
 from ..voices import check_voice_id, describe_ids, show_id, unknown_voice
-from .common import ApiError, error_body, gate
+from .common import ApiError, client_gone, error_body, gate
 from .errors import synthesis_error
 from .wire import (
     AAC_HINT,
@@ -232,11 +232,8 @@ class _Job:
 
 async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
     """Wait for the client to go away, then cancel the request's generation."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            token.cancel()
-            return
+    await client_gone(request)
+    token.cancel()
 
 
 def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
@@ -308,9 +305,15 @@ async def speech(body: SpeechRequest, request: Request):
     check_input(body, limits.request)
     streaming, voice = await check_request(body, request.app.state)
     g = gate(request.app)
-    await g.acquire()
     job = _Job(tts, body, streaming, voice)
-    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
+    try:
+        admitted = await g.acquire(gone=watcher)
+    except BaseException:
+        watcher.cancel()
+        raise
+    if not admitted:  # the client left while the request waited: it leaves the queue at once
+        return Response(status_code=499)
     done = handed_off = False
 
     async def cleanup():

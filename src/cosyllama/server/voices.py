@@ -5,17 +5,18 @@ voice store (``tts.voices``: in memory, a read-only file, or a shared directory,
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 
-from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, UploadFile
+from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, Response, UploadFile
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import CosyllamaError, InputError
 from ..limits import LimitExceeded, RequestLimits
 from ..text.normalize import text_problem
 from ..voices import ReadOnlyVoicesError, VoiceExistsError, check_voice_id
-from .common import ApiError, gate
+from .common import ApiError, client_gone, gate
 from .errors import limit_error
 
 log = logging.getLogger("cosyllama.server")
@@ -92,7 +93,13 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     if not data:
         raise ApiError(400, "the audio file is empty")
     g = gate(request.app)
-    await g.acquire()
+    watcher = asyncio.create_task(client_gone(request))
+    try:
+        admitted = await g.acquire(gone=watcher)
+    finally:
+        watcher.cancel()
+    if not admitted:  # the client left while the request waited: it leaves the queue at once
+        return Response(status_code=499)
     try:
         voice = await run_in_threadpool(tts.make_voice, data, text or None)
     except LimitExceeded as e:
