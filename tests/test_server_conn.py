@@ -155,3 +155,36 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
     protocol = ran[0]["http"]
     assert issubclass(protocol, AutoHTTPProtocol) and protocol.__name__.startswith("Guarded")
     assert protocol.limits == ConnectionLimits(body_timeout=7.0, max_connections=9)
+
+
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+def test_a_body_refused_before_it_is_read_is_drained_not_reset(protocol):
+    """A 413 answered by its Content-Length while the client still sends the body: the guard shuts
+    its side and drops what comes, so the client always reads the 413. Closing with the unread body
+    in the kernel's buffer resets the connection, and the client (still sending) then never reads it:
+    plain uvicorn did that in about 1 of 14 tries of tests/test_server.py's 2 MB upload."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from cosyllama.server.wire import BodyLimit
+
+    if protocol == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        pytest.importorskip("httptools")
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+
+    async def ok(request):
+        await request.body()
+        return PlainTextResponse("ok")
+
+    app = Starlette(routes=[Route("/", ok, methods=["POST"])])
+    srv = LoopbackServer(BodyLimit(app, 1000), http=guarded_protocol(ConnectionLimits(), base))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            codes = [c.post("/", content=b"\0" * 4_000_000).status_code for _ in range(40)]
+            assert codes == [413] * 40
+            assert c.post("/", content=b"small").text == "ok"
+    finally:
+        srv.stop()

@@ -128,7 +128,7 @@ def test_a_client_that_stops_reading_loses_its_slot(stalled):
             _health_until(c, lambda h: h["requests_running"] == n, "the requests were not admitted")
             _health_until(c, lambda h: h["requests_running"] == 0 and h["active_sequences"] == 0,
                           "the stalled responses kept their slots")
-            r = c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"})
+            r = c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en", "response_format": "wav"})
             assert r.status_code == 200 and r.content[:4] == b"RIFF"
     finally:
         for s in socks:

@@ -92,9 +92,10 @@ class _CountedTransport:
     closed; the rest is the transport's. What has left (reached the kernel) is ``written`` less
     the transport's buffer."""
 
-    def __init__(self, transport, on_write):
+    def __init__(self, transport, on_write, on_close=None):
         self._transport = transport
         self._on_write = on_write
+        self._on_close = on_close  # returns True when it closes the transport itself, later
         self.written = 0
 
     def write(self, data) -> None:
@@ -107,7 +108,8 @@ class _CountedTransport:
             self.write(data)
 
     def close(self) -> None:
-        self._transport.close()
+        if self._on_close is None or not self._on_close():
+            self._transport.close()
         self._on_write()  # what is still buffered must leave within the write timeout too
 
     def sent(self) -> int:
@@ -140,10 +142,10 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._timer = None  # the running deadline, if any
             self._timer_kind = None
             self._seen = None  # the request whose headers were complete last
-            self._lost = self._refused = False
+            self._lost = self._refused = self._draining = False
             self._watch = None  # the write watchdog's next look, while bytes wait to leave
             self._sent_mark = self._progress_at = 0
-            self._counted = _CountedTransport(transport, self._wrote)
+            self._counted = _CountedTransport(transport, self._wrote, self._close_after_the_body)
             super().connection_made(self._counted)
             if len(self.connections) > limits.max_connections:
                 self._refuse()
@@ -151,7 +153,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._arm("header")
 
         def data_received(self, data: bytes) -> None:
-            if self._refused:
+            if self._refused or self._draining:
                 return  # read and dropped: closing with unread bytes would reset the connection
             if self._timer is None and self._between_requests():
                 self._arm("header")  # the first bytes of a next request on a kept-alive connection
@@ -159,7 +161,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._track()
 
         def eof_received(self):
-            if self._refused:
+            if self._refused or self._draining:
                 self.transport.close()
                 return None
             return super().eof_received()
@@ -176,6 +178,25 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
         def handle_websocket_upgrade(self, *args) -> None:
             self._disarm()  # the connection is a WebSocket's now: its protocol bounds it (not an HTTP request's)
             super().handle_websocket_upgrade(*args)
+
+        def _close_after_the_body(self) -> bool:
+            """uvicorn closes the connection while the request's body is still coming (a 413 answered
+            by its Content-Length, before reading it): closing now, with unread bytes, would reset the
+            connection, and a client still sending its body would never read the answer. Instead our
+            side is shut (the answer leaves first), what the client sends is read and dropped, and the
+            connection closes when the client closes or after REFUSED_LINGER_S. True: closing is ours."""
+            c = self.cycle
+            if self._lost or self._refused or self._draining or c is None or not c.more_body:
+                return False
+            raw = self._counted._transport
+            if raw.is_closing() or not raw.can_write_eof():
+                return False
+            self._draining = True
+            self._disarm()
+            raw.resume_reading()  # uvicorn may have paused reading the body it did not want
+            raw.write_eof()
+            self._timer = self.loop.call_later(REFUSED_LINGER_S, raw.close)
+            return True
 
         # -- refusing a connection past the cap ------------------------------------------------
 
