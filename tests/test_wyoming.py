@@ -306,3 +306,22 @@ def test_a_taken_port_is_a_clear_error(server):
     serving = SimpleNamespace(tts=state.tts, max_concurrent=2, max_queue=0, limits=state.limits.request)
     with pytest.raises(InputError, match=f"cannot listen at tcp://127.0.0.1:{server.port}"):
         _run(start_wyoming(f"tcp://127.0.0.1:{server.port}", serving))
+
+
+@pytest.mark.parametrize("command", ["serve", "wyoming"])
+def test_a_taken_wyoming_port_stops_the_command_with_one_line(command, capsys):
+    """`serve --wyoming URI` and `wyoming --uri URI` at a taken port: exit 2 and one line, before the
+    model loads (the model directory here does not even exist); serve printed uvicorn's start-up
+    traceback before."""
+    import socket
+
+    from cosyllama.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        uri = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        flag = ["--wyoming", uri] if command == "serve" else ["--uri", uri]
+        assert main([command, "--model-dir", "/nonexistent/model", *flag]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen at {uri}" in err and "Traceback" not in err and "nonexistent" not in err

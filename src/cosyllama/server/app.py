@@ -226,9 +226,9 @@ def serve(args) -> None:
     wyoming = getattr(args, "wyoming", None)
     wyoming_options = None
     if wyoming is not None:
-        from .wyoming import check_uri, wyoming_options_from_args
+        from .wyoming import check_listen, wyoming_options_from_args
 
-        check_uri(wyoming)
+        check_listen(wyoming)  # a taken port is one line before the model loads, not a start-up traceback
         wyoming_options = wyoming_options_from_args(args)  # checks the URI and the extra before loading
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)

@@ -598,6 +598,25 @@ def check_uri(uri: str) -> str:
     return uri
 
 
+def check_listen(uri: str) -> None:
+    """Refuse, before a model is loaded, a ``tcp://`` address this process cannot listen at (the
+    port is taken, the host is not ours): an :class:`InputError`, so ``serve --wyoming`` and
+    ``wyoming`` stop with one line instead of failing in the server's start-up later."""
+    import socket
+
+    u = urlparse(check_uri(uri))
+    if u.scheme != "tcp" or not u.port:
+        return
+    try:
+        infos = socket.getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in infos[:1]:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
+                s.bind(address)
+    except OSError as e:
+        raise InputError(f"cannot listen at {uri}: {e.strerror or e}") from None
+
+
 def wyoming_options_from_args(args) -> dict:
     """The Wyoming keyword arguments of :func:`start_wyoming` from parsed options, checked: the
     default voice and the connection bounds (``--header-timeout`` ..., shared with ``serve``)."""
@@ -698,14 +717,15 @@ def run_wyoming(args) -> None:
     from .serving import check_options, interleave_choice, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
 
     uri = check_uri(args.uri)
+    check_listen(uri)
     limits, chunk = check_options(args)
     wyoming_options = wyoming_options_from_args(args)
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
     tts.voices = voices
-    warm_voices(tts)
     serving = prepare(tts, max_queue=args.max_queue, limits=limits, prefill_chunk=chunk,
                       interleave=interleave_choice(args))
+    warm_voices(tts)  # after prepare: the store has its encoder by then, so voice folders warm too
     openmp_hint(tts)
 
     async def main():
@@ -727,5 +747,5 @@ def run_wyoming(args) -> None:
 
 
 __all__ = ["DEFAULT_VOICE", "LANGUAGES", "ProtocolError", "RequestRefused", "WyomingServer", "WyomingService",
-           "check_uri", "error_event", "event_bytes", "event_caps", "run_wyoming", "start_wyoming",
+           "check_listen", "check_uri", "error_event", "event_bytes", "event_caps", "run_wyoming", "start_wyoming",
            "wyoming_options_from_args"]
