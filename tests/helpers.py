@@ -302,3 +302,23 @@ class LoopbackServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+def wait_for_health(proc, url: str, log_path, seconds: float) -> None:
+    """Wait until the server process ``proc`` answers ``GET {url}/health`` with 200; fail with the
+    tail of its log (``log_path``) if it exits first or ``seconds`` pass."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, Path(log_path).read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+

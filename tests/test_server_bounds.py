@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MODEL_DIR, slow_backend
+from helpers import MODEL_DIR, slow_backend, wait_for_health
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
@@ -240,16 +240,7 @@ def test_soak_rss_flat_and_no_request_lost(tiny_gguf, tmp_path):
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_for_health(proc, url, tmp_path / "serve.log", 120)
         _register(url)
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},

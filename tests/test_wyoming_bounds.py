@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR, LoopbackServer
+from helpers import FIXTURES, MODEL_DIR, LoopbackServer, wait_for_health
 
 pytest.importorskip("wyoming")
 pytest.importorskip("fastapi")
@@ -707,16 +707,7 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
         return h["requests_running"] == 0 and h["active_sequences"] == 0 and h["queue_depth"] == 0
 
     try:
-        deadline = time.monotonic() + 300  # loading the model beside the other tests' work
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_for_health(proc, url, tmp_path / "serve.log", 300)  # loading the model beside the other tests' work
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                           data={"text": "Hello, this is my voice.", "id": "en"}).status_code == 200
