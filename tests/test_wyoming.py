@@ -308,11 +308,11 @@ def test_a_taken_port_is_a_clear_error(server):
         _run(start_wyoming(f"tcp://127.0.0.1:{server.port}", serving))
 
 
-@pytest.mark.parametrize("command", ["serve", "wyoming"])
-def test_a_taken_wyoming_port_stops_the_command_with_one_line(command, capsys):
-    """`serve --wyoming URI` and `wyoming --uri URI` at a taken port: exit 2 and one line, before the
-    model loads (the model directory here does not even exist); serve printed uvicorn's start-up
-    traceback before."""
+@pytest.mark.parametrize("command", ["serve", "serve --wyoming", "wyoming"])
+def test_a_taken_port_stops_the_command_with_one_line(command, capsys):
+    """`serve --port`, `serve --wyoming URI` and `wyoming --uri URI` at a taken port: exit 2 and one
+    line, before the model loads (the model directory here does not even exist); serve printed
+    uvicorn's start-up traceback (Wyoming) or its bind error after loading the model (HTTP) before."""
     import socket
 
     from cosyllama.cli import main
@@ -320,8 +320,11 @@ def test_a_taken_wyoming_port_stops_the_command_with_one_line(command, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        uri = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
-        flag = ["--wyoming", uri] if command == "serve" else ["--uri", uri]
-        assert main([command, "--model-dir", "/nonexistent/model", *flag]) == 2
+        port = taken.getsockname()[1]
+        uri = f"tcp://127.0.0.1:{port}"
+        flags, says = {"serve": (["serve", "--port", str(port)], f"cannot listen at 127.0.0.1:{port}"),
+                       "serve --wyoming": (["serve", "--port", "0", "--wyoming", uri], f"cannot listen at {uri}"),
+                       "wyoming": (["wyoming", "--uri", uri], f"cannot listen at {uri}")}[command]
+        assert main([*flags, "--model-dir", "/nonexistent/model"]) == 2
     err = capsys.readouterr().err
-    assert f"cannot listen at {uri}" in err and "Traceback" not in err and "nonexistent" not in err
+    assert says in err and "Traceback" not in err and "nonexistent" not in err

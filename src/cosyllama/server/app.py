@@ -33,6 +33,7 @@ from ..heap import bound_onednn_cache
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
 from .serving import (
+    check_can_listen,
     check_options,
     interleave_choice,
     load_tts,
@@ -223,6 +224,7 @@ def serve(args) -> None:
     voice_aliases = parse_voice_aliases(getattr(args, "voice_alias", None))
     default_voice = getattr(args, "default_voice", None)
     VoiceNames(voice_aliases, default_voice)  # checks the ids before loading
+    check_can_listen(args.host, args.port, f"{args.host}:{args.port} (--host, --port)")
     wyoming = getattr(args, "wyoming", None)
     wyoming_options = None
     if wyoming is not None:

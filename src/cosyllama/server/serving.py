@@ -164,6 +164,23 @@ class SentenceStream:
 # The served view of a TTS
 
 
+def check_can_listen(host: str, port: int, where: str) -> None:
+    """An :class:`InputError` naming ``where`` when this process cannot listen at ``host``:``port``
+    (taken, or not an address of this machine), found before a model is loaded; port 0 always can."""
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's and uvicorn's servers do
+            s.bind(address)
+    except OSError as e:
+        raise InputError(f"cannot listen at {where}: {e.strerror or e}") from None
+
+
 @dataclass
 class Serving:
     """A TTS as a server runs it. ``tts``: the view requests use; ``scheduler``: the
@@ -340,6 +357,6 @@ def _warm_all(tts) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["INTERNAL_ERROR", "Gate", "SentenceStream", "ServerBusyError", "Serving", "check_options",
-           "interleave_choice", "load_tts", "open_voice_store", "pcm16", "prepare", "report_voices", "stage_turns",
-           "warm_voices"]
+__all__ = ["INTERNAL_ERROR", "Gate", "SentenceStream", "ServerBusyError", "Serving", "check_can_listen",
+           "check_options", "interleave_choice", "load_tts", "open_voice_store", "pcm16", "prepare", "report_voices",
+           "stage_turns", "warm_voices"]

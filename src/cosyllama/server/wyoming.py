@@ -602,19 +602,11 @@ def check_listen(uri: str) -> None:
     """Refuse, before a model is loaded, a ``tcp://`` address this process cannot listen at (the
     port is taken, the host is not ours): an :class:`InputError`, so ``serve --wyoming`` and
     ``wyoming`` stop with one line instead of failing in the server's start-up later."""
-    import socket
+    from .serving import check_can_listen
 
     u = urlparse(check_uri(uri))
-    if u.scheme != "tcp" or not u.port:
-        return
-    try:
-        infos = socket.getaddrinfo(u.hostname, u.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, address in infos[:1]:
-            with socket.socket(family, kind, proto) as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's server does
-                s.bind(address)
-    except OSError as e:
-        raise InputError(f"cannot listen at {uri}: {e.strerror or e}") from None
+    if u.scheme == "tcp":
+        check_can_listen(u.hostname, u.port, uri)
 
 
 def wyoming_options_from_args(args) -> dict:
