@@ -49,8 +49,9 @@ log = logging.getLogger("cosyllama.voices")
 
 
 def show_id(voice_id) -> str:
-    """A client's voice id as a message echoes it: quoted, at most :data:`SHOWN_ID_CHARS`
-    characters of it, and its length when it was longer (a message must not grow with the request)."""
+    """A client's voice id (or any string of its: a Wyoming event type, a length) as a message echoes
+    it: quoted, at most :data:`SHOWN_ID_CHARS` characters of it, and its length when it was longer (a
+    message must not grow with the request)."""
     if not isinstance(voice_id, str):
         return f"of type {type(voice_id).__name__}"
     if len(voice_id) <= SHOWN_ID_CHARS:

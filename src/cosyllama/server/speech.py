@@ -66,6 +66,7 @@ from .wire import (
 log = logging.getLogger("cosyllama.server")
 
 SSE_MEDIA_TYPE = "text/event-stream"
+LISTED_BY = " (GET /v1/voices lists them)"  # where an HTTP client finds every voice id
 # the built-in voice names of OpenAI's speech API (its reference for POST /v1/audio/speech); some
 # clients (pipecat's OpenAITTSService) send nothing else
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
@@ -238,7 +239,7 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
 
 def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
     """The 404 for a voice that is not registered (or whose file the server skipped)."""
-    return ApiError(404, unknown_voice(voice_id, ids, more=" (GET /v1/voices lists them)")
+    return ApiError(404, unknown_voice(voice_id, ids, more=LISTED_BY)
                     + "; add one with POST /v1/voices", "not_found_error", param="voice", code="voice_not_found")
 
 
@@ -367,7 +368,7 @@ def _voice_id(voices, names: VoiceNames, name: str) -> str:
         target, how = names.default, f"--default-voice {names.default}"
     else:
         if name in OPENAI_VOICES:
-            ids = describe_ids(voices.ids(), more=" (GET /v1/voices lists them)")
+            ids = describe_ids(voices.ids(), more=LISTED_BY)
             msg = (f"voice {name!r} (one of OpenAI's names) is not registered here and the server has no default "
                    f"voice; register a voice with id {name!r} (POST /v1/voices), or start the server with "
                    f"--default-voice ID or --voice-alias {name}=ID; registered voices: {ids}")
@@ -375,7 +376,7 @@ def _voice_id(voices, names: VoiceNames, name: str) -> str:
         raise unknown_voice_error(name, voices.ids())
     if target not in voices:
         raise ApiError(404, f"voice {show_id(name)} speaks with {target!r} ({how}), which is not registered; "
-                       f"registered voices: {describe_ids(voices.ids(), more=' (GET /v1/voices lists them)')} "
+                       f"registered voices: {describe_ids(voices.ids(), more=LISTED_BY)} "
                        "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
     return target
 

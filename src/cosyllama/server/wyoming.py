@@ -57,7 +57,7 @@ from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
 from ..text.normalize import is_only_punctuation
-from ..voices import describe_ids, unknown_voice
+from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
 from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError, pcm16
 from .wyoming_wire import (
@@ -67,7 +67,6 @@ from .wyoming_wire import (
     event_caps,
     optional_str,
     read_event,
-    shown,
     text_field,
     voice_field,
 )
@@ -173,7 +172,7 @@ class WyomingService:
     def _default_id(self, ids: list[str]) -> str:
         if self.default_voice is not None:
             if self.default_voice not in ids:
-                raise RequestRefused(f"the default voice {shown(self.default_voice)} is not registered; registered "
+                raise RequestRefused(f"the default voice {show_id(self.default_voice)} is not registered; registered "
                                      f"voices: {describe_ids(ids, more=LISTED_BY)}", "voice_not_found")
             return self.default_voice
         if not ids:

@@ -14,6 +14,7 @@ import json
 
 from ..errors import InputError, MissingDependencyError
 from ..limits import LimitExceeded
+from ..voices import show_id
 
 try:
     from wyoming import __version__ as WYOMING_VERSION
@@ -30,7 +31,6 @@ EVENT_SLACK_BYTES = 16 * 1024
 SMALL_EVENT_BYTES = 16 * 1024
 TEXT_EVENTS = ("synthesize", "synthesize-chunk")
 EVENT_TYPES = ("describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop", "ping")
-SHOWN_CHARS = 64  # of a client's string echoed in an error event
 
 
 class RequestRefused(InputError):
@@ -46,12 +46,6 @@ class ProtocolError(RequestRefused):
 
     def __init__(self, message: str):
         super().__init__(message, "protocol_error")
-
-
-def shown(value) -> str:
-    """A client's string for a message: quoted, at most :data:`SHOWN_CHARS` characters of it."""
-    text = str(value)
-    return repr(text) if len(text) <= SHOWN_CHARS else repr(text[:SHOWN_CHARS]) + f"... ({len(text)} characters)"
 
 
 def event_caps(limits) -> dict[str, int]:
@@ -86,7 +80,7 @@ async def read_event(reader: asyncio.StreamReader, first: bytes, caps: dict[str,
         if not isinstance(kind, str) or not kind:
             raise ProtocolError("the event's header has no type (a string)")
         if kind not in caps:
-            raise ProtocolError(f"unknown event type {shown(kind)}; this server answers {', '.join(EVENT_TYPES)}")
+            raise ProtocolError(f"unknown event type {show_id(kind)}; this server answers {', '.join(EVENT_TYPES)}")
         inline = header.get("data")
         if inline is not None and not isinstance(inline, dict):
             raise ProtocolError(f"the {kind} event's data is {json_kind(inline)}, not an object")
@@ -144,7 +138,7 @@ def _length(header: dict, key: str) -> int:
     if n is None:
         return 0
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ProtocolError(f"the event's {key} is {shown(json.dumps(n))}, not a whole number >= 0")
+        raise ProtocolError(f"the event's {key} is {show_id(json.dumps(n))}, not a whole number >= 0")
     return n
 
 
@@ -181,4 +175,4 @@ def text_field(data: dict, what: str) -> str:
 
 
 __all__ = ["EVENT_TYPES", "ProtocolError", "RequestRefused", "event_bytes", "event_caps", "optional_str", "read_event",
-           "shown", "text_field", "voice_field"]
+           "text_field", "voice_field"]
