@@ -142,7 +142,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._timer = None  # the running deadline, if any
             self._timer_kind = None
             self._seen = None  # the request whose headers were complete last
-            self._lost = self._refused = self._draining = False
+            self._lost = self._dropping = False  # _dropping: what the client sends is read and dropped
             self._watch = None  # the write watchdog's next look, while bytes wait to leave
             self._sent_mark = self._progress_at = 0
             self._counted = _CountedTransport(transport, self._wrote, self._close_after_the_body)
@@ -153,7 +153,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._arm("header")
 
         def data_received(self, data: bytes) -> None:
-            if self._refused or self._draining:
+            if self._dropping:
                 return  # read and dropped: closing with unread bytes would reset the connection
             if self._timer is None and self._between_requests():
                 self._arm("header")  # the first bytes of a next request on a kept-alive connection
@@ -161,7 +161,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._track()
 
         def eof_received(self):
-            if self._refused or self._draining:
+            if self._dropping:
                 self.transport.close()
                 return None
             return super().eof_received()
@@ -186,22 +186,27 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             side is shut (the answer leaves first), what the client sends is read and dropped, and the
             connection closes when the client closes or after REFUSED_LINGER_S. True: closing is ours."""
             c = self.cycle
-            if self._lost or self._refused or self._draining or c is None or not c.more_body:
+            if self._lost or self._dropping or c is None or not c.more_body:
                 return False
             raw = self._counted._transport
             if raw.is_closing() or not raw.can_write_eof():
                 return False
-            self._draining = True
+            self._dropping = True
             self._disarm()
             raw.resume_reading()  # uvicorn may have paused reading the body it did not want
+            self._linger(raw)
+            return True
+
+        def _linger(self, raw) -> None:
+            """Shut our side (what was written leaves first) and close when the client closes or after
+            REFUSED_LINGER_S, reading and dropping what it sends meanwhile (``_dropping``)."""
             raw.write_eof()
             self._timer = self.loop.call_later(REFUSED_LINGER_S, raw.close)
-            return True
 
         # -- refusing a connection past the cap ------------------------------------------------
 
         def _refuse(self) -> None:
-            self._refused = True
+            self._dropping = True  # no request of this connection is served
             log.warning("refused a connection: %d open, --max-connections %d", len(self.connections) - 1,
                         limits.max_connections)
             self.transport.write(full)
@@ -210,8 +215,9 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
                 return
             lingering.add(self)
             if self.transport.can_write_eof():
-                self.transport.write_eof()  # the client reads the 503, then its end of the stream
-            self._timer = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
+                self._linger(self._counted._transport)  # the client reads the 503, then its end of the stream
+            else:
+                self._timer = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
 
         # -- the write timeout ------------------------------------------------------------------
 
