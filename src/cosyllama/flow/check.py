@@ -410,12 +410,16 @@ class AutoChoice:
     check: CheckResult | None
     seconds: dict[str, float]
     failed: tuple[CheckResult, ...] = ()
-    cached: bool = False
     source: str = "measured"
     measurement: Measurement | None = None
     busy: str | None = None
     previous: tuple[str, Measurement] | None = None  # with ``remeasure``: the verdict cached before
     checks: tuple[CheckResult, ...] = ()  # every candidate's check that passed
+
+    @property
+    def cached(self) -> bool:
+        """The verdict was measured earlier (``source`` ``cached``)."""
+        return self.source == "cached"
 
     def age(self, now: float | None = None) -> float | None:
         """Seconds since the measurement behind the verdict (None where there was none)."""
@@ -499,7 +503,7 @@ def choose_fastest(flow: Flow, remeasure: bool = False) -> AutoChoice:
     hit = cached_verdict(flow, passed)
     if not remeasure:
         if hit is not None:
-            return done(by_name[hit[0]], cached=True, source="cached", measurement=hit[1])
+            return done(by_name[hit[0]], source="cached", measurement=hit[1])
         busy = busy_before_timing(torch.get_num_threads())
         if busy:
             return done(rule_of_thumb(flow, passed), source="rule", busy=busy)
