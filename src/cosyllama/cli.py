@@ -22,8 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cosyllama`` parser: each command module adds its sub-parser, whose ``func`` is its ``run``."""
-    from .batch import command as batch
-    from .commands import bench, convert, demo, make_model, serve, synth, wyoming
+    from .commands import batch, bench, convert, demo, make_model, serve, synth, wyoming
 
     p = _Parser(prog="cosyllama", description="CosyVoice3 text-to-speech with the LLM on llama.cpp or PyTorch")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)

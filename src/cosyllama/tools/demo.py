@@ -15,9 +15,9 @@ DEMO_TEXT = "Hello from cosyllama. This is the no-weights demo of the full CosyV
 
 def run_demo(args, progress: Callable[[str], None] = print) -> int:
     from ..cachedir import cache_dir
+    from ..commands.synth import write_wav
     from ..cpu import tts_path
     from ..options import LoadOptions
-    from ..synth import write_wav
     from ..tts import TTS, SynthesisOptions
     from .kit import ensure_full_model, ensure_gguf, prompt_wav
 

@@ -11,13 +11,22 @@ import sys
 import time
 from pathlib import Path
 
-from ..commands.flags import add_gpu_options, add_llm_weights_option
+from ..batch.engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files, voice_folders
+from ..batch.manifest import Manifest, read_manifest
+from ..batch.output import (
+    FORMATS,
+    RESULTS,
+    DirLock,
+    ResultsLog,
+    compact_results,
+    is_done,
+    prepare_out_dir,
+    read_results,
+)
+from ..batch.progress import STAGES, BatchProgress
 from ..errors import InputError
 from ..options import LoadOptions
-from .engine import DEFAULT_CONCURRENCY, EngineOptions, error_record, voice_files, voice_folders
-from .manifest import Manifest, read_manifest
-from .output import FORMATS, RESULTS, DirLock, ResultsLog, compact_results, is_done, prepare_out_dir, read_results
-from .progress import STAGES, BatchProgress
+from .flags import add_gpu_options, add_llm_weights_option
 
 EXIT_SOME_FAILED = 3
 
@@ -145,7 +154,7 @@ def run_batch(args, out=None, err=None) -> int:
         print(counts, file=out)
         return 2 if manifest.bad else 0
     if args.ray is not None:
-        from .ray_runner import import_ray
+        from ..batch.ray_runner import import_ray
 
         import_ray()  # the install hint before any work
 
@@ -170,7 +179,7 @@ def run_batch(args, out=None, err=None) -> int:
 
             if todo:
                 if args.ray is not None:
-                    from .ray_runner import run_on_ray
+                    from ..batch.ray_runner import run_on_ray
 
                     run_on_ray(args.ray or None, todo, opts, out_dir.resolve(), on_result, actors=args.ray_actors,
                                cpus=args.ray_cpus, gpus=args.ray_gpus,
@@ -193,7 +202,7 @@ def run_batch(args, out=None, err=None) -> int:
 
 def _run_local(todo, opts: EngineOptions, out_dir: Path, on_result, err, on_loaded) -> None:
     """Load the model here and run the rows ``opts.concurrency`` at a time."""
-    from .engine import BatchEngine
+    from ..batch.engine import BatchEngine
 
     t0 = time.perf_counter()
     engine = BatchEngine(opts, out_dir)
