@@ -7,7 +7,7 @@ from .errors import CheckpointError, CosyllamaError, DeviceError, InputError, Mi
 
 __version__ = "0.1.0"
 
-_LAZY = {"load": "tts", "TTS": "tts", "SynthesisOptions": "tts", "Synthesis": "tts",
+_LAZY = {"load": "tts", "TTS": "tts", "SynthesisOptions": "request", "SynthesisRequest": "request", "Synthesis": "tts",
          "AudioChunk": "engine", "PromptFeatures": "frontend", "LoadOptions": "options"}
 
 
@@ -20,5 +20,5 @@ def __getattr__(name):
 
 
 __all__ = ["AudioChunk", "CheckpointError", "CosyllamaError", "DeviceError", "InputError", "LoadOptions",
-           "MissingDependencyError", "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions", "TTS", "load",
-           "__version__"]
+           "MissingDependencyError", "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions",
+           "SynthesisRequest", "TTS", "load", "__version__"]

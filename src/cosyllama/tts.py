@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -33,34 +34,12 @@ from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
 from .options import LoadOptions
+from .request import MODES, SynthesisOptions, SynthesisRequest
 from .vocoder import HiFT
 from .voices import VoiceStore
 
-MODES = ("zero-shot", "cross-lingual", "instruct")  # the modes TTS.synthesize chooses between
-
-__all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOptions", "TTS", "Timings", "choose_mode",
-           "load"]
-
-
-@dataclass(frozen=True)
-class SynthesisOptions:
-    """Per-call options.
-
-    stream: yield audio chunk by chunk as tokens are decoded. speed: 0.25-4.0 time stretch of the
-    finished mel (non-streaming only). greedy: argmax decoding. seed: makes sampling reproducible
-    (segment i uses seed + i). text_frontend: normalize and split the text. russian_numbers: spell
-    numbers in Russian sentences in Russian (else English, as the reference does).
-    max_tokens / ignore_stop: decoding overrides used by benchmarks.
-    """
-
-    stream: bool = False
-    speed: float = 1.0
-    greedy: bool = False
-    seed: int | None = None
-    text_frontend: bool = True
-    russian_numbers: bool = True
-    max_tokens: int | None = None
-    ignore_stop: bool = False
+__all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOptions", "SynthesisRequest", "TTS",
+           "Timings", "choose_mode", "load"]
 
 
 @dataclass
@@ -78,11 +57,12 @@ class Timings:
 class Synthesis(Iterator[AudioChunk]):
     """The audio of one call, chunk by chunk. ``timings`` is complete once iteration ends."""
 
-    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings):
-        self._chunks, self.timings = chunks, timings
+    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings, cancel=None):
+        self._chunks, self.timings, self._cancel = chunks, timings, cancel
 
     def __next__(self) -> AudioChunk:
-        return next(self._chunks)
+        with self._cancel.bound() if self._cancel is not None else nullcontext():
+            return next(self._chunks)
 
     def close(self) -> None:
         """Stop early; the LLM sequence is released at once."""
@@ -286,6 +266,16 @@ class TTS:
         if mode == "zero-shot":
             return self.zero_shot(text, prompt_wav, prompt_text, voice=voice, options=options, **kw)
         return self.cross_lingual(text, prompt_wav, voice=voice, options=options, **kw)
+
+    def run(self, request: SynthesisRequest, *, cancel=None) -> Synthesis:
+        """Synthesize ``request`` (every front door comes through here). ``cancel``: a
+        :class:`~cosyllama.llm.scheduler.CancelToken` whose ``cancel()`` stops the synthesis and frees
+        its LLM sequence at once (from any thread)."""
+        r = request
+        syn = self.synthesize(r.text, mode=r.mode, instruction=r.instruction, voice=r.voice, prompt_wav=r.prompt_wav,
+                              prompt_text=r.prompt_text, options=r.options)
+        syn._cancel = cancel
+        return syn
 
     # -- the shared path ----------------------------------------------------------------------------
 
