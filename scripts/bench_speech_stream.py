@@ -20,7 +20,6 @@ import json
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 SECOND = "The evening sun sets slowly behind the quiet hills."
 VOICE = "bench"
@@ -91,6 +90,8 @@ class Server:
 
 def main(argv=None) -> int:
     import cosyllama
+    from cosyllama.defaults import MAX_SEQ_TOKENS, SERVE_PARALLEL
+    from cosyllama.options import LoadOptions
     from cosyllama.precision import precision_name
     from cosyllama.server.app import create_app
     from cosyllama.server.serving import load_tts
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
-    tts = load_tts(SimpleNamespace(model_dir=model, gguf=gguf, threads=args.threads, precision=args.precision))
+    tts = load_tts(LoadOptions(model, llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
+                                parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
     tts.add_voice(VOICE, prompt_wav(args.prompt_seconds))
     kept = tts.warm_voice(VOICE)
     text = f"{BENCH_TEXT} {SECOND}"

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 PIECES = ("The quick brown fox jumps over the lazy dog. ", "The evening sun sets slowly behind the quiet hills. ",
           "The old town falls asleep.")
@@ -51,6 +50,8 @@ async def first_audio_s(port: int, timeout: float) -> float:
 
 def main(argv=None) -> int:
     import cosyllama
+    from cosyllama.defaults import MAX_SEQ_TOKENS, SERVE_PARALLEL
+    from cosyllama.options import LoadOptions
     from cosyllama.precision import precision_name
     from cosyllama.server.serving import load_tts, prepare
     from cosyllama.server.wyoming import start_wyoming
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
-    tts = load_tts(SimpleNamespace(model_dir=model, gguf=gguf, threads=args.threads, precision=args.precision))
+    tts = load_tts(LoadOptions(model, llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
+                                parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
     tts.add_voice(VOICE, prompt_wav(args.prompt_seconds))
     t0 = time.perf_counter()
     kept = tts.warm_voice(VOICE)

@@ -57,11 +57,12 @@ def test_limits_name_the_flag_and_the_limit():
 
 def test_limits_from_serve_arguments_and_help(capsys):
     from cosyllama.cli import build_parser, main
+    from cosyllama.commands.options import request_limits
 
     args = build_parser().parse_args(["serve", "--model-dir", "m", "--max-instructions-chars", "300",
                                       "--max-seq-tokens", "2048"])
-    assert RequestLimits.from_args(args) == RequestLimits(instructions_chars=300, seq_tokens=2048)
-    assert RequestLimits.from_args(SimpleNamespace()) == RequestLimits()  # absent flags: defaults
+    assert request_limits(args) == RequestLimits(instructions_chars=300, seq_tokens=2048)
+    assert request_limits(SimpleNamespace()) == RequestLimits()  # absent flags: defaults
     assert set(LIMIT_HELP) == set(RequestLimits.__dataclass_fields__)
     with pytest.raises(SystemExit):
         main(["serve", "--help"])

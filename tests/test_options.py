@@ -1,5 +1,5 @@
 """LoadOptions: the one way a TTS is built. Checked once, on construction; a command's flags become
-options in one place (``LoadOptions.from_args``), with errors naming the flags."""
+options in one place (``cosyllama.commands.options.load_options``), with errors naming the flags."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from cosyllama.cli import build_parser
+from cosyllama.commands.options import load_options
 from cosyllama.defaults import LLM_PRECISION, LLM_WEIGHTS, MAX_SEQ_TOKENS, N_SEQ_MAX, PRECISION, SERVE_PARALLEL
 from cosyllama.errors import InputError
 from cosyllama.options import LoadOptions
@@ -61,19 +62,19 @@ def _args(argv):
 def test_each_command_turns_its_flags_into_options():
     synth = _args(["synth", "--model-dir", "m", "--text", "t", "--out", "o.wav", "--gguf", "g.gguf", "--threads", "3",
                    "--precision", "bf16", "--llm-weights", "llm.rl.pt"])
-    o = LoadOptions.from_args(synth)
+    o = load_options(synth)
     assert (o.model_dir, o.llm, o.gguf, o.threads, o.precision, o.llm_weights) == (
         Path.cwd() / "m", "llamacpp", Path.cwd() / "g.gguf", 3, "bf16", "llm.rl.pt")
     serve = _args(["serve", "--model-dir", "m", "--parallel", "5", "--max-seq-tokens", "1000",
                    "--stream-cache-mb", "64", "--prompt-cache-mb", "0"])
-    o = LoadOptions.from_args(serve)
+    o = load_options(serve)
     assert (o.llm, o.parallel, o.max_seq_tokens, o.stream_cache_mb, o.prompt_cache_mb) == ("torch", 5, 1000, 64, 0)
-    assert LoadOptions.from_args(_args(["serve", "--model-dir", "m"])).parallel == SERVE_PARALLEL
-    assert LoadOptions.from_args(_args(["serve", "--model-dir", "m"])).max_seq_tokens == MAX_SEQ_TOKENS
+    assert load_options(_args(["serve", "--model-dir", "m"])).parallel == SERVE_PARALLEL
+    assert load_options(_args(["serve", "--model-dir", "m"])).max_seq_tokens == MAX_SEQ_TOKENS
     # a command without a flag of a field: the defaults given, else LoadOptions' own
-    o = LoadOptions.from_args(SimpleNamespace(model_dir="m"), defaults={"parallel": 7})
+    o = load_options(SimpleNamespace(model_dir="m"), defaults={"parallel": 7})
     assert (o.parallel, o.threads, o.precision) == (7, None, PRECISION)
-    assert LoadOptions.from_args(SimpleNamespace(model_dir="m", parallel=2), defaults={"parallel": 7}).parallel == 2
+    assert load_options(SimpleNamespace(model_dir="m", parallel=2), defaults={"parallel": 7}).parallel == 2
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -85,7 +86,7 @@ def test_each_command_turns_its_flags_into_options():
 def test_errors_from_flags_name_the_flags(argv, message):
     extra = ["--text", "t", "--out", "o.wav"] if argv[0] == "synth" else []
     with pytest.raises(InputError, match=message):
-        LoadOptions.from_args(_args([argv[0], "--model-dir", "m", *extra, *argv[1:]]))
+        load_options(_args([argv[0], "--model-dir", "m", *extra, *argv[1:]]))
 
 
 def test_a_tts_is_built_from_its_options():

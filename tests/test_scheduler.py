@@ -301,7 +301,6 @@ def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeyp
     """The rule (docs/amx.md, "Two cores, streaming"): a stream's first chunk gets the cores alone when
     the stages' threads do not fit them, the stages overlap when they do, and never hold the LLM back
     for a flow on a GPU; ``serve`` and ``wyoming`` follow it unless told (``--interleave``)."""
-    import argparse
 
     import cosyllama
     from cosyllama import cpu
@@ -310,8 +309,9 @@ def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeyp
     assert cpu.interleave_stages(2, 2, cores=2)[0] == "first" and cpu.interleave_stages(2, 2, cores=4)[0] == "off"
     assert cpu.interleave_stages(1, 1, cores=2)[0] == "off"
     assert cpu.interleave_stages(8, 8, "cuda", cores=2)[0] == "off"
-    assert [serving.interleave_choice(argparse.Namespace(interleave=v)) for v in ("auto", "off", "first", "all")] == \
-        [None, "off", "first", "all"]
+    from cosyllama.commands.options import interleave_choice
+
+    assert [interleave_choice(v) for v in ("auto", "off", "first", "all")] == [None, "off", "first", "all"]
     tts = cosyllama.load(MODEL_DIR, precision="fp32")
     for cores, want in ((1, "first"), (64, "off")):
         monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))

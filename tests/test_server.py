@@ -289,17 +289,21 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     from types import SimpleNamespace
 
     from cosyllama.llm import llamacpp_lib as LB
+    from cosyllama.options import LoadOptions
     from cosyllama.server import app as server
+    from cosyllama.server import serving
+    from cosyllama.server.startup import ServeOptions, ServingOptions
 
     fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
     monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)
-    monkeypatch.setattr(server, "load_tts", lambda args: SimpleNamespace(llm=SimpleNamespace(name="llamacpp")))
+    monkeypatch.setattr(serving, "load_tts", lambda options: SimpleNamespace(llm=SimpleNamespace(name="llamacpp")))
+    monkeypatch.setattr(server, "check_can_listen", lambda *a: None)  # the port need not be free
     monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
     ran = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
-    args = SimpleNamespace(host="127.0.0.1", port=8000)
+    options = ServeOptions(ServingOptions(LoadOptions(MODEL_DIR)), host="127.0.0.1", port=8000)
     with caplog.at_level("WARNING", logger="cosyllama.server"):
-        server.serve(args)
+        server.serve(options)
     assert ran and ran[0]["host"] == "127.0.0.1"
     said = [r.getMessage() for r in caplog.records if "OpenMP" in r.getMessage()]
     assert len(said) == (1 if hinted else 0)
@@ -308,17 +312,15 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
 
 
 def test_serve_passes_the_cache_bounds_and_refuses_bad_ones(capsys):
-    from types import SimpleNamespace
-
-    from cosyllama.cli import main
+    from cosyllama.cli import build_parser, main
+    from cosyllama.commands.options import serving_options
     from cosyllama.server.serving import load_tts
 
-    args = SimpleNamespace(model_dir=str(MODEL_DIR), gguf=None, precision="bf16", stream_cache_mb=64.0,
-                           prompt_cache_mb=0.0)
-    t2w = load_tts(args).token2wav
+    base = ["serve", "--model-dir", str(MODEL_DIR), "--precision", "bf16"]
+    args = build_parser().parse_args([*base, "--stream-cache-mb", "64", "--prompt-cache-mb", "0"])
+    t2w = load_tts(serving_options(args).load).token2wav
     assert t2w.new_stream_cache().max_mb == 64 and t2w._prompt_cache_bytes() == 0
-    args.stream_cache_mb = args.prompt_cache_mb = None
-    t2w = load_tts(args).token2wav
+    t2w = load_tts(serving_options(build_parser().parse_args(base)).load).token2wav
     assert t2w.new_stream_cache().max_mb == 2048 and t2w._prompt_cache_bytes() == 512 * 2**20
     assert main(["serve", "--model-dir", str(MODEL_DIR), "--prompt-cache-mb", "-1"]) == 2
     assert "--prompt-cache-mb must be >= 0" in capsys.readouterr().err

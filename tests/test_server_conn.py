@@ -134,18 +134,19 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
 
     from cosyllama.cli import build_parser, main
     from cosyllama.server import app as server
+    from cosyllama.server import serving
     from helpers import MODEL_DIR
 
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--header-timeout S", "--body-timeout S", "--max-connections N", "--max-voices N"):
         assert flag in text
-    monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
     base = ["serve", "--model-dir", str(MODEL_DIR)]
     assert main([*base, "--header-timeout", "0"]) == 2
     assert "--header-timeout must be a number > 0" in capsys.readouterr().err
     assert main([*base, "--max-voices", "0"]) == 2
     assert "--max-voices must be >= 1" in capsys.readouterr().err
-    monkeypatch.setattr(server, "load_tts", lambda args: SimpleNamespace(llm=SimpleNamespace(name="torch")))
+    monkeypatch.setattr(serving, "load_tts", lambda options: SimpleNamespace(llm=SimpleNamespace(name="torch")))
     monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
     ran = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))

@@ -303,9 +303,9 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
 
 def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
     from cosyllama.cli import main
-    from cosyllama.server import app as server
+    from cosyllama.server import serving
 
-    monkeypatch.setattr(server, "load_tts", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
     base = ["serve", "--model-dir", str(MODEL_DIR)]
     assert main([*base, "--voices", str(tmp_path / "missing.pt")]) == 2
     assert "missing.pt' does not exist" in capsys.readouterr().err

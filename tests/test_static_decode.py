@@ -10,6 +10,7 @@ from cosyllama.llm.backend import Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.static_decode import StaticTorchLLM, buckets_for
 from cosyllama.llm.torch_backend import TorchLLM
+from cosyllama.options import LoadOptions
 from cosyllama.weights import load_llm_weights
 from helpers import MODEL_DIR, fixture_prefill, generate_many, load_fixture, mixed_requests
 
@@ -193,8 +194,8 @@ def test_factory_chooses_the_static_backend_for_half_precision():
     assert isinstance(make_llm(cfg, "torch"), TorchLLM)
     llm = make_llm(cfg, "torch", llm_precision="bf16", n_seq_max=2)
     assert isinstance(llm, StaticTorchLLM) and llm.slots == 2 and llm.dtype == torch.bfloat16
-    with pytest.raises(InputError, match="LLM precision"):
-        make_llm(cfg, "torch", llm_precision="int8")
+    with pytest.raises(InputError, match="LLM precision"):  # checked once, by LoadOptions (the factory asserts)
+        LoadOptions(MODEL_DIR, llm_precision="int8")
 
 
 def test_factory_llamacpp_on_cuda_without_gpu_support_says_how_to_fix_it(tiny_gguf):
@@ -209,7 +210,7 @@ def test_factory_llamacpp_on_cuda_without_gpu_support_says_how_to_fix_it(tiny_gg
     gguf = tiny_gguf("speech", "F32")
     with pytest.raises(DeviceError, match="--n-gpu-layers 0"):
         make_llm(cfg, "llamacpp", gguf=gguf, device="cuda")
-    with pytest.raises(InputError, match="GGUF's type"):
-        make_llm(cfg, "llamacpp", gguf=gguf, llm_precision="bf16")
+    with pytest.raises(InputError, match="GGUF's type"):  # checked once, by LoadOptions (the factory asserts)
+        LoadOptions(MODEL_DIR, gguf=gguf, llm=None, llm_precision="bf16")
     llm = make_llm(cfg, "llamacpp", gguf=gguf, device="cuda", n_gpu_layers=0, n_seq_max=1)  # explicit: CPU
     llm.close()

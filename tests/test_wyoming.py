@@ -266,7 +266,7 @@ def test_wyoming_command_refuses_bad_options_before_loading(capsys, monkeypatch,
     from cosyllama.cli import main
     from cosyllama.server import serving
 
-    monkeypatch.setattr(serving, "load_tts", lambda args: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
     base = ["wyoming", "--model-dir", str(MODEL_DIR)]
     assert main([*base, "--uri", "tcp://127.0.0.1"]) == 2
     assert "needs a host and a port" in capsys.readouterr().err

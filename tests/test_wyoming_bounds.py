@@ -759,16 +759,15 @@ def test_serve_and_wyoming_give_the_wyoming_port_their_connection_flags(capsys):
     """`serve --wyoming` and `wyoming` hand their connection flags to the Wyoming listener; `wyoming --help`
     shows each with its default."""
     from cosyllama.cli import build_parser
-    from cosyllama.server.wyoming import wyoming_options_from_args
+    from cosyllama.commands.options import serving_options
 
     parser = build_parser()
     flags = ["--write-timeout", "5", "--idle-timeout", "7", "--header-timeout", "3", "--max-connections", "9"]
     for argv in (["serve", "--model-dir", "m", "--wyoming", "tcp://127.0.0.1:1", *flags], ["wyoming", "--model-dir",
                                                                                           "m", *flags]):
-        limits = wyoming_options_from_args(parser.parse_args(argv))["connection_limits"]
+        limits = serving_options(parser.parse_args(argv)).connection_limits
         assert limits == ConnectionLimits(header_timeout=3, write_timeout=5, idle_timeout=7, max_connections=9)
-    assert wyoming_options_from_args(parser.parse_args(["wyoming", "--model-dir", "m"]))["connection_limits"] == \
-        ConnectionLimits()
+    assert serving_options(parser.parse_args(["wyoming", "--model-dir", "m"])).connection_limits == ConnectionLimits()
     with pytest.raises(SystemExit):
         parser.parse_args(["wyoming", "--help"])
     out = " ".join(capsys.readouterr().out.split())

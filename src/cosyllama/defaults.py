@@ -3,9 +3,14 @@
 Light on purpose (no torch): ``cosyllama --help`` prints them without loading anything.
 """
 
+# Each vocabulary of a load option is defined here once: the flags take their choices from it and
+# cosyllama.options.LoadOptions checks against it.
 LLM_CHOICES = ("torch", "llamacpp")
 LLM_WEIGHTS = "llm.pt"  # LLM checkpoint in the model directory; the official one also ships llm.rl.pt
-PRECISION = "auto"  # flow compute precision (see cosyllama.precision)
+PRECISIONS = ("fp32", "bf16", "int8", "auto")  # flow compute precisions (see cosyllama.precision)
+PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}  # other spellings the Python API takes
+PRECISION = "auto"
+DEVICES = ("cpu", "cuda")  # where the flow, vocoder and torch LLM run; "cuda:N" names one GPU
 # auto trusts a timing of the flow candidates only if the process got this share of the CPU its threads asked for
 # (why this value: cosyllama.flow.check.CPU_SHARE_MIN)
 AUTO_CPU_SHARE_MIN = 0.8
@@ -15,6 +20,9 @@ SERVE_PARALLEL = 8  # the server's: more requests share each decode step
 MAX_QUEUE = 16  # server requests that may wait for a running slot
 RETRY_AFTER_S = 1  # seconds a server's 503 (busy, or at --max-connections) asks the client to wait: Retry-After
 MAX_VOICES = 1000  # voices a server registers (a voice file is at most ~0.5 MB: 30 s of prompt)
+# how the server's scheduler pauses LLM decoding during flow work (cosyllama.llm.scheduler; `--interleave`,
+# which also takes auto)
+INTERLEAVE_MODES = ("off", "first", "all")
 PREFILL_CHUNK = 128  # prompt positions the server's scheduler prefills between two decode steps
 WYOMING_URI = "tcp://127.0.0.1:10200"  # where `cosyllama wyoming` listens (10200: Wyoming's usual TTS port)
 API_KEY_ENV = "COSYLLAMA_API_KEY"  # the server's API key when --api-key is not given

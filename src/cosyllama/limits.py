@@ -82,12 +82,6 @@ class RequestLimits:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"{limit_flag(f.name)} must be an integer >= 1, got {v!r}")
 
-    @classmethod
-    def from_args(cls, args) -> RequestLimits:
-        """The limits of parsed ``serve`` arguments (``args.max_input_chars`` ...); absent ones default."""
-        given = {f.name: getattr(args, "max_" + f.name, None) for f in fields(cls)}
-        return cls(**{k: v for k, v in given.items() if v is not None})
-
     def check_chars(self, field: str, text: str | None) -> None:
         """Refuse ``text`` (of ``field``: one of :data:`TEXT_FIELDS`) when it has too many characters."""
         limit = getattr(self, f"{field}_chars")

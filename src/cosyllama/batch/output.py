@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..audio_out import FILE_FORMATS, write_file
 from ..errors import InputError
 
-FORMATS = ("wav", "flac")
+FORMATS = FILE_FORMATS
 RESULTS = "results.jsonl"
 LOCK = ".cosyllama-batch.lock"
 PART = ".part"
@@ -32,31 +33,14 @@ def audio_name(row_id: str, fmt: str) -> str:
     return f"{row_id}.{fmt}"
 
 
-def _pcm16_as_wav(samples: np.ndarray, sample_rate: int) -> np.ndarray:
-    """The int16 samples libsndfile stores when it writes these floats as a 16-bit WAV (as
-    ``cosyllama synth`` does); its FLAC writer would round differently."""
-    import io
-
-    import soundfile as sf
-
-    buf = io.BytesIO()
-    sf.write(buf, samples, sample_rate, subtype="PCM_16", format="WAV")
-    buf.seek(0)
-    return sf.read(buf, dtype="int16")[0]
-
-
 def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: int, fmt: str) -> int:
-    """Write 16-bit mono audio atomically (the samples ``cosyllama synth`` writes); returns its size."""
-    import soundfile as sf
-
+    """Write 16-bit mono audio atomically (the samples ``cosyllama synth`` writes; encoded by
+    :func:`cosyllama.audio_out.write_file`); returns its size."""
     final = out_dir / audio_name(row_id, fmt)
     tmp = out_dir / part_name(row_id, fmt)
     try:
         with open(tmp, "wb") as f:
-            samples = np.asarray(samples, dtype=np.float32)
-            if fmt != "wav":  # the same 16-bit samples in every format
-                samples = _pcm16_as_wav(samples, sample_rate)
-            sf.write(f, samples, sample_rate, subtype="PCM_16", format=fmt.upper())
+            write_file(f, samples, sample_rate, fmt)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

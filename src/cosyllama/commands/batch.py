@@ -24,9 +24,10 @@ from ..batch.output import (
     read_results,
 )
 from ..batch.progress import STAGES, BatchProgress
+from ..defaults import PRECISION
 from ..errors import InputError
-from ..options import LoadOptions
-from .flags import add_gpu_options, add_llm_weights_option
+from .flags import PRECISION_CHOICES, add_gpu_options, add_llm_weights_option
+from .options import load_options
 
 EXIT_SOME_FAILED = 3
 
@@ -45,7 +46,7 @@ def add_parser(sub) -> None:
                                                         "directory of them (*.pt) and of voice folders "
                                                         "(NAME/ref.wav + ref.txt)")
     b.add_argument("--format", choices=FORMATS, default="wav", help="audio file format (16-bit, 24 kHz mono)")
-    b.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default="auto",
+    b.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION,
                    help="flow compute precision")
     b.add_argument("--threads", type=int, default=None,
                    help="CPU threads per model (default: all cores; with --ray, --ray-cpus)")
@@ -87,10 +88,9 @@ def _check_args(args) -> EngineOptions:
     if args.gguf and not Path(args.gguf).is_file():
         raise InputError(f"GGUF file {args.gguf!r} does not exist")
     if args.ray is not None:
-        for name in ("ray_actors", "ray_batch_size"):
-            v = getattr(args, name)
+        for flag, v in (("--ray-actors", args.ray_actors), ("--ray-batch-size", args.ray_batch_size)):
             if v is not None and v < 1:
-                raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+                raise InputError(f"{flag} must be >= 1, got {v}")
         if args.ray_cpus < 0 or args.ray_gpus < 0:
             raise InputError("--ray-cpus and --ray-gpus must be >= 0")
     voices = str(Path(args.voices).resolve()) if args.voices else None
@@ -98,7 +98,7 @@ def _check_args(args) -> EngineOptions:
     if args.threads is None and args.ray is not None:
         changes["threads"] = max(1, int(args.ray_cpus))  # an actor computes on the CPUs it reserved
     # LoadOptions holds the model directory and GGUF absolute, so Ray's actors find them from their own cwd
-    load = LoadOptions.from_args(args, parallel=args.concurrency, **changes)
+    load = load_options(args, parallel=args.concurrency, **changes)
     return EngineOptions(load, voices=voices, concurrency=args.concurrency, fmt=args.format,
                          flow_slots=args.flow_slots)
 

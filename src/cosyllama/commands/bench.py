@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..tools.bench import run_bench
+    from dataclasses import fields
 
-    return run_bench(args, progress=to_stderr)
+    from ..tools.bench import BenchOptions, run_bench
+
+    options = BenchOptions(**{f.name: getattr(args, f.name) for f in fields(BenchOptions)})
+    return run_bench(options, progress=to_stderr)

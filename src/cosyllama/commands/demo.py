@@ -16,6 +16,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..options import LoadOptions, OptionError
     from ..tools.demo import run_demo
 
-    return run_demo(args, progress=to_stderr)
+    try:  # --threads, checked before the model is made or loaded
+        LoadOptions(".", threads=args.threads)
+    except OptionError as e:
+        raise e.as_flag() from None
+    return run_demo(threads=args.threads, seconds=args.seconds, out_dir=args.out_dir, progress=to_stderr)

@@ -1,11 +1,25 @@
-"""The flags several commands share, each defined once (the load options' flags are read back by
-:meth:`cosyllama.options.LoadOptions.from_args`)."""
+"""The flags several commands share, each defined once, their choices from the one vocabulary in
+:mod:`cosyllama.defaults` (the load options' flags are read back by
+:func:`cosyllama.commands.options.load_options`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..defaults import LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, MAX_QUEUE, PRECISION, PREFILL_CHUNK, SERVE_PARALLEL
+from ..defaults import (
+    INTERLEAVE_MODES,
+    LLM_PRECISION,
+    LLM_PRECISIONS,
+    LLM_WEIGHTS,
+    MAX_QUEUE,
+    PRECISION,
+    PRECISIONS,
+    PREFILL_CHUNK,
+    SERVE_PARALLEL,
+)
+
+# --precision's choices: defaults.PRECISIONS with auto (the default) first, as --help lists them
+PRECISION_CHOICES = (PRECISION, *(p for p in PRECISIONS if p != PRECISION))
 
 
 def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
@@ -15,7 +29,7 @@ def add_llm_weights_option(p: argparse.ArgumentParser) -> None:
 
 
 def add_precision_option(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "int8"], default=PRECISION, help=help)
+    p.add_argument("--precision", choices=PRECISION_CHOICES, default=PRECISION, help=help)
 
 
 def add_gpu_options(p: argparse.ArgumentParser) -> None:
@@ -74,7 +88,7 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
                         f"prompt does not stall them (default {PREFILL_CHUNK})")
-    v.add_argument("--interleave", choices=("auto", "off", "first", "all"), default="auto",
+    v.add_argument("--interleave", choices=("auto", *INTERLEAVE_MODES), default="auto",
                    help="pause LLM decoding while flow and vocoder work runs, so the stages take turns on the cores "
                         "instead of sharing them: never (off), for a stream's first chunk (first) or always (all); "
                         "auto: first where the LLM's and PyTorch's threads together outnumber the cores, else off "

@@ -33,10 +33,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..heap import bound_onednn_cache
+    from ..server.app import serve  # the server extra's hint before anything else
+    from .options import serve_options
 
-    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
-    from ..server.app import serve
-
-    serve(args)
+    serve(serve_options(args))
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..audio_out import WAV_SUBTYPES, write_wav
 from ..defaults import LLM_CHOICES, SPEED_RANGE
 from ..errors import InputError
 from ..progress import to_stderr
@@ -21,7 +22,7 @@ def add_parser(sub) -> None:
     s.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
     s.add_argument("--text", required=True, help="text to speak")
     s.add_argument("--out", required=True, help="output .wav (24 kHz mono)")
-    s.add_argument("--out-format", choices=["pcm16", "float"], default="pcm16",
+    s.add_argument("--out-format", choices=tuple(WAV_SUBTYPES), default="pcm16",
                    help="16-bit PCM (default) or 32-bit float WAV")
     s.add_argument("--prompt-wav", help="prompt audio (wav/flac/ogg/mp3), up to 30 s")
     s.add_argument("--prompt-text", help="transcript of the prompt audio")
@@ -47,9 +48,6 @@ def add_parser(sub) -> None:
     s.set_defaults(func=run)
 
 
-SUBTYPES = {"pcm16": "PCM_16", "float": "FLOAT"}
-
-
 def check_out_path(path: str | Path) -> Path:
     """Refuse an output path that cannot be written, before any synthesis work."""
     path = Path(path)
@@ -60,26 +58,15 @@ def check_out_path(path: str | Path) -> Path:
     return path
 
 
-def write_wav(path: str | Path, samples: np.ndarray, sample_rate: int, out_format: str = "pcm16") -> None:
-    """Write mono audio; 16-bit PCM (default) or 32-bit float."""
-    import soundfile as sf
-
-    path = check_out_path(path)
-    try:
-        sf.write(path, np.asarray(samples, dtype=np.float32), sample_rate, subtype=SUBTYPES[out_format])
-    except (OSError, RuntimeError) as e:
-        raise InputError(f"cannot write {str(path)!r}: {e}") from e
-
-
 def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     """One synthesis: check every argument, load, synthesize, write ``--out``, report timings."""
-    from ..options import LoadOptions
     from ..tts import TTS, SynthesisOptions, choose_mode
+    from .options import load_options
 
     if not args.text or not args.text.strip():
         raise InputError("--text is empty; give the text to speak")
     mode = choose_mode(args.mode, args.instruct, bool(args.prompt_text))
-    options = LoadOptions.from_args(args)
+    options = load_options(args)
     llm = options.llm
     if args.prompt_wav is None:
         raise InputError(f"{mode} mode needs --prompt-wav (a 16 kHz+ clip of the voice, up to 30 s)")
@@ -117,7 +104,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
                      f"of audio at {time.perf_counter() - t1:.2f} s")
     wall = time.perf_counter() - t1 + syn.timings.frontend
     audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    write_wav(args.out, audio, tts.sample_rate, args.out_format)
+    write_wav(check_out_path(args.out), audio, tts.sample_rate, args.out_format)
     if args.tokens_out:
         Path(args.tokens_out).write_text(json.dumps(syn.timings.tokens), encoding="utf-8")
 

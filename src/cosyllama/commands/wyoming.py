@@ -19,10 +19,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..heap import bound_onednn_cache
+    from ..server.wyoming import run_wyoming  # the wyoming extra's hint before anything else
+    from .options import serving_options
 
-    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
-    from ..server.wyoming import run_wyoming
-
-    run_wyoming(args)
+    run_wyoming(serving_options(args), args.uri)
     return 0

@@ -18,17 +18,16 @@ from .backend import LLMBackend, check_max_seq_tokens
 
 
 def choose_llm(llm: str | None, gguf: str | Path | None) -> str:
-    """The backend name: ``llm`` when given (checked against ``gguf``), else llama.cpp when a GGUF
-    file is given and torch otherwise."""
+    """The backend name: ``llm`` when given, else llama.cpp when a GGUF file is given and torch
+    otherwise. The choice itself is checked by :class:`~cosyllama.options.LoadOptions` (asserted
+    here); what only building a backend needs is refused here: llama.cpp without a GGUF (a TTS given
+    its backend has none)."""
     if llm is None:
         return "llamacpp" if gguf else "torch"
-    if llm not in LLM_CHOICES:
-        raise InputError(f"llm must be one of {', '.join(LLM_CHOICES)}, got {llm!r}")
+    assert llm in LLM_CHOICES and not (llm == "torch" and gguf is not None), "checked by LoadOptions"
     if llm == "llamacpp" and gguf is None:
         raise InputError("llm='llamacpp' needs a GGUF file (gguf=...); make one with "
                          "`cosyllama convert --model-dir DIR --out FILE.gguf`")
-    if llm == "torch" and gguf is not None:
-        raise InputError("a GGUF file was given but llm='torch'; pass llm='llamacpp' to use it")
     return llm
 
 
@@ -51,12 +50,12 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
     ``max_seq_tokens``: positions one sequence may use (prompt + new tokens); given, the llama.cpp
     context and the static cache are made now for ``n_seq_max`` such sequences and never grow;
     None: the model's context length (the static cache: its default), a llama.cpp context sized
-    lazily."""
+    lazily. The options are those of a :class:`~cosyllama.options.LoadOptions`, checked there (asserted here)."""
     import torch
 
     llm = choose_llm(llm, gguf)
-    if llm_precision not in LLM_PRECISIONS:
-        raise InputError(f"LLM precision must be one of {', '.join(LLM_PRECISIONS)}, got {llm_precision!r}")
+    assert llm_precision in LLM_PRECISIONS, "checked by LoadOptions"
+    assert llm == "torch" or llm_precision == LLM_PRECISION, "checked by LoadOptions"
     weights_path = config.llm_weights_path(llm_weights)  # refused here, before any backend is built
     on_cuda = torch.device(device).type == "cuda"
     if llm == "torch":
@@ -71,9 +70,6 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
         from .torch_backend import TorchLLM
 
         return TorchLLM(config.llm, weights, device, max_seq_tokens=max_seq_tokens)
-    if llm_precision != LLM_PRECISION:
-        raise InputError("the LLM precision applies to the torch LLM; a llama.cpp LLM computes in its GGUF's "
-                         "type (choose it with `cosyllama convert --type`)")
     from .llamacpp_backend import LlamaCppLLM, import_llama_cpp
 
     if n_gpu_layers is None:

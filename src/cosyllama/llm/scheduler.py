@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..defaults import PREFILL_CHUNK
+from ..defaults import INTERLEAVE_MODES, PREFILL_CHUNK
 from ..errors import BackendBusyError, CosyllamaError
 from .backend import LLMBackend, PiecewisePrefill, Prefill
 from .decode import DecodeOptions, TokenDecoder
@@ -50,7 +50,6 @@ DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slo
 DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence
 # When decoding pauses for flow work (BatchScheduler.flow_turn): never, during the flow call that makes a streamed
 # request's first audio, or during every flow call.
-INTERLEAVE_MODES = ("off", "first", "all")
 
 
 class SchedulerBusyError(CosyllamaError, RuntimeError):

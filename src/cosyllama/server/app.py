@@ -2,7 +2,7 @@
 written (``/v1/audio/speech/stream``, :mod:`cosyllama.server.speech_stream`), voice registration and
 ``/health``.
 
-``create_app(tts)`` builds the FastAPI app; ``serve(args)`` runs it with uvicorn (127.0.0.1 by
+``create_app(tts)`` builds the FastAPI app; ``serve(options)`` runs it with uvicorn (127.0.0.1 by
 default). Concurrent requests share one LLM context through a :class:`~cosyllama.llm.scheduler.BatchScheduler`,
 which advances all their sequences in one decode step; the routes find it, the TTS and the limits
 on ``app.state``.
@@ -28,20 +28,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from ..defaults import MAX_QUEUE, MAX_VOICES
-from ..errors import InputError, MissingDependencyError
-from ..heap import bound_onednn_cache
+from ..errors import MissingDependencyError
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
-from .serving import (
-    check_can_listen,
-    check_options,
-    interleave_choice,
-    load_tts,
-    open_voice_store,
-    openmp_hint,
-    prepare,
-    warm_voices,
-)
+from .serving import check_can_listen, prepare
+from .startup import ServeOptions, ready, start
 
 try:
     from fastapi import APIRouter, FastAPI, Request
@@ -53,8 +44,8 @@ from .common import gate as _gate  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .errors import add_error_handlers  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
-from .security import API_KEY_ENV, add_guard, guard_options, has_api_key  # noqa: E402
-from .speech import VoiceNames, parse_voice_aliases  # noqa: E402
+from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
+from .speech import VoiceNames  # noqa: E402
 from .speech import router as speech_router  # noqa: E402
 from .speech_stream import router as speech_stream_router  # noqa: E402
 from .speech_stream import uvicorn_ws_options  # noqa: E402
@@ -209,48 +200,40 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
 # Running it
 
 
-def serve(args) -> None:
-    """Run the server until interrupted (``cosyllama serve``)."""
+def serve(options: ServeOptions) -> None:
+    """Run the server until interrupted (``cosyllama serve``): the shared start-up
+    (:func:`cosyllama.server.startup.start`), the app, uvicorn."""
     import uvicorn
 
-    bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.heap)
-    # the options are checked before the minutes of loading a model
-    api_key, origins = guard_options(args)
-    limits, chunk = check_options(args)
-    conn_limits = ConnectionLimits.from_args(args)
-    max_voices = getattr(args, "max_voices", DEFAULT_MAX_VOICES)
-    if max_voices is not None and max_voices < 1:
-        raise InputError(f"--max-voices must be >= 1, got {max_voices}")
-    voice_aliases = parse_voice_aliases(getattr(args, "voice_alias", None))
-    default_voice = getattr(args, "default_voice", None)
-    VoiceNames(voice_aliases, default_voice)  # checks the ids before loading
-    check_can_listen(args.host, args.port, f"{args.host}:{args.port} (--host, --port)")
-    wyoming = getattr(args, "wyoming", None)
-    wyoming_options = None
-    if wyoming is not None:
-        from .wyoming import check_listen, wyoming_options_from_args
+    s = options.serving
 
-        check_listen(wyoming)  # a taken port is one line before the model loads, not a start-up traceback
-        wyoming_options = wyoming_options_from_args(args)  # checks the URI and the extra before loading
-    voices = open_voice_store(getattr(args, "voices", None))
-    tts = load_tts(args)
-    tts.voices = voices
-    app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
-                     prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
-                     wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args),
-                     default_voice=default_voice, voice_aliases=voice_aliases, connection_limits=conn_limits)
-    warm_voices(tts)  # after create_app: voice folders are made by then
-    openmp_hint(tts)
+    def check_addresses() -> None:
+        check_can_listen(options.host, options.port, f"{options.host}:{options.port} (--host, --port)")
+        if options.wyoming is not None:
+            from .wyoming import check_listen
+
+            check_listen(options.wyoming)  # a taken port is one line before the model loads
+
+    tts = start(s, check_addresses)
+    wyoming_options = None
+    if options.wyoming is not None:
+        wyoming_options = {"default_voice": s.default_voice, "connection_limits": s.connection_limits}
+    app = create_app(tts, max_queue=s.max_queue, limits=s.limits, prefill_chunk=s.prefill_chunk,
+                     api_key=options.api_key, allow_origins=options.allow_origins, wyoming=options.wyoming,
+                     wyoming_options=wyoming_options, max_voices=options.max_voices, interleave=s.interleave,
+                     default_voice=s.default_voice, voice_aliases=dict(options.voice_aliases),
+                     connection_limits=s.connection_limits)
+    ready(tts)  # after create_app: voice folders are made by then
     from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
 
     if AutoWebSocketsProtocol is None:  # uvicorn answers a WebSocket handshake with 400 without one
         log.warning("%s needs a WebSocket implementation for uvicorn: pip install 'cosyllama[server]' "
                     "(websockets)", "/v1/audio/speech/stream")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+    if options.host not in ("127.0.0.1", "localhost", "::1") and options.api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
-                    args.host, API_KEY_ENV)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", **uvicorn_options(conn_limits),
-                **uvicorn_ws_options(limits))
+                    options.host, API_KEY_ENV)
+    uvicorn.run(app, host=options.host, port=options.port, log_level="info", **uvicorn_options(s.connection_limits),
+                **uvicorn_ws_options(s.limits))
 
 
 __all__ = ["create_app", "serve"]

@@ -72,11 +72,6 @@ class ConnectionLimits:
         if not isinstance(self.max_connections, int):
             raise InputError(f"--max-connections must be an integer, got {self.max_connections!r}")
 
-    @classmethod
-    def from_args(cls, args) -> ConnectionLimits:
-        given = {f.name: getattr(args, f.name, None) for f in fields(cls)}
-        return cls(**{k: v for k, v in given.items() if v is not None})
-
 
 def _raw_response(status: int, reason: str, message: str, type: str, code: str,
                   headers: dict[str, str] | None = None) -> bytes:

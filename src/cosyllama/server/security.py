@@ -160,17 +160,17 @@ def add_guard(app, api_key: str | None, allow_origins: Iterable[str], open_paths
                            expose_headers=["X-Request-ID"], max_age=600)
 
 
-def guard_options(args) -> tuple[str | None, list[str]]:
-    """``cosyllama serve``'s API key (``--api-key``, else ``$COSYLLAMA_API_KEY``, else None) and
-    allowed origins (``--allow-origin``, repeatable), checked."""
-    key = getattr(args, "api_key", None)
+def guard_options(api_key: str | None, allow_origin=()) -> tuple[str | None, list[str]]:
+    """``cosyllama serve``'s API key (``api_key``: ``--api-key``, else ``$COSYLLAMA_API_KEY``, else None)
+    and allowed origins (``allow_origin``: ``--allow-origin``, repeatable), checked."""
+    key = api_key
     where = "--api-key"
     if key is None:
         key, where = os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}"
     if key is not None and not key.strip():
         raise InputError(f"{where} is empty; give a key (e.g. `openssl rand -hex 32`) or leave it unset")
     try:
-        origins = [normalize_origin(o) for o in getattr(args, "allow_origin", None) or ()]
+        origins = [normalize_origin(o) for o in allow_origin or ()]
     except ValueError as e:
         raise InputError(f"--allow-origin: {e}") from None
     return key, origins

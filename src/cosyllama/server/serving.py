@@ -1,15 +1,14 @@
 """What the HTTP server (:mod:`cosyllama.server`) and the Wyoming server
 (:mod:`cosyllama.server.wyoming`) share, with neither's dependencies:
 
-* :func:`load_tts` and :func:`check_options`: the model and the per-request limits that the
-  ``serve`` / ``wyoming`` options ask for, checked before the minutes of loading a model;
+* :func:`load_tts`: the model the ``serve`` / ``wyoming`` options ask for (the start-up both run is
+  :mod:`cosyllama.server.startup`);
 * :func:`open_voice_store`, :func:`report_voices` and :func:`warm_voices`: the voices of ``--voices``;
 * :func:`prepare`: the served view of a TTS (its tokens from one batching scheduler, its calls
   checked against the limits, long texts normalized in a helper process), as a :class:`Serving`;
 * :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
 * :class:`SentenceStream`: text as it is written (an LLM's answer, piece by piece) cut into the
   sentences to speak, within the limits (Wyoming's streamed synthesis, ``/v1/audio/speech/stream``);
-* :func:`pcm16`: the 16-bit samples both protocols send.
 * :data:`INTERNAL_ERROR`: all a client is told of a failure that is the server's (the unknown-voice
   message both use is :func:`cosyllama.voices.unknown_voice`).
 
@@ -24,9 +23,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from ..defaults import MAX_QUEUE, MAX_SEQ_TOKENS, SERVE_PARALLEL
+from ..defaults import MAX_QUEUE
 from ..errors import CosyllamaError, InputError
 from ..limits import RequestLimits
 from ..llm.factory import make_token_source
@@ -40,11 +37,6 @@ log = logging.getLogger("cosyllama.server")
 # what a client is told of a failure that is the server's (HTTP 500, Wyoming's internal_error): nothing
 # of its files, libraries or exceptions, which go to the log
 INTERNAL_ERROR = "internal error; the server's log has the details"
-
-
-def pcm16(samples: np.ndarray) -> bytes:
-    """float32 samples in [-1, 1] -> 16-bit little-endian PCM (clipped)."""
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -257,30 +249,14 @@ def stage_turns(tts) -> tuple[str, str]:
     return interleave_stages(llm_threads, flow_threads, torch.device(tts.device).type)
 
 
-def interleave_choice(args) -> str | None:
-    """``--interleave``: None for auto (:func:`prepare` decides from threads and cores), else the mode."""
-    mode = getattr(args, "interleave", "auto")
-    return None if mode == "auto" else mode
-
-
-def check_options(args) -> tuple[RequestLimits, int | None]:
-    """The per-request limits and the prefill chunk of parsed ``serve`` / ``wyoming`` options, checked."""
-    limits = RequestLimits.from_args(args)
-    chunk = getattr(args, "prefill_chunk", None)
-    if chunk is not None and chunk < 1:
-        raise InputError(f"--prefill-chunk must be >= 1, got {chunk}")
-    return limits, chunk
-
-
-def load_tts(args):
-    """The TTS the ``serve`` / ``wyoming`` command asks for (llama.cpp when ``--gguf`` is given); its
-    LLM holds ``--parallel`` sequences of ``--max-seq-tokens`` positions. The options are checked
-    before the minutes of loading a model; the CPU line (the path that runs, and why) is logged after."""
+def load_tts(options: LoadOptions):
+    """The TTS a server loads from ``options`` (checked when they were made, before the minutes of
+    loading); the CPU line (the path that runs, and why) is logged after."""
     from ..cpu import tts_path
     from ..tts import TTS
 
-    tts = TTS(LoadOptions.from_args(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}))
-    for line in tts_path(tts, getattr(args, "precision", "auto"), getattr(args, "threads", None)).lines():
+    tts = TTS(options)
+    for line in tts_path(tts, options.precision, options.threads).lines():
         log.warning("%s", line)  # the CPU line, as synth and demo print it (start-up facts go out at warning)
     return tts
 
@@ -358,5 +334,5 @@ def _warm_all(tts) -> None:
 
 
 __all__ = ["INTERNAL_ERROR", "Gate", "SentenceStream", "ServerBusyError", "Serving", "check_can_listen",
-           "check_options", "interleave_choice", "load_tts", "open_voice_store", "pcm16", "prepare", "report_voices",
+           "load_tts", "open_voice_store", "prepare", "report_voices",
            "stage_turns", "warm_voices"]

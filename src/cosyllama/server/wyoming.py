@@ -52,6 +52,7 @@ from dataclasses import replace
 from urllib.parse import urlparse
 
 from .. import __version__
+from ..audio_out import pcm16
 from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
 from ..heap import trim_heap
 from ..limits import LimitExceeded
@@ -59,7 +60,7 @@ from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
-from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError, pcm16
+from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -608,17 +609,6 @@ def check_listen(uri: str) -> None:
         check_can_listen(u.hostname, u.port, uri)
 
 
-def wyoming_options_from_args(args) -> dict:
-    """The Wyoming keyword arguments of :func:`start_wyoming` from parsed options, checked: the
-    default voice and the connection bounds (``--header-timeout`` ..., shared with ``serve``)."""
-    if getattr(args, "default_voice", None) is not None:
-        from ..voices import check_voice_id
-
-        check_voice_id(args.default_voice)
-    return {"default_voice": getattr(args, "default_voice", None),
-            "connection_limits": ConnectionLimits.from_args(args)}
-
-
 class WyomingServer:
     """A running Wyoming server (from :func:`start_wyoming`); ``address`` is where it listens."""
 
@@ -703,21 +693,18 @@ async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_
     return WyomingServer(server, service, address, unix_path)
 
 
-def run_wyoming(args) -> None:
-    """Run ``cosyllama wyoming`` until interrupted."""
-    from .serving import check_options, interleave_choice, load_tts, open_voice_store, openmp_hint, prepare, warm_voices
+def run_wyoming(options, uri: str) -> None:
+    """Run ``cosyllama wyoming`` at ``uri`` until interrupted; ``options``: a
+    :class:`~cosyllama.server.startup.ServingOptions` (the start-up is the one ``serve`` has)."""
+    from .serving import prepare
+    from .startup import ready, start
 
-    uri = check_uri(args.uri)
-    check_listen(uri)
-    limits, chunk = check_options(args)
-    wyoming_options = wyoming_options_from_args(args)
-    voices = open_voice_store(getattr(args, "voices", None))
-    tts = load_tts(args)
-    tts.voices = voices
-    serving = prepare(tts, max_queue=args.max_queue, limits=limits, prefill_chunk=chunk,
-                      interleave=interleave_choice(args))
-    warm_voices(tts)  # after prepare: the store has its encoder by then, so voice folders warm too
-    openmp_hint(tts)
+    uri = check_uri(uri)
+    tts = start(options, lambda: check_listen(uri))
+    serving = prepare(tts, max_queue=options.max_queue, limits=options.limits, prefill_chunk=options.prefill_chunk,
+                      interleave=options.interleave)
+    ready(tts)  # after prepare: the store has its encoder by then, so voice folders warm too
+    wyoming_options = {"default_voice": options.default_voice, "connection_limits": options.connection_limits}
 
     async def main():
         server = await start_wyoming(uri, serving, **wyoming_options)
@@ -738,5 +725,4 @@ def run_wyoming(args) -> None:
 
 
 __all__ = ["DEFAULT_VOICE", "LANGUAGES", "ProtocolError", "RequestRefused", "WyomingServer", "WyomingService",
-           "check_listen", "check_uri", "error_event", "event_bytes", "event_caps", "run_wyoming", "start_wyoming",
-           "wyoming_options_from_args"]
+           "check_listen", "check_uri", "error_event", "event_bytes", "event_caps", "run_wyoming", "start_wyoming"]

@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -327,51 +328,92 @@ def llm_configs(types: str | None) -> list:
     return [c for c in LLM_CONFIGS if c[0] == "torch" or c[2] in chosen]
 
 
-def run_bench(args, progress: Progress = print) -> int:
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - set(PARTS)
-    if unknown:
-        raise InputError(f"unknown --parts {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
-    if args.repeat < 1:
-        raise InputError(f"--repeat must be >= 1, got {args.repeat}")
-    if args.output_seconds <= 0 or args.prompt_seconds <= 0 or args.prompt_seconds > 30:
-        raise InputError("--output-seconds must be > 0 and --prompt-seconds in (0, 30]")
-    threads = args.threads or len(os.sched_getaffinity(0))
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``cosyllama bench`` measures (its flags), checked on construction."""
+
+    # comma list of the parts to run, from PARTS
+    parts: str = "llm,flow,vocoder,pipeline"
+    # the model directory; None: a cached full-size random model
+    model_dir: str | None = None
+    # a file the results are also written to as JSON; None: none
+    json: str | None = None
+    # runs per configuration (the median is reported)
+    repeat: int = 1
+    # comma list of the GGUF types of the llama.cpp LLM rows; None: LLM_TYPES
+    llm_types: str | None = None
+    # CPU threads; None (or 0): all cores this process may use
+    threads: int | None = None
+    # seconds of the synthetic prompt, in (0, 30]
+    prompt_seconds: float = 3.0
+    # seconds of audio each run makes, > 0
+    output_seconds: float = 10.0
+    # where the torch LLM, the flow and the vocoder run: cpu, cuda or cuda:N
+    device: str = "cpu"
+    # comma list of flow precisions (and research variants) to time; None: this device's default
+    flow_precisions: str | None = None
+    # comma list of vocoder variants; None: fp32,bf16
+    vocoder_precisions: str | None = None
+    # also split one flow and one vocoder call per variant by op kind (torch.profiler)
+    profile: bool = False
+    # also time one streaming synthesis per flow variant
+    stream: bool = False
+    # comma list of the request counts of the flow-batch part; None: its default
+    batch_sizes: str | None = None
+
+    def __post_init__(self):
+        unknown = self.part_set - set(PARTS)
+        if unknown:
+            raise InputError(f"unknown --parts {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
+        if self.repeat < 1:
+            raise InputError(f"--repeat must be >= 1, got {self.repeat}")
+        if self.output_seconds <= 0 or self.prompt_seconds <= 0 or self.prompt_seconds > 30:
+            raise InputError("--output-seconds must be > 0 and --prompt-seconds in (0, 30]")
+
+    @property
+    def part_set(self) -> set[str]:
+        return {p.strip() for p in self.parts.split(",") if p.strip()}
+
+
+def run_bench(options: BenchOptions, progress: Progress = print) -> int:
+    o = options
+    parts = o.part_set
+    threads = o.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     from ..device import resolve_device
 
-    device = resolve_device(getattr(args, "device", "cpu"))
-    variants = flow_variants(getattr(args, "flow_precisions", None), device)
-    batch_variants = flow_variants(getattr(args, "flow_precisions", None), device, reference=False)
-    vocoder_names = vocoder_variants(getattr(args, "vocoder_precisions", None))
-    sizes = batch_sizes(getattr(args, "batch_sizes", None))
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_full_model(progress)
+    device = resolve_device(o.device)
+    variants = flow_variants(o.flow_precisions, device)
+    batch_variants = flow_variants(o.flow_precisions, device, reference=False)
+    vocoder_names = vocoder_variants(o.vocoder_precisions)
+    sizes = batch_sizes(o.batch_sizes)
+    model_dir = Path(o.model_dir) if o.model_dir else ensure_full_model(progress)
     from ..config import load_config
 
     load_config(model_dir)
     machine = machine_info(threads, device, llm=bool(parts & {"llm", "pipeline"}))
-    res = {"machine": machine, "model_dir": str(model_dir), "prompt_seconds": args.prompt_seconds,
-           "output_seconds": args.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": [],
+    res = {"machine": machine, "model_dir": str(model_dir), "prompt_seconds": o.prompt_seconds,
+           "output_seconds": o.output_seconds, "llm": [], "flow": [], "vocoder": [], "pipeline": [],
            "flow_batch": [], "auto": None}
     if "llm" in parts:
-        res["llm"] = run_llm(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat, progress,
-                             configs=llm_configs(getattr(args, "llm_types", None)), device=device)
+        res["llm"] = run_llm(model_dir, threads, o.prompt_seconds, o.output_seconds, o.repeat, progress,
+                             configs=llm_configs(o.llm_types), device=device)
     if parts & {"flow", "vocoder"}:
         res["flow"], res["vocoder"] = run_flow_vocoder(
-            model_dir, args.prompt_seconds, args.output_seconds, args.repeat, parts, progress, device,
-            variants, vocoder_names, profile=getattr(args, "profile", False), stream=getattr(args, "stream", False))
+            model_dir, o.prompt_seconds, o.output_seconds, o.repeat, parts, progress, device,
+            variants, vocoder_names, profile=o.profile, stream=o.stream)
     if "flow-batch" in parts:
-        res["flow_batch"] = run_flow_batch(model_dir, args.prompt_seconds, args.output_seconds, args.repeat,
+        res["flow_batch"] = run_flow_batch(model_dir, o.prompt_seconds, o.output_seconds, o.repeat,
                                            progress, device, batch_variants, sizes)
     if "auto" in parts:
         res["auto"] = run_auto(model_dir, progress, device)
     if "pipeline" in parts:
-        res["pipeline"] = run_pipeline(model_dir, threads, args.prompt_seconds, args.output_seconds, args.repeat,
+        res["pipeline"] = run_pipeline(model_dir, threads, o.prompt_seconds, o.output_seconds, o.repeat,
                                        progress, device)
     print(format_table(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
-        print(f"wrote {args.json}")
+    if o.json:
+        Path(o.json).write_text(json.dumps(res, indent=2), encoding="utf-8")
+        print(f"wrote {o.json}")
     return 0
 
 

@@ -73,7 +73,7 @@ class FlowVariant:
     @classmethod
     def parse(cls, name: str) -> FlowVariant | None:
         """The variant ``name`` spells, or None."""
-        from ..precision import PRECISIONS
+        from ..defaults import PRECISIONS
 
         if name in PRECISIONS:
             return cls(name, name)
@@ -122,7 +122,7 @@ def flow_variants(spec: str | None, device: torch.device, reference: bool = True
     """The flow variants to time: ``spec`` (a comma list) or the default for ``device``. With
     ``reference`` (the flow part) fp32 is timed first, because every row's fidelity is measured
     against it; without (the flow-batch part, whose rows compare with themselves) the list is as given."""
-    from ..precision import PRECISIONS
+    from ..defaults import PRECISIONS
 
     engines = torch.backends.quantized.supported_engines
     if spec is None:

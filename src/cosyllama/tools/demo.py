@@ -13,9 +13,12 @@ from pathlib import Path
 DEMO_TEXT = "Hello from cosyllama. This is the no-weights demo of the full CosyVoice3 pipeline."
 
 
-def run_demo(args, progress: Callable[[str], None] = print) -> int:
+def run_demo(*, threads: int | None = None, seconds: float = 10.0, out_dir: str | Path | None = None,
+             progress: Callable[[str], None] = print) -> int:
+    """Both backends on the full-size random model: ``threads`` CPU threads (None: all cores), at most
+    ``seconds`` of audio each, the WAVs written to ``out_dir`` (None: the cache directory)."""
+    from ..audio_out import write_wav
     from ..cachedir import cache_dir
-    from ..commands.synth import write_wav
     from ..cpu import tts_path
     from ..options import LoadOptions
     from ..tts import TTS, SynthesisOptions
@@ -24,16 +27,16 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
     model_dir = ensure_full_model(progress)
     gguf = ensure_gguf(model_dir, "speech", "Q8_0", progress)
     wav = prompt_wav(3.0)
-    out_dir = Path(args.out_dir) if args.out_dir else cache_dir() / "demo"
+    out_dir = Path(out_dir) if out_dir else cache_dir() / "demo"
     out_dir.mkdir(parents=True, exist_ok=True)
-    opts = SynthesisOptions(seed=0, max_tokens=round(args.seconds * 25))
+    opts = SynthesisOptions(seed=0, max_tokens=round(seconds * 25))
     rows = []
     for llm in ("torch", "llamacpp"):
         t0 = time.perf_counter()
-        tts = TTS(LoadOptions.from_args(args, model_dir=model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None))
+        tts = TTS(LoadOptions(model_dir, llm=llm, gguf=gguf if llm == "llamacpp" else None, threads=threads))
         load_s = time.perf_counter() - t0
-        progress(f"{llm}: loaded in {load_s:.1f} s; synthesizing (3 s prompt, up to {args.seconds:g} s of audio)")
-        path = tts_path(tts, "auto", args.threads)
+        progress(f"{llm}: loaded in {load_s:.1f} s; synthesizing (3 s prompt, up to {seconds:g} s of audio)")
+        path = tts_path(tts, "auto", threads)
         for line in path.lines():
             progress("  " + line)
         t0 = time.perf_counter()
