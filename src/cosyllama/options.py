@@ -119,7 +119,7 @@ class LoadOptions:
         if self.llm == "llamacpp" and self.llm_precision != LLM_PRECISION:
             raise OptionError("llm_precision", "the LLM precision applies to the torch LLM; a llama.cpp LLM "
                               "computes in its GGUF's type (choose it with `cosyllama convert --type`)")
-        device = str(self.device)
+        device = "cpu" if self.device is None else str(self.device)  # None: the CPU, as it always meant
         if not _DEVICE.fullmatch(device):
             raise OptionError("device", f"device must be one of {', '.join(DEVICES)} or cuda:N, got {device!r}",
                               flag=f"--device must be one of {', '.join(DEVICES)} or cuda:N, got {device!r}")

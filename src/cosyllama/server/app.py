@@ -119,32 +119,37 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                interleave: str | None = None, default_voice: str | None = None,
                voice_aliases: dict[str, str] | None = None, speech_defaults: dict | None = None,
                connection_limits: ConnectionLimits | None = None) -> FastAPI:
-    """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
+    """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is. Every
+    response carries ``x-request-id`` (:class:`~cosyllama.server.wire.RequestId`); ``/`` serves the web
+    page (:mod:`cosyllama.server.page`). One line per parameter:
 
-    Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
-    when that is one, else a scheduler made here over ``tts.llm`` (closed when the app shuts down).
-    ``max_concurrent``: requests synthesized at once (default: twice the scheduler's sequence
-    slots, so the LLM stays busy while other requests are in the flow/vocoder); ``max_queue``:
-    requests that may wait for one of those; more get 503. ``limits``: characters and tokens of
-    the text fields (input, instructions, a voice's transcript) and the LLM positions per sequence
-    (default :class:`RequestLimits`()); a request over one gets 413 naming it.
-    ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is checked
-    by the frontend: 0.1-30 s). A scheduler passed in must let ``max_concurrent`` requests wait for
-    a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
-    here runs between two decode steps, pausing for flow work as ``interleave`` says (None: by threads
-    and cores, :func:`cosyllama.server.serving.prepare`). ``api_key`` and ``allow_origins``: see
-    :mod:`cosyllama.server.security`. Voices are registered in ``tts.voices`` (``serve`` sets it
-    with :func:`cosyllama.server.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it
-    gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server.page`). ``wyoming``: a
-    URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming protocol
-    (:mod:`cosyllama.server.wyoming`, with ``wyoming_options``) from the same TTS, scheduler, voices and
-    admission gate. ``voice_aliases`` (name -> registered id) and ``default_voice`` (what OpenAI's
-    built-in voice names speak with when not registered): see :class:`~cosyllama.server.speech.VoiceNames`.
-    ``speech_defaults``: ``seed`` and ``greedy`` for speech requests that do not give them (e.g.
-    reproducible audio for clients that cannot send cosyllama's fields). Every response carries
-    ``x-request-id`` (:class:`~cosyllama.server.wire.RequestId`).
-    ``connection_limits``: the idle and write timeouts of a WebSocket session at
-    ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`; default :class:`ConnectionLimits`()).
+    * ``max_concurrent``: requests synthesized at once (default: twice the scheduler's sequence slots,
+      so the LLM stays busy while other requests are in the flow/vocoder);
+    * ``max_queue``: requests that may wait for one of those; more get 503;
+    * ``max_prompt_bytes``: larger uploaded prompt files get 413 (their length in seconds is checked by
+      the frontend: 0.1-30 s);
+    * ``limits``: characters and tokens of the text fields (input, instructions, a voice's transcript)
+      and the LLM positions per sequence (default :class:`RequestLimits`()); a request over one gets 413
+      naming it;
+    * ``scheduler``: the :class:`BatchScheduler` requests decode through (else ``tts.token_source`` when
+      that is one, else one made here over ``tts.llm``, closed when the app shuts down); one passed in
+      must let ``max_concurrent`` requests wait for a sequence (the gate is the real limit);
+    * ``prefill_chunk``: prompt positions a scheduler made here runs between two decode steps;
+    * ``interleave``: how that scheduler pauses for flow work (None: by threads and cores,
+      :func:`cosyllama.server.serving.prepare`);
+    * ``api_key``, ``allow_origins``: see :mod:`cosyllama.server.security`;
+    * ``wyoming``: a URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming
+      protocol (:mod:`cosyllama.server.wyoming`) from the same TTS, scheduler, voices and admission gate;
+    * ``wyoming_options``: the keyword arguments of :func:`~cosyllama.server.wyoming.start_wyoming`;
+    * ``max_voices``: voices registered in ``tts.voices`` (``serve`` opens it with
+      :func:`cosyllama.server.serving.open_voice_store`); a new id past it gets 409; None: no bound;
+    * ``default_voice``: what OpenAI's built-in voice names speak with when not registered (see
+      :class:`~cosyllama.server.speech.VoiceNames`);
+    * ``voice_aliases``: name -> registered id (see :class:`~cosyllama.server.speech.VoiceNames`);
+    * ``speech_defaults``: ``seed`` and ``greedy`` for speech requests that do not give them (e.g.
+      reproducible audio for clients that cannot send cosyllama's fields);
+    * ``connection_limits``: the idle and write timeouts of a WebSocket session at
+      ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`; default :class:`ConnectionLimits`()).
     """
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
