@@ -204,15 +204,15 @@ def test_serve_and_wyoming_give_the_wyoming_port_their_connection_flags(capsys):
     assert "Wyoming an error event" in out
 
 
-def test_heap_helpers(monkeypatch):
+def test_memory_helpers(monkeypatch):
     """serve's memory bounds: the two cache sizes go into the environment unless already set;
     trimming the heap works on glibc (this machine)."""
-    from cosyllama import heap
+    from cosyllama import memory
 
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # so that teardown restores the original
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
-    heap.bound_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(heap.ONEDNN_CACHE_CAPACITY)
+    memory.bound_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(memory.ONEDNN_CACHE_CAPACITY)
     assert os.environ["LRU_CACHE_CAPACITY"] == "7"  # the operator's value wins
-    assert heap.trim_heap() is True
+    assert memory.trim_heap() is True

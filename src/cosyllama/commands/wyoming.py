@@ -19,9 +19,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..heap import bound_onednn_cache
+    from ..memory import bound_onednn_cache
 
-    bound_onednn_cache()  # before torch computes anything (see cosyllama.heap)
+    bound_onednn_cache()  # before torch computes anything (see cosyllama.memory)
     from ..server.wyoming import run_wyoming
 
     run_wyoming(args)

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from ..defaults import MAX_QUEUE, MAX_VOICES
 from ..errors import InputError, MissingDependencyError
-from ..heap import bound_onednn_cache
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
+from ..memory import bound_onednn_cache
 from .serving import (
     check_can_listen,
     check_options,
@@ -213,7 +213,7 @@ def serve(args) -> None:
     """Run the server until interrupted (``cosyllama serve``)."""
     import uvicorn
 
-    bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.heap)
+    bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.memory)
     # the options are checked before the minutes of loading a model
     api_key, origins = guard_options(args)
     limits, chunk = check_options(args)

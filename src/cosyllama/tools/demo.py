@@ -19,7 +19,7 @@ def run_demo(args, progress: Callable[[str], None] = print) -> int:
     from ..cpu import tts_path
     from ..options import LoadOptions
     from ..tts import TTS, SynthesisOptions
-    from .kit import ensure_full_model, ensure_gguf, prompt_wav
+    from .bench_setup import ensure_full_model, ensure_gguf, prompt_wav
 
     model_dir = ensure_full_model(progress)
     gguf = ensure_gguf(model_dir, "speech", "Q8_0", progress)
