@@ -7,7 +7,7 @@ block on PyTorch's int8 kernels (fbgemm) in all but the last two Euler steps: we
 once, one scale per output channel;
 activations quantized on every call; int32 accumulation; everything between the products float32
 (see :mod:`cosyllama.flow.fast_dit`). The vocoder stays float32 under ``int8`` and ``auto`` (see
-``vocoder.py``).
+:meth:`cosyllama.vocoder.hift.HiFT.set_precision`).
 
 ``auto`` picks a candidate per CPU class and keeps it only if it passes a fidelity check on the
 weights actually loaded (:mod:`cosyllama.flow.check`): ``bf16`` where the hardware computes it
