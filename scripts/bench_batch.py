@@ -35,7 +35,7 @@ from cosyllama.batch.manifest import read_manifest
 from cosyllama.batch.progress import STAGES
 from cosyllama.options import LoadOptions
 from cosyllama.precision import precision_name
-from cosyllama.tools.kit import ensure_full_model, ensure_gguf, machine_info, prompt_wav
+from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, machine_info, prompt_wav
 
 TEXTS = ["Hello there.", "Good morning.", "See you soon.", "Thank you.", "Turn left here.", "It is raining.",
          "Open the door.", "What time is it?", "Not today.", "Let us go.", "Well done.", "Come back later.",

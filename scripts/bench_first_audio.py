@@ -21,7 +21,7 @@ import time
 
 import cosyllama
 from cosyllama.precision import precision_name
-from cosyllama.tools.kit import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
+from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
 from cosyllama.tts import SynthesisOptions
 
 

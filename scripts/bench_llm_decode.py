@@ -33,8 +33,8 @@ import sys
 import time
 from pathlib import Path
 
-from cosyllama.tools.kit import full_model_dir
-from cosyllama.tools.kit import gguf_path as kit_gguf_path
+from cosyllama.tools.bench_setup import full_model_dir
+from cosyllama.tools.bench_setup import gguf_path as bench_gguf_path
 
 BASE = {"type": "Q8_0", "torch": "matmul", "threads": "2", "kv": "f16", "fa": "auto", "repack": "1",
         "load": "mmap", "batch": "1", "caller": "main", "hog": "0"}
@@ -91,7 +91,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 def gguf_path(v: dict) -> Path:
     if v.get("gguf"):
         return Path(v["gguf"])
-    path = kit_gguf_path(full_model_dir(), "speech", v["type"])
+    path = bench_gguf_path(full_model_dir(), "speech", v["type"])
     if not path.exists():
         raise SystemExit(f"no {path} (run `cosyllama bench` once, or pass gguf=PATH)")
     return path

@@ -24,7 +24,7 @@ import torch
 import cosyllama
 from cosyllama.llm.factory import make_token_source
 from cosyllama.timing import rounds
-from cosyllama.tools.kit import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
+from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
 from cosyllama.tts import SynthesisOptions
 
 

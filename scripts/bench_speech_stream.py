@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     from cosyllama.server.app import create_app
     from cosyllama.server.serving import load_tts
     from cosyllama.timing import rounds
-    from cosyllama.tools.kit import BENCH_TEXT, ensure_full_model, ensure_gguf, machine_info, prompt_wav
+    from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, machine_info, prompt_wav
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")

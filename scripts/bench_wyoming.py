@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     from cosyllama.server.serving import load_tts, prepare
     from cosyllama.server.wyoming import start_wyoming
     from cosyllama.timing import rounds
-    from cosyllama.tools.kit import ensure_full_model, ensure_gguf, prompt_wav
+    from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_wav
     from cosyllama.tts import SynthesisOptions
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -62,8 +62,8 @@ if [ -n "$sdist" ]; then
 fi
 
 # The full-size random model the benchmarks use (made once, ~1 min).
-step 180 "full-size random model" python3 -c "from cosyllama.tools.kit import ensure_full_model; ensure_full_model(print)"
-model=$(python3 -c "from cosyllama.tools.kit import ensure_full_model; print(ensure_full_model(lambda *_: None))")
+step 180 "full-size random model" python3 -c "from cosyllama.tools.bench_setup import ensure_full_model; ensure_full_model(print)"
+model=$(python3 -c "from cosyllama.tools.bench_setup import ensure_full_model; print(ensure_full_model(lambda *_: None))")
 
 step 240 "1. GPU tests" env COSYLLAMA_GPU_REPORT="$out/gpu-tests.json" \
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_gpu_llm.py

@@ -12,12 +12,12 @@ F32`` for the float32 GGUF), for each GGUF type in ``--types``:
 
 Greedy argmax is the harshest view: sampling (RAS, the default) draws from the top-k, so a change
 of argmax between two near-equal tokens costs little audibly, while a KL that grows along the
-sequence does. Random weights (the full-size kit model) give near-flat logits, where argmax flips
+sequence does. Random weights (the full-size random-weight model) give near-flat logits, where argmax flips
 easily: their agreement is a lower bound, not the official model's figure. Run it on the official
 model directory for that (``--model-dir``; its GGUFs are converted once into the cache).
 
     python scripts/llm_fidelity.py --tiny                        # the test fixture's tiny model
-    python scripts/llm_fidelity.py --types Q8_0,Q4_0,Q4_K_M       # full-size random model (kit)
+    python scripts/llm_fidelity.py --types Q8_0,Q4_0,Q4_K_M       # full-size random model (bench_setup)
     python scripts/llm_fidelity.py --model-dir Fun-CosyVoice3-0.5B --prompts 8 --json out.json
 """
 
@@ -113,7 +113,7 @@ def prefix_len(a, b) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", help="model directory (default: the full-size random kit model)")
+    ap.add_argument("--model-dir", help="model directory (default: the full-size random-weight model)")
     ap.add_argument("--tiny", action="store_true", help="the test fixture's tiny model (seconds)")
     ap.add_argument("--types", default="Q8_0,Q4_0", help="GGUF types to compare (default Q8_0,Q4_0)")
     ap.add_argument("--reference", default="torch", help="torch (the checkpoint in float32) or F32 (its GGUF)")
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from cosyllama.config import load_config
     from cosyllama.llm.factory import make_llm
     from cosyllama.llm.llamacpp_backend import LlamaCppLLM
-    from cosyllama.tools.kit import ensure_full_model, ensure_gguf
+    from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf
 
     def say(msg):
         print(msg, file=sys.stderr, flush=True)

@@ -151,7 +151,7 @@ def gguf_bytes_per_token(path: Path) -> int:
 
 
 def default_ggufs() -> list[Path]:
-    from cosyllama.tools.kit import full_model_dir, gguf_path
+    from cosyllama.tools.bench_setup import full_model_dir, gguf_path
 
     return sorted(gguf_path(full_model_dir(), "speech", "F16").parent.glob("llm-*.gguf"))
 

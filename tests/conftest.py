@@ -81,3 +81,23 @@ def tiny_gguf(tmp_path_factory):
             return made[layout, type]
 
     return make
+
+
+# -- the server tests' model ----------------------------------------------------------------------
+# A module that serves another model (llama.cpp, a held-back LLM) defines its own ``tts``.
+
+
+@pytest.fixture(scope="module")
+def tts():
+    """The tiny model with the PyTorch LLM (fp32, one thread), one per test module."""
+    from serverkit import tiny_tts
+
+    return tiny_tts()
+
+
+@pytest.fixture(scope="module")
+def voice(tts):
+    """The prompt clip and its transcript as a voice of ``tts``."""
+    from serverkit import PROMPT_TEXT, PROMPT_WAV
+
+    return tts.make_voice(PROMPT_WAV, PROMPT_TEXT)

@@ -40,7 +40,7 @@ def test_make_model_deterministic_and_refuses_overwrite(tiny_model, tmp_path, ca
 
 def test_made_model_synthesizes(tiny_model):
     import cosyllama
-    from cosyllama.tools.kit import prompt_wav
+    from cosyllama.tools.bench_setup import prompt_wav
 
     tts = cosyllama.load(tiny_model)
     audio = tts.cross_lingual("Hello there.", prompt_wav(2.0), greedy=True, max_tokens=30, ignore_stop=True).audio()
@@ -225,35 +225,35 @@ def test_flow_variant_names():
         batch_sizes("1,x")
 
 
-def test_kit_paths_follow_the_cache_dir_and_are_light(tmp_path, monkeypatch):
-    """The kit's files live in the cache directory; a GGUF already there is reused, not converted
-    again; importing the kit loads neither torch nor numpy (scripts set threads after importing it)."""
+def test_bench_setup_paths_follow_the_cache_dir_and_are_light(tmp_path, monkeypatch):
+    """The bench set-up's files live in the cache directory; a GGUF already there is reused, not converted
+    again; importing bench_setup loads neither torch nor numpy (scripts set threads after importing it)."""
     import subprocess
     import sys
 
-    from cosyllama.tools import kit
+    from cosyllama.tools import bench_setup
 
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
-    assert kit.full_model_dir(3) == tmp_path / "full-random-seed3"
-    path = kit.gguf_path(MODEL_DIR, "speech", "Q8_0")
+    assert bench_setup.full_model_dir(3) == tmp_path / "full-random-seed3"
+    path = bench_setup.gguf_path(MODEL_DIR, "speech", "Q8_0")
     assert path.parent.parent == tmp_path / "gguf" and path.name == "llm-speech-Q8_0.gguf"
     path.parent.mkdir(parents=True)
     path.write_bytes(b"made before")
     said = []
-    assert kit.ensure_gguf(MODEL_DIR, "speech", "Q8_0", said.append) == path and said == []
-    code = "import sys, cosyllama.tools.kit; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    assert bench_setup.ensure_gguf(MODEL_DIR, "speech", "Q8_0", said.append) == path and said == []
+    code = "import sys, cosyllama.tools.bench_setup; print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "[]"
 
 
-def test_kit_makes_a_gguf_once_when_two_processes_ask_at_once(tmp_path, monkeypatch):
+def test_bench_setup_makes_a_gguf_once_when_two_processes_ask_at_once(tmp_path, monkeypatch):
     """Two makers of one cached GGUF (a bench beside a demo): the second waits for the first and finds the
     file made, instead of rewriting the F32 file the first one's quantizer is reading (that died of SIGBUS)."""
     import threading
     import time
 
     from cosyllama.llm import gguf
-    from cosyllama.tools import kit
+    from cosyllama.tools import bench_setup
 
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
     inside, calls = threading.Event(), []
@@ -266,9 +266,9 @@ def test_kit_makes_a_gguf_once_when_two_processes_ask_at_once(tmp_path, monkeypa
         return out
 
     monkeypatch.setattr(gguf, "convert", fake_convert)
-    first = threading.Thread(target=kit.ensure_gguf, args=(MODEL_DIR, "speech", "Q8_0", lambda m: None))
+    first = threading.Thread(target=bench_setup.ensure_gguf, args=(MODEL_DIR, "speech", "Q8_0", lambda m: None))
     first.start()
     assert inside.wait(30)
-    path = kit.ensure_gguf(MODEL_DIR, "speech", "Q8_0", lambda m: None)  # must wait, then reuse
+    path = bench_setup.ensure_gguf(MODEL_DIR, "speech", "Q8_0", lambda m: None)  # must wait, then reuse
     first.join(30)
     assert path.read_bytes() == b"gguf" and len(calls) == 1

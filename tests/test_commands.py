@@ -146,12 +146,12 @@ class _Stop(Exception):
 @pytest.fixture
 def start_up_log(monkeypatch):
     """Every step of a server's start-up, recorded; the model is never loaded, nothing listens."""
-    from cosyllama import heap
+    from cosyllama import memory
     from cosyllama.server import serving
     from cosyllama.voices import VoiceStore
 
     log = []
-    monkeypatch.setattr(heap, "bound_onednn_cache", lambda: log.append("bound_onednn_cache"))
+    monkeypatch.setattr(memory, "bound_onednn_cache", lambda: log.append("bound_onednn_cache"))
     monkeypatch.setattr(serving, "check_can_listen", lambda *a: log.append("check_address"))
 
     def open_voice_store(path):

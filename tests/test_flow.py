@@ -48,7 +48,7 @@ def test_noise_buffer_is_seed0_randn_and_leaves_global_rng_alone():
     assert torch.equal(torch.get_rng_state(), before)
     assert noise.shape == (1, 80, 15000) and noise.dtype == torch.float32
     assert np.array_equal(noise[:, :, :nb.shape[2]].numpy(), nb)
-    # spec §14 reference values
+    # the reference values of docs/reference.md#flow-noise
     assert torch.allclose(noise[0, :2, :3], torch.tensor([[-1.1258, -1.1524, -0.2506], [0.8692, 0.5762, -0.4120]]),
                           atol=1e-4)
 

@@ -17,7 +17,7 @@ from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from test_server_holes import _error, tts, voice  # noqa: E402,F401  (module fixtures)
+from serverkit import json_error as _error  # noqa: E402
 
 LIMITS = ConnectionLimits(header_timeout=1.0, body_timeout=1.5, max_connections=6)
 
@@ -125,45 +125,12 @@ def test_connection_limits_are_checked():
         ConnectionLimits(max_connections=1.5)
 
 
-def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
-    """`serve --help` lists the connection limits; bad values are refused before the model loads;
-    given ones reach uvicorn as its HTTP protocol."""
-    from types import SimpleNamespace
-
-    import uvicorn
-
-    from cosyllama.cli import build_parser, main
-    from cosyllama.server import app as server
-    from cosyllama.server import serving
-    from helpers import MODEL_DIR
-
-    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
-    for flag in ("--header-timeout S", "--body-timeout S", "--max-connections N", "--max-voices N"):
-        assert flag in text
-    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
-    base = ["serve", "--model-dir", str(MODEL_DIR)]
-    assert main([*base, "--header-timeout", "0"]) == 2
-    assert "--header-timeout must be a number > 0" in capsys.readouterr().err
-    assert main([*base, "--max-voices", "0"]) == 2
-    assert "--max-voices must be >= 1" in capsys.readouterr().err
-    monkeypatch.setattr(serving, "load_tts", lambda options: SimpleNamespace(llm=SimpleNamespace(name="torch")))
-    monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
-    ran = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
-    assert main([*base, "--body-timeout", "7", "--max-connections", "9"]) == 0
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
-    protocol = ran[0]["http"]
-    assert issubclass(protocol, AutoHTTPProtocol) and protocol.__name__.startswith("Guarded")
-    assert protocol.limits == ConnectionLimits(body_timeout=7.0, max_connections=9)
-
-
 @pytest.mark.parametrize("protocol", ["h11", "httptools"])
 def test_a_body_refused_before_it_is_read_is_drained_not_reset(protocol):
     """A 413 answered by its Content-Length while the client still sends the body: the guard shuts
     its side and drops what comes, so the client always reads the 413. Closing with the unread body
     in the kernel's buffer resets the connection, and the client (still sending) then never reads it:
-    plain uvicorn did that in about 1 of 14 tries of tests/test_server.py's 2 MB upload."""
+    plain uvicorn did that in about 1 of 14 tries of tests/test_server_speech.py's 2 MB upload."""
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route

@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from test_server import PROMPT_WAV  # noqa: E402
+from serverkit import PROMPT_WAV  # noqa: E402
 
 TEXT = "Hello there."
 SR = 24_000
@@ -491,23 +491,6 @@ def test_async_openai(server, reference):
     whole, fast = anyio.run(run)
     assert whole == reference.tobytes()
     assert abs(len(fast) // 2 - reference.size // 2) <= 480
-
-
-def test_serve_checks_the_voice_flags_before_loading(capsys):
-    """A bad --voice-alias or --default-voice is one line and exit 2, before any model is loaded;
-    --help says what they do over HTTP."""
-    from cosyllama.cli import main
-
-    for flags, says in ((["--voice-alias", "alloy"], "is not NAME=ID"),
-                        (["--voice-alias", "alloy=../x"], "voice id '../x' is not allowed"),
-                        (["--default-voice", "a b"], "voice id 'a b' is not allowed")):
-        assert main(["serve", "--model-dir", "/nonexistent", *flags]) == 2
-        err = capsys.readouterr().err
-        assert says in err and "Traceback" not in err
-    with pytest.raises(SystemExit):
-        main(["serve", "--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert "--voice-alias NAME=ID" in out and "OpenAI's voice names" in out
 
 
 def test_instructions_select_instruct_mode(client, reference):

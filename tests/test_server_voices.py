@@ -1,12 +1,15 @@
 """The server's voices and who may change them, on loopback with the tiny model (PyTorch LLM):
 `cosyllama serve --voices DIR` replicas share registrations and keep them through kill -9; 409 on
 an existing id unless replace=true; cross-origin POST/DELETE refused; the API key, also through
-the `openai` SDK; unusable audio and oversized transcripts refused with readable messages."""
+the `openai` SDK; unusable audio and oversized transcripts refused with readable messages; every
+voice the frontend makes is finite; bad files in a voice directory are skipped at start and said;
+an unknown voice's message names a few voices and counts the rest."""
 
 from __future__ import annotations
 
 import copy
 import io
+import logging
 import os
 import re
 import signal
@@ -19,17 +22,21 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR
+from helpers import MODEL_DIR
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.serving import open_voice_store  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
+from serverkit import PROMPT_WAV  # noqa: E402
+from serverkit import broken_voice_dir as _broken_dir  # noqa: E402
+from serverkit import float_wav as _float_wav  # noqa: E402
+from serverkit import json_error as _error  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 KEY = "test-key-0123456789"
 GOOD_ORIGIN = "http://app.example:3000"
 SRC = str(Path(__import__("cosyllama").__file__).resolve().parents[1])
@@ -48,13 +55,6 @@ def _ids(client, **kw) -> list[str]:
 def _speak(client, voice: str, **kw):
     body = {"input": "Hello there.", "voice": voice, "greedy": True, "response_format": "wav"}
     return client.post("/v1/audio/speech", json=body, **kw)
-
-
-def _error(r, status: int, contains: str = "") -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert isinstance(err["message"], str) and contains in err["message"], err
-    return err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,13 +151,6 @@ def test_replicas_share_a_voice_directory_and_survive_kill_9(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tts():
-    from cosyllama.tts import TTS
-
-    return TTS(MODEL_DIR, threads=1, precision="fp32")
-
-
-@pytest.fixture(scope="module")
 def server(tts, tmp_path_factory):
     view = copy.copy(tts)
     view.voices = VoiceDirectory(tmp_path_factory.mktemp("voices"))
@@ -246,12 +239,6 @@ def test_reserved_ids_refused_on_delete(client):
     _error(client.delete("/v1/voices/nobody"), 404, "nobody")
 
 
-def _float_wav(samples) -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, np.asarray(samples, np.float32), 16_000, format="WAV", subtype="FLOAT")
-    return buf.getvalue()
-
-
 def test_unusable_audio_and_transcripts_refused(client):
     speech = 0.1 * np.sin(np.arange(32_000) / 5.0)
     nan = speech.copy()
@@ -301,24 +288,87 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
         open_voice_store(str(tmp_path / "nothere.pt"))
 
 
-def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
-    from cosyllama.cli import main
-    from cosyllama.server import serving
+def test_every_voice_the_frontend_makes_is_finite(tts):
+    """The same check in the Python API: no voice with NaN features is ever made."""
+    from cosyllama.errors import InputError
 
-    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
-    base = ["serve", "--model-dir", str(MODEL_DIR)]
-    assert main([*base, "--voices", str(tmp_path / "missing.pt")]) == 2
-    assert "missing.pt' does not exist" in capsys.readouterr().err
-    assert main([*base, "--voices", str(tmp_path / "no" / "dir")]) == 2
-    assert "cannot make voice directory" in capsys.readouterr().err
-    assert main([*base, "--allow-origin", "*"]) == 2
-    assert "--allow-origin: '*' is not an origin" in capsys.readouterr().err
-    assert main([*base, "--allow-origin", "https://x.example/path"]) == 2
-    assert main([*base, "--api-key", " "]) == 2
-    assert "--api-key is empty" in capsys.readouterr().err
-    monkeypatch.setenv("COSYLLAMA_API_KEY", "")
-    assert main(base) == 2
-    assert "$COSYLLAMA_API_KEY is empty" in capsys.readouterr().err
-    monkeypatch.delenv("COSYLLAMA_API_KEY")
-    assert main([*base, "--max-transcript-chars", "0"]) == 2
-    assert "--max-transcript-chars must be an integer >= 1" in capsys.readouterr().err
+    with pytest.raises(InputError, match=r"far outside \[-1, 1\]"):
+        tts.make_voice(io.BytesIO(_float_wav(1e20 * np.sin(np.arange(32_000) / 5.0))))
+
+
+def test_a_bad_voice_file_is_skipped_at_start_and_reported(tts, voice, tmp_path, caplog):
+    from fastapi.testclient import TestClient
+
+    from cosyllama.server.serving import open_voice_store
+
+    VoiceDirectory(tmp_path).add("good", voice)
+    good = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "cut.pt").write_bytes(good[: len(good) // 2])
+    with caplog.at_level(logging.WARNING, logger="cosyllama.voices"):
+        store = open_voice_store(str(tmp_path))  # `serve --voices DIR` at start: no error
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "empty.pt" in warned and "cut.pt" in warned and "not a voice file" in warned
+    assert sorted(store.skipped) == ["cut.pt", "empty.pt"]
+    view = copy.copy(tts)
+    view.voices = store
+    with TestClient(create_app(view)) as c:  # no API key: /health has the details
+        voices = c.get("/health").json()["voices"]
+        assert voices["skipped_count"] == 2
+        assert [s["file"] for s in voices["skipped"]] == ["cut.pt", "empty.pt"]
+        assert all(s["error"].startswith("not a voice file") for s in voices["skipped"])
+        assert [v["id"] for v in c.get("/v1/voices").json()["voices"]] == ["good"]
+        assert c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "good"}).status_code == 200
+        (tmp_path / "cut.pt").unlink()  # the operator removes it: no longer reported
+        assert c.get("/health").json()["voices"] == {"skipped_count": 1, "skipped": [voices["skipped"][1]]}
+
+
+def test_unknown_voice_names_a_few_and_counts_the_rest(tts, voice):
+    from fastapi.testclient import TestClient
+
+    from cosyllama.errors import InputError
+
+    store = VoiceStore()
+    for i in range(12):
+        store.add(f"voice{i:02d}", voice)
+    view = copy.copy(tts)
+    view.voices = store
+    with TestClient(create_app(view)) as c:
+        err = _error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "nobody"}), 404, "nobody")
+        assert "voice00, voice01, voice02, voice03, voice04 and 7 more" in err["message"]
+        assert "voice05" not in err["message"]
+    with pytest.raises(InputError, match="and 7 more"):
+        store.get("nobody")
+
+
+def test_skipped_files_are_no_voices(tts, voice, tmp_path, caplog):
+    """The store and the start-up line: skipped files are not counted, never the default."""
+    from cosyllama.server.serving import prepare
+    from cosyllama.server.wyoming import WyomingService
+
+    _broken_dir(tmp_path, voice)
+    with caplog.at_level(logging.WARNING, logger="cosyllama.voices"):
+        store = open_voice_store(str(tmp_path))
+    found = [r.getMessage() for r in caplog.records if r.name == "cosyllama.voices"]
+    assert len(found) == 2 and all(f.startswith("voices: skipped, not served: ") for f in found)
+    assert f"{tmp_path / 'aaa.pt'}: not a voice file (EOFError" in found[0]  # the log has path and reason
+    assert store.ids() == ["anna"] and len(store) == 1
+    assert sorted(store.skipped) == ["aaa.pt", "trunc.pt"]
+    assert "aaa" not in store and "trunc" not in store
+    view = copy.copy(tts)
+    view.voices = store
+    with caplog.at_level(logging.WARNING, logger="cosyllama.server"):
+        serving = prepare(view)
+    try:
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name == "cosyllama.server" and r.getMessage().startswith("voices:")]
+        assert lines == [f"voices: 1 in the directory {tmp_path}, where registrations are kept; "
+                         "2 skipped: aaa.pt, trunc.pt"]
+        # Wyoming's default voice (a request naming none) is the first voice that can be served
+        service = WyomingService(serving, gate=None)
+        name, features = service.voice(None)
+        assert name == "anna" and features is not None
+        assert [v.name for v in service.info().tts[0].voices] == ["default", "anna"]
+        service.executor.shutdown()
+    finally:
+        serving.close()

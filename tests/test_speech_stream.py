@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR, Gated, LoopbackServer
+from helpers import LoopbackServer
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -23,8 +23,8 @@ from websockets.sync.client import connect  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from serverkit import voiced_tts  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TIMEOUT = 120  # seconds for any one message: generous, only a hang reaches it
 PATH = "/v1/audio/speech/stream"
 CONFIG = {"type": "session.config", "voice": "en", "greedy": True, "seed": 0}
@@ -33,12 +33,7 @@ LONG = "This is a long sentence that keeps the model busy for a good while, word
 
 @pytest.fixture(scope="module")
 def tts():
-    from cosyllama.tts import TTS
-
-    t = TTS(MODEL_DIR, threads=1)
-    t.llm = Gated(t.llm)
-    t.add_voice("en", PROMPT_WAV, "Hello, this is my voice.")
-    return t
+    return voiced_tts()
 
 
 def _serve(app, **config) -> LoopbackServer:

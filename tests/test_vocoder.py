@@ -55,7 +55,8 @@ def test_source_noise_replay_matches_upstream_buffers():
 
 
 def test_source_noise_replay_full_size_config():
-    """Spec §14: the real model's sizes give rand_ini = [0, 0.1710, ...] and sine_waves[0, 0, :3]."""
+    """The real model's sizes give rand_ini = [0, 0.1710, ...] and sine_waves[0, 0, :3]
+    (docs/reference.md#source-noise)."""
     cfg = load_config(MODEL_DIR)
     flow = dataclasses.replace(cfg.flow, vocab_size=6561, input_size=80, output_size=80, spk_embed_dim=192)
     hcfg = dataclasses.replace(cfg.hift, f0_in_channels=80, f0_cond_channels=512)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR, Gated, LoopbackServer
+from helpers import MODEL_DIR, LoopbackServer
 
 pytest.importorskip("wyoming")
 pytest.importorskip("fastapi")
@@ -21,21 +21,15 @@ from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice  # noqa: E402
 
 from cosyllama.server.app import create_app  # noqa: E402
+from serverkit import voiced_tts  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TIMEOUT = 120  # seconds for any one event: generous, only a hang reaches it
 LONG = "This is a long sentence that keeps the model busy for a good while, word after word after word."
 
 
 @pytest.fixture(scope="module")
 def tts():
-    from cosyllama.tts import TTS
-
-    t = TTS(MODEL_DIR, threads=1)
-    t.llm = Gated(t.llm)
-    t.add_voice("en", PROMPT_WAV, "Hello, this is my voice.")
-    t.add_voice("bare", PROMPT_WAV)
-    return t
+    return voiced_tts("bare")
 
 
 @pytest.fixture(scope="module")
@@ -262,24 +256,6 @@ def test_sentences_of_streamed_text():
     assert take_sentences("Wait... what? ") == (["Wait...", "what?"], " ")
 
 
-def test_wyoming_command_refuses_bad_options_before_loading(capsys, monkeypatch, tmp_path):
-    from cosyllama.cli import main
-    from cosyllama.server import serving
-
-    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
-    base = ["wyoming", "--model-dir", str(MODEL_DIR)]
-    assert main([*base, "--uri", "tcp://127.0.0.1"]) == 2
-    assert "needs a host and a port" in capsys.readouterr().err
-    assert main([*base, "--uri", "http://x:1"]) == 2
-    assert "is not tcp://HOST:PORT or unix://PATH" in capsys.readouterr().err
-    assert main([*base, "--default-voice", "a b"]) == 2
-    assert "voice id 'a b' is not allowed" in capsys.readouterr().err
-    assert main([*base, "--voices", str(tmp_path / "missing.pt")]) == 2
-    assert main([*base, "--max-input-chars", "0"]) == 2
-    assert main(["serve", "--model-dir", str(MODEL_DIR), "--wyoming", "tcp://nohost"]) == 2
-    assert "needs a host and a port" in capsys.readouterr().err
-
-
 def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
     """scripts/bench_wyoming.py end to end on the tiny model (a run that works, not a timing)."""
     import json
@@ -306,25 +282,3 @@ def test_a_taken_port_is_a_clear_error(server):
     serving = SimpleNamespace(tts=state.tts, max_concurrent=2, max_queue=0, limits=state.limits.request)
     with pytest.raises(InputError, match=f"cannot listen at tcp://127.0.0.1:{server.port}"):
         _run(start_wyoming(f"tcp://127.0.0.1:{server.port}", serving))
-
-
-@pytest.mark.parametrize("command", ["serve", "serve --wyoming", "wyoming"])
-def test_a_taken_port_stops_the_command_with_one_line(command, capsys):
-    """`serve --port`, `serve --wyoming URI` and `wyoming --uri URI` at a taken port: exit 2 and one
-    line, before the model loads (the model directory here does not even exist); serve printed
-    uvicorn's start-up traceback (Wyoming) or its bind error after loading the model (HTTP) before."""
-    import socket
-
-    from cosyllama.cli import main
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        uri = f"tcp://127.0.0.1:{port}"
-        flags, says = {"serve": (["serve", "--port", str(port)], f"cannot listen at 127.0.0.1:{port}"),
-                       "serve --wyoming": (["serve", "--port", "0", "--wyoming", uri], f"cannot listen at {uri}"),
-                       "wyoming": (["wyoming", "--uri", uri], f"cannot listen at {uri}")}[command]
-        assert main([*flags, "--model-dir", "/nonexistent/model"]) == 2
-    err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err and "nonexistent" not in err

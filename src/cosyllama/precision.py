@@ -7,7 +7,7 @@ block on PyTorch's int8 kernels (fbgemm) in all but the last two Euler steps: we
 once, one scale per output channel;
 activations quantized on every call; int32 accumulation; everything between the products float32
 (see :mod:`cosyllama.flow.fast_dit`). The vocoder stays float32 under ``int8`` and ``auto`` (see
-:mod:`cosyllama.vocoder`).
+:meth:`cosyllama.vocoder.hift.HiFT.set_precision`).
 
 ``auto`` picks a candidate per CPU class and keeps it only if it passes a fidelity check on the
 weights actually loaded (:mod:`cosyllama.flow.check`): ``bf16`` where the hardware computes it
@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 
 from .cpu import has_native_bf16
-from .defaults import PRECISIONS
 from .errors import InputError
-from .options import precision_key
 
+PRECISIONS = ("fp32", "bf16", "int8", "auto")
 # The int8 flow path's marker "dtype". Only the weights of the DiT's block matrices are int8; its
 # activations, norms and interfaces are float32.
 INT8 = torch.qint8
@@ -48,10 +47,11 @@ def _canonical(name: str | torch.dtype | None) -> str:
         if name in _NAMES:
             return _NAMES[name]
         raise InputError(f"precision {name} is not supported; use one of {', '.join(PRECISIONS)}")
-    key = precision_key(str(name))  # the one vocabulary (cosyllama.defaults.PRECISIONS)
-    if key is None:
+    key = str(name).strip().lower()
+    aliases = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "int8": "int8", "auto": "auto"}
+    if key not in aliases:
         raise InputError(f"precision {name!r} is not supported; use one of {', '.join(PRECISIONS)}")
-    return key
+    return aliases[key]
 
 
 def is_auto(name: str | torch.dtype | None) -> bool:

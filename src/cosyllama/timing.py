@@ -2,7 +2,7 @@
 for on both sides (:func:`timed`), configurations timed in interleaved rounds (:func:`rounds`), the
 best of repeated calls (:func:`best_of`). Used by ``cosyllama bench``, ``--precision auto``'s timing of
 the flow (:mod:`cosyllama.flow.check`) and the bench scripts; what they time on is in
-:mod:`cosyllama.tools.kit`."""
+:mod:`cosyllama.tools.bench_setup`."""
 
 from __future__ import annotations
 

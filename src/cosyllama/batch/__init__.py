@@ -2,7 +2,7 @@
 
 :mod:`.manifest` checks rows, :mod:`.output` writes files and ``results.jsonl`` atomically,
 :mod:`.engine` runs rows concurrently through the batching scheduler, :mod:`.ray_runner` runs the
-same engine in Ray Data actors, :mod:`.command` is the CLI.
+same engine in Ray Data actors; the command is :mod:`cosyllama.commands.batch`.
 """
 
 from .engine import BatchEngine, EngineOptions

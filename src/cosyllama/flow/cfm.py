@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from ..config import FlowConfig
-from ..derived import DerivedWeights, weights_key
 from ..errors import InputError
 from ..precision import INT8
+from ..weight_copies import DerivedWeights, weights_key
 from .cache import LOWP_KV_DTYPE, FlowStreamCache, StepCache
 from .dit import DiT
 from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_engine_problem
@@ -68,7 +68,7 @@ class CFM(nn.Module):
             self._fast.get(self.estimator, dtype, engine)
 
     def weights_key(self) -> tuple:
-        """Changes whenever a weight of the estimator changes (see :mod:`cosyllama.derived`)."""
+        """Changes whenever a weight of the estimator changes (see :mod:`cosyllama.weight_copies`)."""
         return weights_key(self.estimator)
 
     def time_grid(self) -> list[torch.Tensor]:

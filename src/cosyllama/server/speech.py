@@ -43,9 +43,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ..defaults import SPEED_RANGE
 from ..errors import InputError
-from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
+from ..memory import trim_heap
 from ..text.normalize import text_problem
 from ..tts import MODES
 from ..voices import check_voice_id, describe_ids, show_id, unknown_voice
@@ -220,7 +220,7 @@ class _Job:
 
     def close(self) -> None:
         """Stop the synthesis; its LLM sequence is free when this returns. Gives the heap's free
-        pages back to the OS (see :mod:`cosyllama.heap`)."""
+        pages back to the OS (see :mod:`cosyllama.memory`)."""
         self.token.cancel()
         with self.lock:
             if self.syn is not None:

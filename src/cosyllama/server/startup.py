@@ -3,7 +3,7 @@ and ``cosyllama wyoming`` (:func:`cosyllama.server.wyoming.run_wyoming`) take ty
 (:class:`ServingOptions`, and for HTTP :class:`ServeOptions`), checked when they are made, and both go
 through :func:`start` and :func:`ready`:
 
-1. :func:`cosyllama.heap.bound_onednn_cache` (once per process start, before torch computes anything);
+1. :func:`cosyllama.memory.bound_onednn_cache` (once per process start, before torch computes anything);
 2. the addresses to listen at are checked (a taken port is one line, not a traceback after the load);
 3. the voice store of ``--voices`` is opened (:func:`~cosyllama.server.serving.open_voice_store`);
 4. the TTS is loaded and the CPU line logged (:func:`~cosyllama.server.serving.load_tts`);
@@ -91,10 +91,10 @@ def start(options: ServingOptions, check_addresses: Callable[[], None] = lambda:
     """Steps 1-4 of the start-up (see the module docstring): the loaded TTS with its voices.
     ``check_addresses`` raises :class:`~cosyllama.errors.InputError` when the server cannot listen
     where it is asked to."""
-    from .. import heap
+    from .. import memory
     from . import serving
 
-    heap.bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.heap)
+    memory.bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.memory)
     check_addresses()
     voices = serving.open_voice_store(options.voices)
     tts = serving.load_tts(options.load)

@@ -54,9 +54,9 @@ from urllib.parse import urlparse
 from .. import __version__
 from ..audio_out import pcm16
 from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
-from ..heap import trim_heap
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
+from ..memory import trim_heap
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits

@@ -1,3 +1,3 @@
 """Tools beside the engine: benchmarks (``bench`` and its flow/vocoder parts ``bench_flow``, on the
-bench kit ``kit``), random-weight model directories (``synthetic``) and the no-weights demo
+set-up they share, ``bench_setup``), random-weight model directories (``synthetic``) and the no-weights demo
 (``demo``). Nothing in the engine imports from here."""

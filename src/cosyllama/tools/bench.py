@@ -1,6 +1,6 @@
 """``cosyllama bench``: LLM, flow, vocoder and whole-pipeline speed, side by side in one run.
 
-Without ``--model-dir`` it uses the bench kit's full-size random-weight model (:mod:`.kit`: real
+Without ``--model-dir`` it uses the full-size random-weight model (:mod:`.bench_setup`: real
 Fun-CosyVoice3-0.5B shapes, so real speed; the audio is noise), made once with its GGUFs.
 Generation length is forced (stop ids masked) so every configuration does equal work:
 a 3 s prompt and 10 s of output unless told otherwise. ``rtf`` = wall seconds / audio seconds,
@@ -27,7 +27,7 @@ from ..errors import InputError
 from ..progress import LineProgress as Progress
 from ..timing import rounds
 from .bench_flow import batch_sizes, flow_variants, format_lines, run_flow_batch, run_flow_vocoder, vocoder_variants
-from .kit import BENCH_TEXT, TOKEN_RATE, ensure_full_model, ensure_gguf, machine_info, peak_rss_mb, prompt_wav
+from .bench_setup import BENCH_TEXT, TOKEN_RATE, ensure_full_model, ensure_gguf, machine_info, peak_rss_mb, prompt_wav
 
 LLM_TYPES = ("F16", "Q8_0", "Q4_K_M", "Q4_0")  # Q4_0: llama.cpp repacks it for its fastest CPU kernels
 LLM_CONFIGS = [("torch", None, "F32")] + [("llamacpp", lay, t) for lay in ("speech", "merged") for t in LLM_TYPES]

@@ -35,7 +35,7 @@ import torch
 from ..errors import InputError
 from ..progress import LineProgress as Progress
 from ..timing import rounds, sync, timed
-from .kit import TOKEN_RATE
+from .bench_setup import TOKEN_RATE
 
 FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # the default on the CPU; a GPU has no int8 path
 # Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).

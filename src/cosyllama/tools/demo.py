@@ -22,7 +22,7 @@ def run_demo(*, threads: int | None = None, seconds: float = 10.0, out_dir: str 
     from ..cpu import tts_path
     from ..options import LoadOptions
     from ..tts import TTS, SynthesisOptions
-    from .kit import ensure_full_model, ensure_gguf, prompt_wav
+    from .bench_setup import ensure_full_model, ensure_gguf, prompt_wav
 
     model_dir = ensure_full_model(progress)
     gguf = ensure_gguf(model_dir, "speech", "Q8_0", progress)

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import HiftConfig, ModelConfig
-from ..derived import DerivedWeights
 from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
 from ..precision import INT8, is_auto, resolve_precision
+from ..weight_copies import DerivedWeights
 from .fast import CHANNELS_LAST, FastGenerator
 from .modules import (
     CONV_POST_KERNEL,
@@ -80,7 +80,7 @@ class HiFT(nn.Module):
         # True: the channels-last conv stack (FastGenerator), prepared from the current weights on
         # first use. False: the module-by-module reference path (same math, ~1.5-2x slower on CPU).
         self.fast = True
-        # Weight copies each path prepares, rebuilt when the weights change (cosyllama.derived).
+        # Weight copies each path prepares, rebuilt when the weights change (cosyllama.weight_copies).
         self._fast_weights: DerivedWeights[FastGenerator] = DerivedWeights(FastGenerator)
         self._lowp_weights: DerivedWeights[dict[str, nn.Module]] = DerivedWeights(_lowp_copies)
 

@@ -1,60 +1,38 @@
-"""Broken voice files are never voices, and error bodies leak nothing of the server (#35, holes 4
-and 5, and the smaller items): loopback, tiny model, PyTorch LLM.
+"""What the HTTP server lets out (loopback, tiny model, PyTorch LLM): error bodies name nothing of the
+server, broken voice files are never voices, and what only the API key may see.
 
 * a directory with an empty ``aaa.pt``, a good ``anna.pt`` and a truncated ``trunc.pt``: the
   skipped files are no default voice, not counted (start-up line, ``--max-voices``), a request
   naming one gets the 404 of an unknown voice, ``/health`` without the key says only how many;
 * a sweep of many bad requests whose error bodies must name no path, library or exception;
+* with an API key the web page loads, and its origin still needs the key;
 * the smaller ones: samples far outside [-1, 1], a clip with no signal (silence, a DC offset),
-  ``HEAD /v1/voices``, ``voice: ""``, control characters and lone surrogates in the text, ids
-  echoed clipped.
+  ``HEAD /v1/voices``, ``voice: ""``, control characters in the text, ids echoed clipped.
 """
-
 from __future__ import annotations
 
 import copy
-import io
 import json
-import logging
 import re
 
 import numpy as np
 import pytest
-import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR, LoopbackServer
+from helpers import MODEL_DIR, LoopbackServer
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.serving import open_voice_store  # noqa: E402
-from cosyllama.voices import VoiceDirectory  # noqa: E402
+from cosyllama.voices import VoiceStore  # noqa: E402
+from serverkit import PROMPT_WAV  # noqa: E402
+from serverkit import broken_voice_dir as _broken_dir  # noqa: E402
+from serverkit import float_wav as _wav  # noqa: E402
+from serverkit import json_error as _error  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 KEY = "leaks-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def tts():
-    from cosyllama.tts import TTS
-
-    return TTS(MODEL_DIR, threads=1, precision="fp32")
-
-
-@pytest.fixture(scope="module")
-def voice(tts):
-    return tts.make_voice(PROMPT_WAV, "Hello, this is my voice.")
-
-
-def _broken_dir(path, voice):
-    """The directory of the report: an empty aaa.pt, a good anna.pt, a truncated trunc.pt."""
-    VoiceDirectory(path).add("anna", voice)
-    good = (path / "anna.pt").read_bytes()
-    (path / "aaa.pt").write_bytes(b"")
-    (path / "trunc.pt").write_bytes(good[: len(good) // 3])
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,57 +55,11 @@ def client(server):
         yield c
 
 
-def _wav(samples, sr: int = 16_000, subtype: str = "FLOAT") -> bytes:
-    buf = io.BytesIO()
-    sf.write(buf, np.asarray(samples, np.float32), sr, format="WAV", subtype=subtype)
-    return buf.getvalue()
-
-
 def _speech() -> np.ndarray:
     return 0.1 * np.sin(np.arange(32_000) / 5.0)
 
 
-def _error(r, status: int, contains: str = "") -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert contains in err["message"], err
-    return err
-
-
 # -- hole 4: broken voice files are never voices -------------------------------------------------
-
-
-def test_skipped_files_are_no_voices(tts, voice, tmp_path, caplog):
-    """The store and the start-up line: skipped files are not counted, never the default."""
-    from cosyllama.server.serving import prepare
-    from cosyllama.server.wyoming import WyomingService
-
-    _broken_dir(tmp_path, voice)
-    with caplog.at_level(logging.WARNING, logger="cosyllama.voices"):
-        store = open_voice_store(str(tmp_path))
-    found = [r.getMessage() for r in caplog.records if r.name == "cosyllama.voices"]
-    assert len(found) == 2 and all(f.startswith("voices: skipped, not served: ") for f in found)
-    assert f"{tmp_path / 'aaa.pt'}: not a voice file (EOFError" in found[0]  # the log has path and reason
-    assert store.ids() == ["anna"] and len(store) == 1
-    assert sorted(store.skipped) == ["aaa.pt", "trunc.pt"]
-    assert "aaa" not in store and "trunc" not in store
-    view = copy.copy(tts)
-    view.voices = store
-    with caplog.at_level(logging.WARNING, logger="cosyllama.server"):
-        serving = prepare(view)
-    try:
-        lines = [r.getMessage() for r in caplog.records
-                 if r.name == "cosyllama.server" and r.getMessage().startswith("voices:")]
-        assert lines == [f"voices: 1 in the directory {tmp_path}, where registrations are kept; "
-                         "2 skipped: aaa.pt, trunc.pt"]
-        # Wyoming's default voice (a request naming none) is the first voice that can be served
-        service = WyomingService(serving, gate=None)
-        name, features = service.voice(None)
-        assert name == "anna" and features is not None
-        assert [v.name for v in service.info().tts[0].voices] == ["default", "anna"]
-        service.executor.shutdown()
-    finally:
-        serving.close()
 
 
 def test_skipped_files_do_not_count_toward_max_voices(client):
@@ -321,15 +253,6 @@ def test_tabs_and_newlines_are_text(client):
     assert r.status_code == 200, r.text
 
 
-def test_the_python_api_names_bad_characters_too(tts, voice):
-    from cosyllama.errors import InputError
-
-    with pytest.raises(InputError, match=r"text holds a control character \(U\+0007\) at character 2"):
-        tts.synthesize("Hi\x07", voice=voice)
-    with pytest.raises(InputError, match=r"transcript holds a lone surrogate"):
-        tts.make_voice(PROMPT_WAV, "Hi \udfff")
-
-
 def test_an_echoed_id_is_clipped(client):
     for r in (client.post("/v1/audio/speech", json={"input": "Hi.", "voice": "x" * 10_000}),
               client.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
@@ -337,3 +260,21 @@ def test_an_echoed_id_is_clipped(client):
               client.delete("/v1/voices/" + "x" * 10_000)):
         msg = r.json()["error"]["message"]
         assert "x" * 64 in msg and "x" * 65 not in msg and "(10000 characters)" in msg, (r.status_code, msg)
+
+
+def test_with_an_api_key_the_page_loads_and_its_origin_needs_the_key(tts, voice):
+    from fastapi.testclient import TestClient
+
+    view = copy.copy(tts)
+    view.voices = VoiceStore()
+    view.voices.add("en", voice)
+    with TestClient(create_app(view, api_key=KEY), base_url="http://tts.example") as c:
+        page = c.get("/")
+        assert page.status_code == 200 and "<html" in page.text
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert c.get("/ui/app.js").status_code == 200 and c.get("/ui/style.css").status_code == 200
+        same = {"Origin": "http://tts.example"}
+        _error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"}, headers=same), 401)
+        r = c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"},
+                   headers={**same, "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200

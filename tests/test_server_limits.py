@@ -26,7 +26,9 @@ from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from test_server import PROMPT_WAV, _speech, _wait_idle  # noqa: E402
+from serverkit import PROMPT_WAV  # noqa: E402
+from serverkit import speech as _speech  # noqa: E402
+from serverkit import wait_idle as _wait_idle  # noqa: E402
 
 PARALLEL, SEQ_TOKENS = 8, 4096
 PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs away into the "
@@ -271,17 +273,3 @@ def test_soak_rss_flat_and_no_request_lost(tiny_gguf, tmp_path):
     assert not wrong, wrong[:10]
     assert h["llm"]["n_ctx"] == n_ctx and h["decoded_tokens"] > 0
     assert rss[500] <= 1.05 * rss[100]
-
-
-def test_heap_helpers(monkeypatch):
-    """serve's memory bounds: the two cache sizes go into the environment unless already set;
-    trimming the heap works on glibc (this machine)."""
-    from cosyllama import heap
-
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # so that teardown restores the original
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
-    heap.bound_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(heap.ONEDNN_CACHE_CAPACITY)
-    assert os.environ["LRU_CACHE_CAPACITY"] == "7"  # the operator's value wins
-    assert heap.trim_heap() is True

@@ -22,24 +22,12 @@ from fastapi import FastAPI, WebSocket  # noqa: E402  (module level: the route's
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
-from helpers import FIXTURES, MODEL_DIR, LoopbackServer, SlowBackend  # noqa: E402
+from helpers import LoopbackServer, SlowBackend  # noqa: E402
 
 LIMITS = ConnectionLimits(write_timeout=3.0, idle_timeout=1.0)
 SERVER_SNDBUF = 16 * 1024  # the server's socket send buffer: the kernel holds little of an unread response
 CLIENT_RCVBUF = 4096
 LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away. " * 8)[:400]  # ~3 MB of pcm
-
-
-@pytest.fixture(scope="module")
-def tts():
-    from cosyllama.tts import TTS
-
-    return TTS(MODEL_DIR, threads=1, precision="fp32")
-
-
-@pytest.fixture(scope="module")
-def voice(tts):
-    return tts.make_voice(FIXTURES / "wavs" / "prompt_en_16k.wav", "Hello, this is my voice.")
 
 
 def _base(name: str) -> type:

@@ -12,21 +12,20 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from helpers import FIXTURES, MODEL_DIR, LoopbackServer, slow_backend
+from helpers import MODEL_DIR, LoopbackServer, slow_backend
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
-import uvicorn  # noqa: E402
 
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from serverkit import PROMPT_WAV  # noqa: E402
+from serverkit import speech as _speech  # noqa: E402
+from serverkit import wait_idle as _wait_idle  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TEXTS = ["Hello there.", "Good morning!", "How are you?", "See you soon.", "One two three.",
          "Nice to meet you.", "It is raining.", "Thank you."]
-
-
 
 
 @pytest.fixture(scope="module")
@@ -62,21 +61,6 @@ def server(tts):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-
-
-def _speech(client, text, **kw):
-    return client.post("/v1/audio/speech", json={"input": text, "voice": "en", "greedy": True, **kw})
-
-
-def _wait_idle(client, timeout=10.0, llm: bool = False) -> dict:
-    """/health once no request runs and no sequence is live (``llm``: the backend's own count too)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        h = client.get("/health").json()
-        if h["active_sequences"] == 0 and h["requests_running"] == 0 and (not llm or h["llm"]["active_sequences"] == 0):
-            return h
-        assert time.monotonic() < deadline, f"server did not go idle: {h}"
-        time.sleep(0.02)
 
 
 def _request(i: int) -> dict:
@@ -279,48 +263,3 @@ def test_rss_flat_over_200_requests(client):
     print(f"RSS after 20 requests: {rss[20]:.1f} MB, after 200: {rss[200]:.1f} MB "
           f"({100 * (rss[200] / rss[20] - 1):+.2f} %)")
     assert rss[200] <= rss[20] * 1.05
-
-
-@pytest.mark.parametrize("info, hinted", [(b"CPU : AVX2 = 1 | OPENMP = 1 | REPACK = 1 |", True),
-                                          (b"CPU : AVX2 = 1 | REPACK = 1 |", False)])
-def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted):
-    """`cosyllama serve` with a llama.cpp LLM says once, at start, when that build threads with
-    OpenMP (it shares libgomp with PyTorch and decodes slower beside flow work)."""
-    from types import SimpleNamespace
-
-    from cosyllama.llm import llamacpp_lib as LB
-    from cosyllama.options import LoadOptions
-    from cosyllama.server import app as server
-    from cosyllama.server import serving
-    from cosyllama.server.startup import ServeOptions, ServingOptions
-
-    fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
-    monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)
-    monkeypatch.setattr(serving, "load_tts", lambda options: SimpleNamespace(llm=SimpleNamespace(name="llamacpp")))
-    monkeypatch.setattr(server, "check_can_listen", lambda *a: None)  # the port need not be free
-    monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
-    ran = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
-    options = ServeOptions(ServingOptions(LoadOptions(MODEL_DIR)), host="127.0.0.1", port=8000)
-    with caplog.at_level("WARNING", logger="cosyllama.server"):
-        server.serve(options)
-    assert ran and ran[0]["host"] == "127.0.0.1"
-    said = [r.getMessage() for r in caplog.records if "OpenMP" in r.getMessage()]
-    assert len(said) == (1 if hinted else 0)
-    if hinted:
-        assert '-DGGML_OPENMP=OFF' in said[0] and "pip install" in said[0]
-
-
-def test_serve_passes_the_cache_bounds_and_refuses_bad_ones(capsys):
-    from cosyllama.cli import build_parser, main
-    from cosyllama.commands.options import serving_options
-    from cosyllama.server.serving import load_tts
-
-    base = ["serve", "--model-dir", str(MODEL_DIR), "--precision", "bf16"]
-    args = build_parser().parse_args([*base, "--stream-cache-mb", "64", "--prompt-cache-mb", "0"])
-    t2w = load_tts(serving_options(args).load).token2wav
-    assert t2w.new_stream_cache().max_mb == 64 and t2w._prompt_cache_bytes() == 0
-    t2w = load_tts(serving_options(build_parser().parse_args(base)).load).token2wav
-    assert t2w.new_stream_cache().max_mb == 2048 and t2w._prompt_cache_bytes() == 512 * 2**20
-    assert main(["serve", "--model-dir", str(MODEL_DIR), "--prompt-cache-mb", "-1"]) == 2
-    assert "--prompt-cache-mb must be >= 0" in capsys.readouterr().err

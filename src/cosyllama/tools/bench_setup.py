@@ -1,4 +1,4 @@
-"""The bench kit: what ``cosyllama bench``, the scripts under ``scripts/`` and the GPU check share.
+"""What every benchmark sets up: what ``cosyllama bench``, the scripts under ``scripts/`` and the GPU check share.
 
 The full-size random-weight model (real Fun-CosyVoice3-0.5B shapes, so real speed; the audio is
 noise) and its GGUFs, made once in the cache directory (:mod:`cosyllama.cachedir`); the prompt
@@ -6,7 +6,7 @@ clip; the text; the machine line every result carries. How things are timed (CUD
 wall and CPU time, interleaved rounds, best of N) comes from :mod:`cosyllama.timing`.
 
 Light on purpose: torch, numpy and the model code are imported inside the functions that need
-them, so a script can import the kit before it sets its threading environment.
+them, so a script can import this module before it sets its threading environment.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import FIXTURES, MODEL_DIR, LoopbackServer, wait_for_health
+from helpers import MODEL_DIR, LoopbackServer, wait_for_health
 
 pytest.importorskip("wyoming")
 pytest.importorskip("fastapi")
@@ -33,8 +33,8 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits  # noqa: E402
+from serverkit import PROMPT_WAV, voiced_tts  # noqa: E402
 
-PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 TIMEOUT = 120  # seconds for anything that should happen: generous, only a hang reaches it
 LIMITS = ConnectionLimits(header_timeout=1.0, idle_timeout=2.0, write_timeout=1.0, max_connections=32)
 LONG = "This is a long sentence that keeps the model busy for a good while, word after word after word."
@@ -45,11 +45,7 @@ ERROR_CODES = {"protocol_error", "limit_exceeded", "request_timeout", "idle_time
 
 @pytest.fixture(scope="module")
 def tts():
-    from cosyllama.tts import TTS
-
-    t = TTS(MODEL_DIR, threads=1)
-    t.add_voice("en", PROMPT_WAV, "Hello, this is my voice.")
-    return t
+    return voiced_tts(gated=False)
 
 
 @pytest.fixture(scope="module")
@@ -753,25 +749,3 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # The flags
-
-
-def test_serve_and_wyoming_give_the_wyoming_port_their_connection_flags(capsys):
-    """`serve --wyoming` and `wyoming` hand their connection flags to the Wyoming listener; `wyoming --help`
-    shows each with its default."""
-    from cosyllama.cli import build_parser
-    from cosyllama.commands.options import serving_options
-
-    parser = build_parser()
-    flags = ["--write-timeout", "5", "--idle-timeout", "7", "--header-timeout", "3", "--max-connections", "9"]
-    for argv in (["serve", "--model-dir", "m", "--wyoming", "tcp://127.0.0.1:1", *flags], ["wyoming", "--model-dir",
-                                                                                          "m", *flags]):
-        limits = serving_options(parser.parse_args(argv)).connection_limits
-        assert limits == ConnectionLimits(header_timeout=3, write_timeout=5, idle_timeout=7, max_connections=9)
-    assert serving_options(parser.parse_args(["wyoming", "--model-dir", "m"])).connection_limits == ConnectionLimits()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["wyoming", "--help"])
-    out = " ".join(capsys.readouterr().out.split())
-    for flag, default in (("--write-timeout", 60), ("--idle-timeout", 30), ("--header-timeout", 10),
-                          ("--max-connections", 256)):
-        assert flag in out and f"(default {default})" in out
-    assert "Wyoming an error event" in out

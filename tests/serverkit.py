@@ -1,0 +1,85 @@
+"""Helpers the server tests share (the HTTP API, its WebSocket stream and the Wyoming server): the
+prompt clip, the tiny TTS with its voices the streamed protocols serve, and checks
+of the HTTP API's answers. Imported by the test modules (``from serverkit import ...``); the
+``tts`` and ``voice`` fixtures most of them use are in ``conftest.py``. Not a test module."""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import numpy as np
+
+from helpers import FIXTURES, MODEL_DIR, Gated
+
+PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
+PROMPT_TEXT = "Hello, this is my voice."  # what PROMPT_WAV says
+
+
+def tiny_tts():
+    """The tiny model with the PyTorch LLM, one thread, fp32: what most server tests serve."""
+    from cosyllama.tts import TTS
+
+    return TTS(MODEL_DIR, threads=1, precision="fp32")
+
+
+def voiced_tts(*voices: str, gated: bool = True):
+    """The tiny model (one thread) with the voice ``en`` (PROMPT_WAV and its transcript) and each of
+    ``voices`` (PROMPT_WAV without a transcript); ``gated``: its LLM steps can be held
+    (:class:`~helpers.Gated`)."""
+    from cosyllama.tts import TTS
+
+    t = TTS(MODEL_DIR, threads=1)
+    if gated:
+        t.llm = Gated(t.llm)
+    t.add_voice("en", PROMPT_WAV, PROMPT_TEXT)
+    for name in voices:
+        t.add_voice(name, PROMPT_WAV)
+    return t
+
+
+def speech(client, text, **kw):
+    """POST /v1/audio/speech of ``text`` in the voice ``en``, greedy."""
+    return client.post("/v1/audio/speech", json={"input": text, "voice": "en", "greedy": True, **kw})
+
+
+def wait_idle(client, timeout=10.0, llm: bool = False) -> dict:
+    """/health once no request runs and no sequence is live (``llm``: the backend's own count too)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = client.get("/health").json()
+        if h["active_sequences"] == 0 and h["requests_running"] == 0 and (not llm or h["llm"]["active_sequences"] == 0):
+            return h
+        assert time.monotonic() < deadline, f"server did not go idle: {h}"
+        time.sleep(0.02)
+
+
+def json_error(r, status: int, contains: str = "") -> dict:
+    """The ``error`` object of the HTTP answer ``r``, checked: status ``status``, a message that holds
+    ``contains``."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and contains in err["message"], err
+    return err
+
+
+def float_wav(samples, sr: int = 16_000, subtype: str = "FLOAT") -> bytes:
+    """``samples`` as the bytes of a WAV file (32-bit float unless ``subtype`` says otherwise)."""
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.asarray(samples, np.float32), sr, format="WAV", subtype=subtype)
+    return buf.getvalue()
+
+
+def broken_voice_dir(path: Path, voice) -> Path:
+    """A voice directory at ``path`` with an empty ``aaa.pt``, a good ``anna.pt`` (``voice``) and a
+    truncated ``trunc.pt``."""
+    from cosyllama.voices import VoiceDirectory
+
+    VoiceDirectory(path).add("anna", voice)
+    good = (path / "anna.pt").read_bytes()
+    (path / "aaa.pt").write_bytes(b"")
+    (path / "trunc.pt").write_bytes(good[: len(good) // 3])
+    return path
