@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from .cpu import has_native_bf16
+from .defaults import PRECISIONS
 from .errors import InputError
+from .options import precision_key
 
-PRECISIONS = ("fp32", "bf16", "int8", "auto")
 # The int8 flow path's marker "dtype". Only the weights of the DiT's block matrices are int8; its
 # activations, norms and interfaces are float32.
 INT8 = torch.qint8
@@ -47,11 +48,10 @@ def _canonical(name: str | torch.dtype | None) -> str:
         if name in _NAMES:
             return _NAMES[name]
         raise InputError(f"precision {name} is not supported; use one of {', '.join(PRECISIONS)}")
-    key = str(name).strip().lower()
-    aliases = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "int8": "int8", "auto": "auto"}
-    if key not in aliases:
+    key = precision_key(str(name))  # the one vocabulary (cosyllama.defaults.PRECISIONS)
+    if key is None:
         raise InputError(f"precision {name!r} is not supported; use one of {', '.join(PRECISIONS)}")
-    return aliases[key]
+    return key
 
 
 def is_auto(name: str | torch.dtype | None) -> bool:
