@@ -16,6 +16,7 @@ Light on purpose (no torch): a door checks a request before any model work.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -146,6 +147,18 @@ class SynthesisRequest:
                 self.limits.check_chars(name, value)
         if not isinstance(self.voice, str):  # a clip or a voice's features: the mode rules can be checked now
             self.resolve(self.voice if self.prompt_wav is None else None)
+
+    def with_voice(self, voice) -> SynthesisRequest:
+        """This request spoken by ``voice`` in place of its own (e.g. the features of the registered id
+        it names, once looked up); the rules that need the voice are checked now (:meth:`resolve`),
+        the others were when the request was made (a voice for a voice leaves them as they were)."""
+        if (voice is None) != (self.voice is None):
+            raise ValueError("with_voice replaces a voice by a voice")
+        new = copy.copy(self)
+        object.__setattr__(new, "voice", voice)
+        if not isinstance(voice, str):
+            new.resolve(voice if new.prompt_wav is None else None)
+        return new
 
     def resolve(self, voice=None) -> tuple[str, str | None]:
         """The mode and instruction this request synthesizes with, given its voice's features

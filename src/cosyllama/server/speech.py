@@ -251,14 +251,18 @@ async def check_request(body: SpeechRequest, state, text: str | None = None) -> 
         formats = ", ".join(f for f in FORMATS if f != "aac")
         raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
                        param="response_format", code="unsupported_value")
+    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits.request, text)
     voice = await voice_of(state.tts, state.voice_names, body.voice_name())
-    return streaming, synthesis_request(body, voice, streaming, state.limits.request, text)
+    try:
+        return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
+    except RequestError as e:
+        raise synthesis_error(e) from None
 
 
 def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
                       text: str | None = None) -> SynthesisRequest:
-    """The :class:`~cosyllama.request.SynthesisRequest` of ``body`` spoken by ``voice`` (its features),
-    checked against ``limits``. Synthesis streams only when the stream can carry it: ``speed`` 1 (the
+    """The :class:`~cosyllama.request.SynthesisRequest` of ``body`` spoken by ``voice`` (a name, or
+    its features), checked against ``limits``. Synthesis streams only when the stream can carry it: ``speed`` 1 (the
     time stretch applies to the finished audio) and a streamable format (flac writes its header last);
     other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport)."""
     synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
