@@ -151,7 +151,7 @@ class RowSynthesizer:
     def run(self, row: Row, cancel=None) -> dict | None:
         """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
         from ..llm.scheduler import CancelToken, RequestCancelled
-        from ..request import SynthesisOptions, SynthesisRequest
+        from ..request import SynthesisRequest
 
         cancel = cancel or CancelToken()
         t0 = time.perf_counter()
@@ -159,9 +159,8 @@ class RowSynthesizer:
             with cancel.bound():
                 voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
                 voice_s = time.perf_counter() - t0
-                opts = SynthesisOptions(speed=row.speed, greedy=row.greedy, seed=row.seed)
                 syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
-                                                    options=opts))
+                                                    options=row.options()))
                 audio = syn.audio()
             t1 = time.perf_counter()
             nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt)

@@ -42,6 +42,10 @@ class Row:
     speed: float = 1.0
     digest: str = ""  # of the row's JSON as written: a changed row is not "already done"
 
+    def options(self) -> SynthesisOptions:
+        """The row's synthesis options."""
+        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed)
+
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in ("line", *FIELDS, "digest")}, ensure_ascii=False)
 
