@@ -56,10 +56,10 @@ class CosyVoice3:
         for c in chunks:
             yield {"tts_speech": torch.from_numpy(c.samples).reshape(1, -1)}
 
-    def _run(self, tts_text: str, mode: str, prompt_wav, zero_shot_spk_id: str, stream: bool, speed: float, pitch: float,
+    def _run(self, tts_text: str, mode: str, prompt_wav, zero_shot_spk_id: str, stream: bool, speed: float,
              text_frontend: bool, prompt_text: str | None = None, instruction: str | None = None) -> Iterator[dict]:
         """One request: a registered speaker (``zero_shot_spk_id``) replaces the clip and its transcript."""
-        opts = SynthesisOptions(stream=stream, speed=speed, pitch=pitch, text_frontend=text_frontend, seed=_call_seed())
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
         if zero_shot_spk_id:
             request = SynthesisRequest(tts_text, mode, voice=zero_shot_spk_id, instruction=instruction, options=opts)
         else:
@@ -68,21 +68,21 @@ class CosyVoice3:
         return self._dicts(self.tts.run(request))
 
     def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav, zero_shot_spk_id: str = "",
-                            stream: bool = False, speed: float = 1.0, pitch: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        return self._run(tts_text, "zero-shot", prompt_wav, zero_shot_spk_id, stream, speed, pitch, text_frontend,
+                            stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
+        return self._run(tts_text, "zero-shot", prompt_wav, zero_shot_spk_id, stream, speed, text_frontend,
                          prompt_text=prompt_text)
 
     def inference_cross_lingual(self, tts_text: str, prompt_wav, zero_shot_spk_id: str = "", stream: bool = False,
-                                speed: float = 1.0, pitch: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        return self._run(tts_text, "cross-lingual", prompt_wav, zero_shot_spk_id, stream, speed, pitch, text_frontend)
+                                speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
+        return self._run(tts_text, "cross-lingual", prompt_wav, zero_shot_spk_id, stream, speed, text_frontend)
 
     def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav, zero_shot_spk_id: str = "",
-                            stream: bool = False, speed: float = 1.0, pitch: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        return self._run(tts_text, "instruct", prompt_wav, zero_shot_spk_id, stream, speed, pitch, text_frontend,
+                            stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
+        return self._run(tts_text, "instruct", prompt_wav, zero_shot_spk_id, stream, speed, text_frontend,
                          instruction=instruct_text)
 
-    def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0, pitch: float = 1.0) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, pitch=pitch, seed=_call_seed())
+    def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0) -> Iterator[dict]:
+        opts = SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())
         return self._dicts(self.tts.voice_conversion(source_wav, prompt_wav, options=opts))
 
     def add_zero_shot_spk(self, prompt_text: str, prompt_wav, zero_shot_spk_id: str) -> bool:

@@ -34,12 +34,12 @@ VC_MODE = "vc"
 SEED_RANGE = (0, 2**31 - 1)  # seeds every door takes (OpenAI-style JSON integers, torch's generator)
 
 # the fields a RequestError may name (SynthesisRequest's, with the options' by their own names)
-FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "pitch", "seed", "stream")
+FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream")
 # how each door names them: the Python API (the keywords), `cosyllama synth` (flags), the HTTP body,
 # a batch manifest row
 API_NAMES = {f: f for f in FIELDS}
 FLAG_NAMES = {**API_NAMES, "text": "--text", "mode": "--mode", "voice": "a voice", "prompt_wav": "--prompt-wav",
-              "prompt_text": "--prompt-text", "instruction": "--instruct", "speed": "--speed", "pitch": "--pitch", "seed": "--seed",
+              "prompt_text": "--prompt-text", "instruction": "--instruct", "speed": "--speed", "seed": "--seed",
               "stream": "--stream"}
 HTTP_NAMES = {**API_NAMES, "text": "input", "instruction": "instructions", "stream": "stream_format"}
 BATCH_NAMES = {**API_NAMES, "instruction": "instructions"}
@@ -86,7 +86,6 @@ class SynthesisOptions:
 
     stream: bool = False
     speed: float = 1.0
-    pitch: float = 1.0
     greedy: bool = False
     seed: int | None = None
     text_frontend: bool = True
@@ -229,8 +228,6 @@ def check_options(o: SynthesisOptions) -> None:
     if o.stream and speed != 1.0:
         raise RequestError("speed", "{speed} other than 1.0 needs non-streaming synthesis (the reference only "
                            "time-stretches the finished mel); drop {stream} or use speed 1.0", "conflicting_fields")
-    if not 0.5 <= o.pitch <= 2.0:
-        raise RequestError("pitch", f"{{pitch}} must be between 0.5 and 2.0, got {o.pitch}", "invalid_value")
     seed = o.seed
     if seed is not None:
         lo, hi = SEED_RANGE

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import InputError
 from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
-FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed", "pitch")
+FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed")
 REQUIRED = ("id", "text", "mode")
 MISSING_TEXT = "(no text)"  # what a row without text is checked with, so its other problems are said too
 # A file name on every filesystem: no separators, no leading dot (temporary files start with one).
@@ -40,12 +40,11 @@ class Row:
     seed: int | None = None
     greedy: bool = False
     speed: float = 1.0
-    pitch: float = 1.0
     digest: str = ""  # of the row's JSON as written: a changed row is not "already done"
 
     def options(self) -> SynthesisOptions:
         """The row's synthesis options."""
-        return SynthesisOptions(speed=self.speed, pitch=self.pitch, greedy=self.greedy, seed=self.seed)
+        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in ("line", *FIELDS, "digest")}, ensure_ascii=False)
@@ -134,8 +133,7 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
     # row hears of all of them, then the rest
     seed, speed = obj.get("seed"), obj.get("speed", 1.0)
     speed = 1.0 if speed is None else speed
-    pitch = obj.get("pitch", 1.0)
-    for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed), SynthesisOptions(pitch=pitch)):
+    for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed)):
         try:
             check_options(one)
         except RequestError as e:
@@ -154,7 +152,7 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
         return BadRow(line, rid, "; ".join(problems))
     return Row(line=line, id=rid, text=text, mode=mode, voice=voice, prompt_wav=prompt_wav,
                prompt_text=prompt_text, instructions=instructions, seed=seed, greedy=greedy,
-               speed=float(speed), pitch=float(pitch), digest=_digest(obj))
+               speed=float(speed), digest=_digest(obj))
 
 
 def read_manifest(path: str | Path, voices: Collection[str] | None = None,

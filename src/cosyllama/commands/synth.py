@@ -37,7 +37,6 @@ def add_parser(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     s.add_argument("--speed", type=float, default=1.0,
                    help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (non-streaming)")
-    s.add_argument("--pitch", type=float, default=1.0, help="pitch factor")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     add_gpu_options(s)
     add_threads_option(s)
@@ -82,7 +81,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     try:
         request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
                                    instruction=args.instruct,
-                                   options=SynthesisOptions(stream=args.stream, speed=args.speed, pitch=args.pitch, greedy=args.greedy,
+                                   options=SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy,
                                                             seed=args.seed))
     except RequestError as e:
         raise e.as_flag() from None

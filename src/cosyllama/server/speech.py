@@ -125,7 +125,6 @@ class SpeechRequest(BaseModel):
                                               "16-bit, 24 kHz mono; a streamed flac is the whole file")
     speed: float = Field(1.0, description=f"time stretch of the finished audio, {SPEED_RANGE[0]} to "
                          f"{SPEED_RANGE[1]}; a stream of it is non-streaming synthesis sent as it is encoded")
-    pitch: float = 1.0
     stream_format: Literal["audio", "sse"] | None = Field(
         None, description="stream the audio as it is made: raw (audio) or as Server-Sent Events (sse); "
         "omitted: the whole file after synthesis")
@@ -267,7 +266,7 @@ def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
     time stretch applies to the finished audio) and a streamable format (flac writes its header last);
     other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport)."""
     synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
-    options = SynthesisOptions(stream=synth_streams, speed=body.speed, pitch=body.pitch, greedy=body.greedy, seed=body.seed)
+    options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed)
     try:
         return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
                                 instruction=body.instructions, options=options, limits=limits)

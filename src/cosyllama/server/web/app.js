@@ -381,8 +381,6 @@ function requestBody() {
   };
   const speed = Number($("speed").value || "1");
   if (speed !== 1) body.speed = speed;
-  const pitch = Number($("pitch").value || "1");
-  if (pitch !== 1) body.pitch = pitch;
   const seedText = $("seed").value.trim();
   body.seed = seedText === "" ? Math.floor(Math.random() * 2 ** 31) : Number(seedText);
   const mode = document.querySelector('input[name="mode"]:checked').value;
