@@ -121,9 +121,7 @@ class SynthesisRequest:
     def check(self) -> None:
         """Every rule that needs nothing but the request (the table in docs/architecture.md)."""
         _check_text("text", self.text, required=True)
-        if self.mode is not None and self.mode not in MODES:
-            raise RequestError("mode", f"{{mode}} must be one of {', '.join(MODES)}, got {_shown(self.mode)}",
-                               "literal_error")
+        check_mode(self.mode)
         if self.instruction is not None:
             _check_text("instruction", self.instruction, required=True,
                         empty="{instruction} is empty; give a style instruction or leave it out")
@@ -213,6 +211,12 @@ def _check_text(field: str, text, *, required: bool = False, empty: str | None =
                            "invalid_characters")
 
 
+def check_mode(mode: str | None) -> None:
+    """``mode`` is one of :data:`MODES` (or None: chosen from the request)."""
+    if mode is not None and mode not in MODES:
+        raise RequestError("mode", f"{{mode}} must be one of {', '.join(MODES)}, got {_shown(mode)}", "literal_error")
+
+
 def check_options(o: SynthesisOptions) -> None:
     """The rules of the options alone (speed, seed), as :class:`RequestError`."""
     speed = o.speed
@@ -240,4 +244,4 @@ def check_options(o: SynthesisOptions) -> None:
 
 
 __all__ = ["BATCH_NAMES", "FLAG_NAMES", "FRONTEND_MODES", "HTTP_NAMES", "MODES", "SEED_RANGE", "RequestError",
-           "SynthesisOptions", "SynthesisRequest", "check_options", "resolve_mode"]
+           "SynthesisOptions", "SynthesisRequest", "check_mode", "check_options", "resolve_mode"]

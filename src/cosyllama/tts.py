@@ -33,7 +33,7 @@ from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
 from .options import LoadOptions
-from .request import MODES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
+from .request import MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
 from .vocoder import HiFT
 from .voices import VoiceStore
 
@@ -90,8 +90,7 @@ def choose_mode(mode: str | None = None, instruction: str | None = None, has_tra
     """The synthesis mode (one of :data:`MODES`): ``mode`` when given, else instruct with an
     instruction, zero-shot with a prompt transcript, cross-lingual without one (the rule of
     :meth:`SynthesisRequest.resolve`, which a synthesis applies itself)."""
-    if mode is not None and mode not in MODES:
-        raise RequestError("mode", f"{{mode}} must be one of {', '.join(MODES)}, got {mode!r}", "literal_error")
+    check_mode(mode)
     if mode is not None:
         return mode
     return resolve_mode(None, instruction, prompt_text=has_transcript, clip=True, voice_transcript=False,
