@@ -269,3 +269,29 @@ def test_wyoming(server, case):
     e = Error.from_event(event)
     assert e.code == ("empty_text" if case == "empty text" else "invalid_input"), e
     assert CASES[case][5] in e.text or case == "empty text", e
+
+
+def test_one_http_request_checks_speed_and_characters_once(server, monkeypatch):
+    """Speed was checked three times on one HTTP request (pydantic, the route, the synthesis) and the
+    character limits twice; now the request checks each once, when it is made."""
+    import httpx
+
+    import cosyllama.request as request_module
+
+    counts = {"options": 0, "chars": 0}
+    check_options, check_chars = request_module.check_options, RequestLimits.check_chars
+
+    def counted_options(o):
+        counts["options"] += 1
+        return check_options(o)
+
+    def counted_chars(self, field, text):
+        counts["chars"] += field == "input"
+        return check_chars(self, field, text)
+
+    monkeypatch.setattr(request_module, "check_options", counted_options)
+    monkeypatch.setattr(RequestLimits, "check_chars", counted_chars)
+    r = httpx.post(f"{server.url}/v1/audio/speech", json={"input": "Hi.", "voice": "en", "speed": 1.5, "greedy": True,
+                                                           "response_format": "wav"}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert counts == {"options": 1, "chars": 1}
