@@ -33,7 +33,7 @@ from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
 from .options import LoadOptions
-from .request import MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
+from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
 from .vocoder import HiFT
 from .voices import VoiceStore
 
@@ -294,7 +294,8 @@ class TTS:
         if lim is None or not inputs or inputs[0].mode == "vc":
             return
         lim.check_tokens("input", sum(len(inp.text_ids) for inp in inputs))
-        prompt_field = {"zero_shot": "transcript", "instruct2": "instructions"}.get(inputs[0].mode)
+        prompt_field = {FRONTEND_MODES["zero-shot"]: "transcript",
+                        FRONTEND_MODES["instruct"]: "instructions"}.get(inputs[0].mode)
         if prompt_field is not None:
             lim.check_tokens(prompt_field, len(inputs[0].prompt_text_ids))
         for inp in inputs:
