@@ -150,7 +150,7 @@ def test_cli_synth_writes_wav_and_tokens(tmp_path, capsys):
 
 @pytest.mark.parametrize("extra,message", [
     (["--text", "", "--prompt-wav", "x.wav"], "--text is empty"),
-    (["--text", "Hi.", "--mode", "zero-shot"], "needs --prompt-wav"),
+    (["--text", "Hi.", "--mode", "zero-shot"], "needs a prompt: --prompt-wav"),
     (["--text", "Hi.", "--prompt-wav", "@WAV", "--mode", "zero-shot"], "needs --prompt-text"),
     (["--text", "Hi.", "--prompt-wav", "@BAD"], r"prompt audio '.*bad\.wav' is not a readable audio file"),
     (["--text", "Hi.", "--prompt-wav", "@NAN"],

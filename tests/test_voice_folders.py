@@ -180,9 +180,10 @@ def test_a_voice_with_an_instruction_speaks_instruct_unless_told_otherwise(tts, 
     view = copy.copy(tts)
     view.voices = store
     calls = []
-    monkeypatch.setattr(view, "instruct", lambda text, instruction, *a, **kw: calls.append(("instruct", instruction)))
-    monkeypatch.setattr(view, "zero_shot", lambda *a, **kw: calls.append(("zero-shot", None)))
-    monkeypatch.setattr(view, "cross_lingual", lambda *a, **kw: calls.append(("cross-lingual", None)))
+    fe = view.frontend  # TTS.run chooses the mode and calls the frontend's method for it
+    monkeypatch.setattr(fe, "instruct2", lambda text, instr, *a, **kw: calls.append(("instruct", instr)) or [])
+    monkeypatch.setattr(fe, "zero_shot", lambda *a, **kw: calls.append(("zero-shot", None)) or [])
+    monkeypatch.setattr(fe, "cross_lingual", lambda *a, **kw: calls.append(("cross-lingual", None)) or [])
     view.synthesize("Hi.", voice="bob")
     view.synthesize("Hi.", voice="bob", instruction="Whisper.")
     view.synthesize("Hi.", voice="bob", mode="instruct")

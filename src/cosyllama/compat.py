@@ -24,7 +24,8 @@ import torch
 
 from .errors import InputError
 from .options import LoadOptions
-from .tts import TTS, SynthesisOptions
+from .request import SEED_RANGE, SynthesisOptions, SynthesisRequest
+from .tts import TTS
 from .voices import VoiceStore
 
 SPKINFO_NAME = "spk2info.pt"
@@ -32,7 +33,7 @@ SPKINFO_NAME = "spk2info.pt"
 
 def _call_seed() -> int:
     """A per-call seed drawn from torch's global generator (see the module docstring)."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    return int(torch.randint(0, SEED_RANGE[1], (1,)).item())
 
 
 class CosyVoice3:
@@ -55,30 +56,30 @@ class CosyVoice3:
         for c in chunks:
             yield {"tts_speech": torch.from_numpy(c.samples).reshape(1, -1)}
 
-    def _voice(self, zero_shot_spk_id: str):
-        return zero_shot_spk_id or None
+    def _run(self, tts_text: str, mode: str, prompt_wav, zero_shot_spk_id: str, stream: bool, speed: float,
+             text_frontend: bool, prompt_text: str | None = None, instruction: str | None = None) -> Iterator[dict]:
+        """One request: a registered speaker (``zero_shot_spk_id``) replaces the clip and its transcript."""
+        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
+        if zero_shot_spk_id:
+            request = SynthesisRequest(tts_text, mode, voice=zero_shot_spk_id, instruction=instruction, options=opts)
+        else:
+            request = SynthesisRequest(tts_text, mode, prompt_wav=prompt_wav, prompt_text=prompt_text,
+                                       instruction=instruction, options=opts)
+        return self._dicts(self.tts.run(request))
 
     def inference_zero_shot(self, tts_text: str, prompt_text: str, prompt_wav, zero_shot_spk_id: str = "",
                             stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
-        if zero_shot_spk_id:
-            chunks = self.tts.zero_shot(tts_text, voice=zero_shot_spk_id, options=opts)
-        else:
-            chunks = self.tts.zero_shot(tts_text, prompt_wav, prompt_text, options=opts)
-        return self._dicts(chunks)
+        return self._run(tts_text, "zero-shot", prompt_wav, zero_shot_spk_id, stream, speed, text_frontend,
+                         prompt_text=prompt_text)
 
     def inference_cross_lingual(self, tts_text: str, prompt_wav, zero_shot_spk_id: str = "", stream: bool = False,
                                 speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
-        wav = None if zero_shot_spk_id else prompt_wav
-        return self._dicts(self.tts.cross_lingual(tts_text, wav, voice=self._voice(zero_shot_spk_id), options=opts))
+        return self._run(tts_text, "cross-lingual", prompt_wav, zero_shot_spk_id, stream, speed, text_frontend)
 
     def inference_instruct2(self, tts_text: str, instruct_text: str, prompt_wav, zero_shot_spk_id: str = "",
                             stream: bool = False, speed: float = 1.0, text_frontend: bool = True) -> Iterator[dict]:
-        opts = SynthesisOptions(stream=stream, speed=speed, text_frontend=text_frontend, seed=_call_seed())
-        wav = None if zero_shot_spk_id else prompt_wav
-        return self._dicts(self.tts.instruct(tts_text, instruct_text, wav, voice=self._voice(zero_shot_spk_id),
-                                             options=opts))
+        return self._run(tts_text, "instruct", prompt_wav, zero_shot_spk_id, stream, speed, text_frontend,
+                         instruction=instruct_text)
 
     def inference_vc(self, source_wav, prompt_wav, stream: bool = False, speed: float = 1.0) -> Iterator[dict]:
         opts = SynthesisOptions(stream=stream, speed=speed, seed=_call_seed())

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .defaults import SPEED_RANGE
 from .errors import InputError
 from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
@@ -313,16 +312,3 @@ class Token2Wav:
         a window of context (equal up to float rounding), so a chunk's cost does not grow with the
         utterance."""
         return self.hift.stream_step(st.vocoder, mel, finalize)[0].float().cpu().numpy()
-
-
-def check_speed(speed: float, stream: bool) -> float:
-    """``speed`` as a float, if it is allowed: within :data:`~cosyllama.defaults.SPEED_RANGE` and,
-    when streaming, 1.0."""
-    speed = float(speed)
-    lo, hi = SPEED_RANGE
-    if not (lo <= speed <= hi):  # NaN too
-        raise InputError(f"speed must be between {lo} and {hi}, got {speed}")
-    if stream and speed != 1.0:
-        raise InputError("speed other than 1.0 needs non-streaming synthesis (the reference only "
-                         "time-stretches the finished mel); drop --stream or use speed 1.0")
-    return speed

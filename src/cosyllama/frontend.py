@@ -33,6 +33,7 @@ from .audio import (
 from .config import PROMPT_MEL_PER_TOKEN, ModelConfig
 from .errors import InputError
 from .prompt import PromptEncoder
+from .request import FRONTEND_MODES, VC_MODE
 from .text.normalize import (
     DEFAULT_PROMPT_PREFIX,
     TextNormalizer,
@@ -42,7 +43,7 @@ from .text.normalize import (
 )
 from .text.tokenizer import ENDOFPROMPT, TextTokenizer
 
-MODES = ("zero_shot", "cross_lingual", "instruct2", "vc")
+MODES = (*FRONTEND_MODES.values(), VC_MODE)  # ModelInput.mode: request.MODES by request.FRONTEND_MODES, and "vc"
 
 
 @dataclass(frozen=True)
@@ -172,13 +173,9 @@ class Frontend:
 
         ``text_frontend=False`` skips normalization and splitting (as does ``<|…|>`` markup).
         ``russian_numbers``: Russian sentences get Russian number words (default) instead of English.
-        Raises :class:`InputError` when nothing speakable is left.
+        Raises :class:`InputError` when nothing speakable is left. The text's own rules (a string, not
+        empty, no control characters) are :class:`~cosyllama.request.SynthesisRequest`'s, checked before.
         """
-        if not isinstance(text, str):
-            raise InputError(f"text must be a str, got {type(text).__name__}")
-        if not text.strip():
-            raise InputError("text is empty; give the text to speak")
-        check_text("text", text)
         segments = self.normalizer.normalize(text, split=True, text_frontend=text_frontend,
                                              russian_numbers=russian_numbers)
         segments = [s for s in segments if s.strip()]
@@ -228,17 +225,13 @@ class Frontend:
         """Clone ``voice`` saying ``text``: the LLM continues the prompt's transcript and speech.
 
         ``voice``: a :class:`PromptFeatures` (its ``prompt_text`` is used unless ``prompt_text`` is
-        given) or a prompt audio source (then ``prompt_text`` is required). One input per segment.
+        given) or a prompt audio source (then ``prompt_text`` is required: a
+        :class:`~cosyllama.request.SynthesisRequest` has checked that there is a transcript). One input
+        per segment.
         """
         if not isinstance(voice, PromptFeatures):
-            if not prompt_text:
-                raise InputError("zero-shot needs the transcript of the prompt audio (prompt_text); "
-                                 "use cross-lingual mode for a prompt without one")
             voice = self.make_voice(voice, prompt_text)
         full_prompt = voice.prompt_text if prompt_text is None else zero_shot_prompt_text(prompt_text)
-        if full_prompt is None:
-            raise InputError("zero-shot needs a voice made with its transcript (prompt_text); "
-                             "use cross-lingual mode for a voice without one")
         prompt_ids = voice.prompt_text_ids if full_prompt == voice.prompt_text else self.tokenize(full_prompt)
         return [self._input("zero_shot", seg, voice, prompt_ids, voice.speech_tokens)
                 for seg in self.normalize_and_split(text, text_frontend, russian_numbers)]
@@ -261,7 +254,6 @@ class Frontend:
 
         The instruction replaces the transcript as LLM prompt text and is never normalized.
         """
-        check_text("instruction", instruction)
         voice = self._voice(voice)
         instruct_ids = self.tokenize(instruct_prompt_text(instruction))
         return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS)

@@ -25,8 +25,7 @@ from .audio import AudioSource
 from .config import load_config
 from .defaults import LLM_CHOICES
 from .device import resolve_device
-from .engine import AudioChunk, FlowPrompt, Token2Wav, check_speed, no_turn
-from .errors import InputError
+from .engine import AudioChunk, FlowPrompt, Token2Wav, no_turn
 from .flow import Flow
 from .frontend import Frontend, ModelInput, PromptFeatures
 from .limits import RequestLimits
@@ -34,7 +33,7 @@ from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
 from .llm.factory import choose_llm, make_llm, make_token_source
 from .options import LoadOptions
-from .request import MODES, SynthesisOptions, SynthesisRequest
+from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
 from .vocoder import HiFT
 from .voices import VoiceStore
 
@@ -89,14 +88,13 @@ def _timed(it: Iterator, acc: list[float]) -> Iterator:
 
 def choose_mode(mode: str | None = None, instruction: str | None = None, has_transcript: bool = False) -> str:
     """The synthesis mode (one of :data:`MODES`): ``mode`` when given, else instruct with an
-    instruction, zero-shot with a prompt transcript, cross-lingual without one."""
+    instruction, zero-shot with a prompt transcript, cross-lingual without one (the rule of
+    :meth:`SynthesisRequest.resolve`, which a synthesis applies itself)."""
+    check_mode(mode)
     if mode is not None:
-        if mode not in MODES:
-            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         return mode
-    if instruction is not None:
-        return "instruct"
-    return "zero-shot" if has_transcript else "cross-lingual"
+    return resolve_mode(None, instruction, prompt_text=has_transcript, clip=True, voice_transcript=False,
+                        voice_instruction=None)[0]
 
 
 class TTS:
@@ -185,62 +183,34 @@ class TTS:
         v = self.voices.get(voice) if isinstance(voice, str) else voice
         return self.token2wav.warm_prompt(self._to_flow_prompt(v.speech_tokens, v.prompt_feat, v.speaker_embedding))
 
-    def _voice(self, voice: PromptFeatures | str | None,
-               prompt_wav: AudioSource | None) -> PromptFeatures | AudioSource:
-        """The registered or given voice, else the prompt clip; the frontend turns a clip into a
-        voice (and checks what each mode needs of it)."""
-        if voice is not None and prompt_wav is not None:
-            raise InputError("give either a voice or a prompt_wav, not both")
-        if isinstance(voice, str):
-            return self.voices.get(voice)
-        if voice is None and prompt_wav is None:
-            raise InputError("this mode needs a prompt: give prompt_wav (a 16 kHz+ clip up to 30 s) "
-                             "or a registered voice")
-        return voice if voice is not None else prompt_wav
-
-    # -- modes ------------------------------------------------------------------------------------
+    # -- modes: each builds a SynthesisRequest and runs it ----------------------------------------
 
     def zero_shot(self, text: str, prompt_wav: AudioSource | None = None, prompt_text: str | None = None, *,
                   voice: PromptFeatures | str | None = None, options: SynthesisOptions | None = None,
                   **kw) -> Synthesis:
         """Clone the prompt's voice saying ``text``; the LLM continues the prompt's transcript."""
-        opts = self._options(options, kw)
-        self._check_chars(text, transcript=prompt_text)
-        t0 = time.perf_counter()
-        inputs = self.frontend.zero_shot(text, self._voice(voice, prompt_wav), prompt_text,
-                                         text_frontend=opts.text_frontend, russian_numbers=opts.russian_numbers)
-        return self._run(inputs, opts, time.perf_counter() - t0)
+        return self.run(SynthesisRequest(text, "zero-shot", voice, prompt_wav, prompt_text,
+                                         options=self._options(options, kw)))
 
     def cross_lingual(self, text: str, prompt_wav: AudioSource | None = None, *,
                       voice: PromptFeatures | str | None = None, options: SynthesisOptions | None = None,
                       **kw) -> Synthesis:
         """Speak ``text`` (any language) in the prompt's voice, without its transcript."""
-        opts = self._options(options, kw)
-        self._check_chars(text)
-        t0 = time.perf_counter()
-        v = self._voice(voice, prompt_wav)
-        inputs = self.frontend.cross_lingual(text, v, text_frontend=opts.text_frontend,
-                                             russian_numbers=opts.russian_numbers)
-        return self._run(inputs, opts, time.perf_counter() - t0)
+        return self.run(SynthesisRequest(text, "cross-lingual", voice, prompt_wav, options=self._options(options, kw)))
 
-    def instruct(self, text: str, instruction: str, prompt_wav: AudioSource | None = None, *,
+    def instruct(self, text: str, instruction: str | None, prompt_wav: AudioSource | None = None, *,
                  voice: PromptFeatures | str | None = None, options: SynthesisOptions | None = None,
                  **kw) -> Synthesis:
-        """Speak ``text`` in the prompt's voice following ``instruction`` (CosyVoice3 instruct2)."""
-        opts = self._options(options, kw)
-        if not instruction or not instruction.strip():
-            raise InputError("instruct mode needs a non-empty instruction")
-        self._check_chars(text, instructions=instruction)
-        t0 = time.perf_counter()
-        v = self._voice(voice, prompt_wav)
-        inputs = self.frontend.instruct2(text, instruction, v, text_frontend=opts.text_frontend,
-                                         russian_numbers=opts.russian_numbers)
-        return self._run(inputs, opts, time.perf_counter() - t0)
+        """Speak ``text`` in the prompt's voice following ``instruction`` (CosyVoice3 instruct2; None:
+        the voice's own instruction)."""
+        return self.run(SynthesisRequest(text, "instruct", voice, prompt_wav, instruction=instruction,
+                                         options=self._options(options, kw)))
 
     def voice_conversion(self, source_wav: AudioSource, prompt_wav: AudioSource, *,
                          options: SynthesisOptions | None = None, **kw) -> Synthesis:
         """Re-render the speech of ``source_wav`` in the voice of ``prompt_wav`` (no LLM)."""
         opts = self._options(options, kw)
+        check_options(opts)
         t0 = time.perf_counter()
         inp = self.frontend.vc(source_wav, prompt_wav)
         return self._run([inp], opts, time.perf_counter() - t0)
@@ -248,34 +218,34 @@ class TTS:
     def synthesize(self, text: str, *, mode: str | None = None, instruction: str | None = None,
                    voice: PromptFeatures | str | None = None, prompt_wav: AudioSource | None = None,
                    prompt_text: str | None = None, options: SynthesisOptions | None = None, **kw) -> Synthesis:
-        """One of the three text modes, chosen by :func:`choose_mode` when ``mode`` is None: instruct
-        with an ``instruction`` (or a voice that has one, e.g. from a voice folder's
+        """One of the three text modes, chosen as :meth:`SynthesisRequest.resolve` says when ``mode``
+        is None: instruct with an ``instruction`` (or a voice that has one, e.g. from a voice folder's
         ``instruct.txt``: an ``instruction`` given replaces it), zero-shot when the voice (or
         ``prompt_text``) has a transcript, else cross-lingual."""
-        if mode is None or (mode == "instruct" and instruction is None):
-            v = self.voices.get(voice) if isinstance(voice, str) else voice
-            if instruction is None:
-                instruction = getattr(v, "instruction", None)
-        if mode is None:
-            has_text = bool(prompt_text) or bool(getattr(v, "prompt_text", None))
-            mode = choose_mode(None, instruction, has_text)
-        else:
-            mode = choose_mode(mode)
-        if mode == "instruct":
-            return self.instruct(text, instruction, prompt_wav, voice=voice, options=options, **kw)
-        if mode == "zero-shot":
-            return self.zero_shot(text, prompt_wav, prompt_text, voice=voice, options=options, **kw)
-        return self.cross_lingual(text, prompt_wav, voice=voice, options=options, **kw)
+        return self.run(SynthesisRequest(text, mode, voice, prompt_wav, prompt_text, instruction,
+                                         options=self._options(options, kw)))
 
     def run(self, request: SynthesisRequest, *, cancel=None) -> Synthesis:
-        """Synthesize ``request`` (every front door comes through here). ``cancel``: a
-        :class:`~cosyllama.llm.scheduler.CancelToken` whose ``cancel()`` stops the synthesis and frees
-        its LLM sequence at once (from any thread)."""
+        """Synthesize ``request`` (every front door comes through here): its voice looked up, its
+        mode resolved (:meth:`SynthesisRequest.resolve`), the frontend's inputs made for that mode.
+        ``cancel``: a :class:`~cosyllama.llm.scheduler.CancelToken` whose ``cancel()`` stops the
+        synthesis and frees its LLM sequence at once (from any thread)."""
         r = request
-        syn = self.synthesize(r.text, mode=r.mode, instruction=r.instruction, voice=r.voice, prompt_wav=r.prompt_wav,
-                              prompt_text=r.prompt_text, options=r.options)
-        syn._cancel = cancel
-        return syn
+        if self.limits is not None and r.limits != self.limits:  # checked once: against this TTS's limits
+            r = replace(r, limits=self.limits)
+        voice = self.voices.get(r.voice) if isinstance(r.voice, str) else r.voice
+        mode, instruction = r.resolve(voice if r.prompt_wav is None else None)
+        opts = r.options
+        t0 = time.perf_counter()
+        v = voice if voice is not None else r.prompt_wav
+        how = {"text_frontend": opts.text_frontend, "russian_numbers": opts.russian_numbers}
+        if mode == "zero-shot":
+            inputs = self.frontend.zero_shot(r.text, v, r.prompt_text, **how)
+        elif mode == "instruct":
+            inputs = self.frontend.instruct2(r.text, instruction, v, **how)
+        else:
+            inputs = self.frontend.cross_lingual(r.text, v, **how)
+        return self._run(inputs, opts, time.perf_counter() - t0, cancel=cancel)
 
     # -- the shared path ----------------------------------------------------------------------------
 
@@ -287,7 +257,6 @@ class TTS:
                 raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; allowed: "
                                 f"{', '.join(SynthesisOptions.__dataclass_fields__)}")
             opts = replace(opts, **kw)
-        check_speed(opts.speed, opts.stream)
         return opts
 
     def _flow_prompt(self, inp: ModelInput) -> FlowPrompt:
@@ -318,11 +287,6 @@ class TTS:
             if flt.keep(tok):
                 yield tok
 
-    def _check_chars(self, text: str, instructions: str | None = None, transcript: str | None = None) -> None:
-        if self.limits is not None:
-            for name, value in (("input", text), ("instructions", instructions), ("transcript", transcript)):
-                self.limits.check_chars(name, value if isinstance(value, str) else None)
-
     def _check_tokens(self, inputs: list[ModelInput], opts: SynthesisOptions) -> None:
         """Refuse, before any LLM work, inputs over the token limits or a segment whose sequence
         (prompt + the speech tokens it may decode) is over the per-sequence budget."""
@@ -330,7 +294,8 @@ class TTS:
         if lim is None or not inputs or inputs[0].mode == "vc":
             return
         lim.check_tokens("input", sum(len(inp.text_ids) for inp in inputs))
-        prompt_field = {"zero_shot": "transcript", "instruct2": "instructions"}.get(inputs[0].mode)
+        prompt_field = {FRONTEND_MODES["zero-shot"]: "transcript",
+                        FRONTEND_MODES["instruct"]: "instructions"}.get(inputs[0].mode)
         if prompt_field is not None:
             lim.check_tokens(prompt_field, len(inputs[0].prompt_text_ids))
         for inp in inputs:
@@ -338,10 +303,10 @@ class TTS:
             n_new = opts.max_tokens if opts.max_tokens is not None else MAX_LEN_RATIO * len(inp.text_ids)
             lim.check_sequence(n_prompt, n_new, inp.text)
 
-    def _run(self, inputs: list[ModelInput], opts: SynthesisOptions, frontend_s: float) -> Synthesis:
+    def _run(self, inputs: list[ModelInput], opts: SynthesisOptions, frontend_s: float, cancel=None) -> Synthesis:
         self._check_tokens(inputs, opts)
         timings = Timings(frontend=frontend_s)
-        return Synthesis(self._generate(inputs, opts, timings), timings)
+        return Synthesis(self._generate(inputs, opts, timings), timings, cancel)
 
     def _generate(self, inputs: list[ModelInput], opts: SynthesisOptions, timings: Timings) -> Iterator[AudioChunk]:
         start = time.perf_counter()

@@ -151,7 +151,7 @@ class RowSynthesizer:
     def run(self, row: Row, cancel=None) -> dict | None:
         """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
         from ..llm.scheduler import CancelToken, RequestCancelled
-        from ..tts import SynthesisOptions
+        from ..request import SynthesisRequest
 
         cancel = cancel or CancelToken()
         t0 = time.perf_counter()
@@ -159,13 +159,8 @@ class RowSynthesizer:
             with cancel.bound():
                 voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
                 voice_s = time.perf_counter() - t0
-                opts = SynthesisOptions(speed=row.speed, greedy=row.greedy, seed=row.seed)
-                if row.mode == "zero-shot":
-                    syn = self.tts.zero_shot(row.text, voice=voice, options=opts)
-                elif row.mode == "cross-lingual":
-                    syn = self.tts.cross_lingual(row.text, voice=voice, options=opts)
-                else:
-                    syn = self.tts.instruct(row.text, row.instructions, voice=voice, options=opts)
+                syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
+                                                    options=row.options()))
                 audio = syn.audio()
             t1 = time.perf_counter()
             nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt)

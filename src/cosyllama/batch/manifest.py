@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..defaults import SPEED_RANGE
 from ..errors import InputError
+from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
-MODES = ("zero-shot", "cross-lingual", "instruct")
 FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed")
 REQUIRED = ("id", "text", "mode")
-MAX_SEED = 2**31 - 1
+MISSING_TEXT = "(no text)"  # what a row without text is checked with, so its other problems are said too
 # A file name on every filesystem: no separators, no leading dot (temporary files start with one).
 _ID_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
 
@@ -43,6 +41,10 @@ class Row:
     greedy: bool = False
     speed: float = 1.0
     digest: str = ""  # of the row's JSON as written: a changed row is not "already done"
+
+    def options(self) -> SynthesisOptions:
+        """The row's synthesis options."""
+        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed)
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in ("line", *FIELDS, "digest")}, ensure_ascii=False)
@@ -77,14 +79,12 @@ def _digest(obj: dict) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = None,
               voice_transcripts: dict[str, bool] | None = None) -> Row | BadRow:
-    """Check one parsed line. ``voices``: the registered voice ids (None: not checked);
-    ``voice_transcripts``: which of them have a transcript (zero-shot needs one)."""
+    """Check one parsed line: its JSON shape here, the synthesis rules by building its
+    :class:`~cosyllama.request.SynthesisRequest` (each problem in the row's field names). ``voices``:
+    the registered voice ids (None: not checked); ``voice_transcripts``: which of them have a
+    transcript (zero-shot needs one)."""
     if not isinstance(obj, dict):
         return BadRow(line, None, f"a row must be a JSON object, got {type(obj).__name__}")
     problems: list[str] = []
@@ -103,31 +103,20 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
         if f not in obj:
             problems.append(f"missing field {f!r}")
 
-    text = obj.get("text")
-    if "text" in obj and (not isinstance(text, str) or not text.strip()):
-        problems.append("text must be a non-empty string")
-    mode = obj.get("mode")
-    if "mode" in obj and mode not in MODES:
-        problems.append(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    text, mode = obj.get("text"), obj.get("mode")
 
-    def opt_str(name: str) -> str | None:
+    def opt_str(name: str, non_empty: bool = True) -> str | None:
         v = obj.get(name)
-        if v is not None and (not isinstance(v, str) or not v.strip()):
-            problems.append(f"{name} must be a non-empty string")
+        if v is not None and (not isinstance(v, str) or (non_empty and not v.strip())):
+            problems.append(f"{name} must be a {'non-empty ' if non_empty else ''}string")
             return None
         return v
 
     voice, prompt_wav = opt_str("voice"), opt_str("prompt_wav")
-    prompt_text, instructions = opt_str("prompt_text"), opt_str("instructions")
-    if obj.get("voice") is not None and obj.get("prompt_wav") is not None:
-        problems.append("give either 'voice' or 'prompt_wav', not both")
-    elif obj.get("voice") is None and obj.get("prompt_wav") is None:
-        problems.append("missing the speaker: give 'voice' (a registered voice) or 'prompt_wav' (a clip)")
+    prompt_text, instructions = opt_str("prompt_text", False), opt_str("instructions", False)
     if voice is not None and voices is not None and voice not in voices:
         problems.append(f"unknown voice {voice!r}; " + (f"registered voices: {', '.join(sorted(voices))}"
                                                         if voices else "no voices were given (use --voices)"))
-    if voice is not None and prompt_text is not None:
-        problems.append("prompt_text goes with prompt_wav; a registered voice keeps its own transcript")
     if prompt_wav is not None:
         p = Path(prompt_wav).expanduser()
         p = p if p.is_absolute() else base_dir / p
@@ -135,32 +124,29 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
             problems.append(f"prompt_wav {prompt_wav!r} does not exist" +
                             ("" if Path(prompt_wav).is_absolute() else f" (relative to {base_dir})"))
         prompt_wav = str(p)
-    if mode == "zero-shot":
-        if obj.get("prompt_wav") is not None and obj.get("prompt_text") is None:
-            problems.append("zero-shot needs prompt_text (the transcript of prompt_wav); "
-                            "use mode cross-lingual without one")
-        if voice is not None and voice_transcripts is not None and voice in voice_transcripts \
-                and not voice_transcripts[voice]:
-            problems.append(f"voice {voice!r} has no transcript, which zero-shot needs; use mode cross-lingual")
-    if mode == "instruct" and obj.get("instructions") is None:
-        problems.append("instruct mode needs 'instructions'")
-    if mode in MODES and mode != "instruct" and obj.get("instructions") is not None:
-        problems.append(f"'instructions' are for mode instruct, not {mode}")
-
-    seed = obj.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
-        problems.append(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
     greedy = obj.get("greedy", False)
     if greedy is None:
         greedy = False
     if not isinstance(greedy, bool):
         problems.append(f"greedy must be true or false, got {greedy!r}")
-    speed = obj.get("speed", 1.0)
-    if speed is None:
-        speed = 1.0
-    if (isinstance(speed, bool) or not isinstance(speed, (int, float)) or not math.isfinite(speed)
-            or not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]):
-        problems.append(f"speed must be a number from {SPEED_RANGE[0]} to {SPEED_RANGE[1]}, got {speed!r}")
+    # the synthesis rules are the request's (cosyllama.request); the options' each on their own, so that a
+    # row hears of all of them, then the rest
+    seed, speed = obj.get("seed"), obj.get("speed", 1.0)
+    speed = 1.0 if speed is None else speed
+    for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed)):
+        try:
+            check_options(one)
+        except RequestError as e:
+            problems.append(e.render(BATCH_NAMES))
+    try:
+        # a missing text is said above; the rest of the row is still checked
+        request = SynthesisRequest(text if "text" in obj else MISSING_TEXT, mode, voice=voice, prompt_wav=prompt_wav,
+                                   prompt_text=prompt_text, instruction=instructions)
+        if voice is not None and voice_transcripts is not None and voice in voice_transcripts:
+            resolve_mode(request.mode, request.instruction, prompt_text=bool(prompt_text), clip=False,
+                         voice_transcript=voice_transcripts[voice], voice_instruction=None, instruction_known=False)
+    except RequestError as e:
+        problems.append(e.render(BATCH_NAMES))
 
     if problems:
         return BadRow(line, rid, "; ".join(problems))

@@ -13,6 +13,7 @@ from ..audio_out import WAV_SUBTYPES, write_wav
 from ..defaults import LLM_CHOICES, SPEED_RANGE
 from ..errors import InputError
 from ..progress import to_stderr
+from ..request import MODES, RequestError, SynthesisOptions, SynthesisRequest
 from .flags import add_gpu_options, add_llm_weights_option, add_precision_option, add_threads_option
 
 
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
     s.add_argument("--prompt-wav", help="prompt audio (wav/flac/ogg/mp3), up to 30 s")
     s.add_argument("--prompt-text", help="transcript of the prompt audio")
     s.add_argument("--instruct", help="instruction for instruct mode (e.g. 'Speak slowly.')")
-    s.add_argument("--mode", choices=["zero-shot", "cross-lingual", "instruct"], default=None,
+    s.add_argument("--mode", choices=MODES, default=None,
                    help="default: instruct if --instruct, zero-shot if --prompt-text, else cross-lingual")
     s.add_argument("--llm", choices=LLM_CHOICES, default=None,
                    help="LLM backend (default: llamacpp when --gguf is given, else torch)")
@@ -59,22 +60,20 @@ def check_out_path(path: str | Path) -> Path:
 
 
 def run(args, progress: Callable[[str], None] = to_stderr) -> int:
-    """One synthesis: check every argument, load, synthesize, write ``--out``, report timings."""
-    from ..tts import TTS, SynthesisOptions, choose_mode
+    """One synthesis: check every argument (the request's rules, said with the flags), load, synthesize,
+    write ``--out``, report timings."""
+    from ..tts import TTS
     from .options import load_options
 
-    if not args.text or not args.text.strip():
-        raise InputError("--text is empty; give the text to speak")
-    mode = choose_mode(args.mode, args.instruct, bool(args.prompt_text))
+    try:
+        request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
+                                   instruction=args.instruct,
+                                   options=SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy,
+                                                            seed=args.seed))
+    except RequestError as e:
+        raise e.as_flag() from None
     options = load_options(args)
     llm = options.llm
-    if args.prompt_wav is None:
-        raise InputError(f"{mode} mode needs --prompt-wav (a 16 kHz+ clip of the voice, up to 30 s)")
-    if mode == "zero-shot" and not args.prompt_text:
-        raise InputError("zero-shot mode needs --prompt-text (the transcript of --prompt-wav); "
-                         "use --mode cross-lingual without one")
-    if mode == "instruct" and not args.instruct:
-        raise InputError("instruct mode needs --instruct TEXT")
     if not Path(args.prompt_wav).is_file():
         raise InputError(f"prompt audio {args.prompt_wav!r} does not exist")
     if args.gguf and not Path(args.gguf).is_file():
@@ -91,9 +90,10 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     for line in tts_path(tts, args.precision, args.threads).lines():
         progress(line)
 
-    opts = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed)
-    syn = tts.synthesize(args.text, mode=mode, instruction=args.instruct, prompt_wav=args.prompt_wav,
-                         prompt_text=args.prompt_text if mode == "zero-shot" else None, options=opts)
+    try:
+        syn = tts.run(request)
+    except RequestError as e:
+        raise e.as_flag() from None
 
     t1 = time.perf_counter()
     parts = []

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import BackendBusyError, CosyllamaError, InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import SchedulerBusyError
+from ..request import HTTP_NAMES, RequestError
 from ..voices import NAMED_IDS, SHOWN_ID_CHARS, UnknownVoiceError
 from .common import ApiError, busy, error_body
 from .serving import INTERNAL_ERROR
@@ -28,6 +29,8 @@ def synthesis_error(e: Exception) -> ApiError:
         return busy(str(e))
     if isinstance(e, LimitExceeded):
         return limit_error(e)
+    if isinstance(e, RequestError):  # a synthesis rule, said in the HTTP body's field names
+        return ApiError(422, e.render(HTTP_NAMES), param=e.name(HTTP_NAMES), code=e.code)
     if isinstance(e, UnknownVoiceError):  # removed since the request was checked
         return ApiError(404, str(e), "not_found_error", param="voice", code="voice_not_found")
     if isinstance(e, InputError):

@@ -46,9 +46,8 @@ from ..errors import InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..memory import trim_heap
-from ..text.normalize import text_problem
-from ..tts import MODES
-from ..voices import check_voice_id, describe_ids, show_id, unknown_voice
+from ..request import MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
+from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import ApiError, client_gone, error_body, gate
 from .errors import synthesis_error
 from .wire import (
@@ -124,14 +123,13 @@ class SpeechRequest(BaseModel):
     model: str | None = Field(None, description="accepted for OpenAI compatibility; ignored")
     response_format: Literal[FORMATS] = Field(DEFAULT_FORMAT, description="mp3 (OpenAI's default); wav and pcm: "
                                               "16-bit, 24 kHz mono; a streamed flac is the whole file")
-    speed: float = Field(1.0, ge=SPEED_RANGE[0], le=SPEED_RANGE[1], allow_inf_nan=False,
-                         description="time stretch of the finished audio; a stream of it is non-streaming "
-                         "synthesis sent as it is encoded")
+    speed: float = Field(1.0, description=f"time stretch of the finished audio, {SPEED_RANGE[0]} to "
+                         f"{SPEED_RANGE[1]}; a stream of it is non-streaming synthesis sent as it is encoded")
     stream_format: Literal["audio", "sse"] | None = Field(
         None, description="stream the audio as it is made: raw (audio) or as Server-Sent Events (sse); "
         "omitted: the whole file after synthesis")
     stream: bool = Field(False, description="true: the same as stream_format 'audio' (the older field)")
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
+    seed: int | None = Field(None, description=f"{SEED_RANGE[0]} to {SEED_RANGE[1]}: reproducible sampling")
     greedy: bool = False
     instructions: str | None = Field(None, description="style instruction: selects instruct mode")
     mode: Literal[MODES] | None = Field(
@@ -140,17 +138,6 @@ class SpeechRequest(BaseModel):
 
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, CustomVoice) else self.voice
-
-    def synthesis_mode(self) -> str | None:
-        """The mode asked for (None: chosen by ``tts.synthesize``), checked against instructions."""
-        if self.mode is None:
-            return None
-        if (self.mode == "instruct") != (self.instructions is not None):
-            need = "needs instructions" if self.mode == "instruct" else "takes no instructions"
-            raise ApiError(422, f"mode {self.mode!r} {need}; give instructions with mode 'instruct' only "
-                           "(or leave mode out)", param="instructions" if self.mode == "instruct" else "mode",
-                           code="conflicting_fields")
-        return self.mode
 
     def streaming(self) -> str | None:
         """How the audio is sent: None (the whole file), "audio" or "sse"."""
@@ -171,25 +158,19 @@ class _Job:
     request's speed or format needs the finished audio (then its segments are encoded as they come).
     """
 
-    def __init__(self, tts, req: SpeechRequest, streaming: str | None, voice: str):
-        self.tts, self.req, self.voice = tts, req, voice
+    def __init__(self, tts, request: SynthesisRequest, streaming: str | None, response_format: str):
+        self.tts, self.request, self.response_format = tts, request, response_format
         self.token = CancelToken()
         self.lock = threading.Lock()
         self.syn = None
         self.streaming = streaming
-        self.synth_streams = streaming is not None and req.response_format in STREAMABLE and req.speed == 1.0
         self.encoder = None
 
     def open(self) -> None:
-        from ..tts import SynthesisOptions
-
-        r, tts = self.req, self.tts
-        opts = SynthesisOptions(stream=self.synth_streams, speed=r.speed, greedy=r.greedy, seed=r.seed)
         with self.lock, self.token.bound():
-            self.syn = tts.synthesize(r.input, mode=r.mode, instruction=r.instructions, voice=self.voice,
-                                      options=opts)
+            self.syn = self.tts.run(self.request, cancel=self.token)
             if self.streaming:
-                self.encoder = StreamEncoder(r.response_format, tts.sample_rate)
+                self.encoder = StreamEncoder(self.response_format, self.tts.sample_rate)
 
     def next(self) -> np.ndarray | None:
         """The next chunk's samples (float32), or None at the end."""
@@ -213,8 +194,8 @@ class _Job:
         """Token counts, as OpenAI reports them: ``input_tokens`` counts the text tokens of
         ``input`` and ``instructions`` as given (before normalization), ``output_tokens`` the
         speech tokens the LLM made (after the silent-token filter)."""
-        r, tokenize = self.req, self.tts.frontend.tokenize
-        n_in = len(tokenize(r.input)) + (len(tokenize(r.instructions)) if r.instructions else 0)
+        r, tokenize = self.request, self.tts.frontend.tokenize
+        n_in = len(tokenize(r.text)) + (len(tokenize(r.instruction)) if r.instruction else 0)
         n_out = sum(len(t) for t in self.syn.timings.tokens)
         return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
 
@@ -243,58 +224,54 @@ def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
                     + "; add one with POST /v1/voices", "not_found_error", param="voice", code="voice_not_found")
 
 
-async def voice_of(tts, names: VoiceNames, name: str) -> str:
-    """The registered voice a request's ``name`` speaks with: 422 for an empty name, 404 for one that
-    is not registered and not mapped (the store may read a file or make a folder's voice: off the
-    event loop)."""
+async def voice_of(tts, names: VoiceNames, name: str):
+    """The registered voice a request's ``name`` speaks with, its features (a
+    :class:`~cosyllama.frontend.PromptFeatures`): 422 for an empty name, 404 for one that is not
+    registered and not mapped (the store may read a file or make a folder's voice: off the event loop)."""
     if isinstance(name, str) and not name.strip():
         raise ApiError(422, "voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
                        param="voice", code="empty_string")
-    return await run_in_threadpool(_voice_id, tts.voices, names, name)
+    return await run_in_threadpool(_voice, tts.voices, names, name)
 
 
-def _check_text(name: str, text: str | None) -> None:
-    problem = None if text is None else text_problem(text)
-    if problem is not None:
-        raise ApiError(422, f"{name} {problem}", param=name, code="invalid_characters")
-
-
-def check_input(body: SpeechRequest, limits) -> None:
-    """The ``input`` checks before any work (``limits``: the :class:`~cosyllama.limits.RequestLimits`);
-    tokens and the LLM budget are checked after the frontend (in ``tts.synthesize``)."""
-    try:
-        limits.check_chars("input", body.input)
-    except LimitExceeded as e:
-        raise synthesis_error(e) from e
-    if not body.input.strip():
-        raise ApiError(422, "input is empty; give some text to speak", param="input", code="empty_string")
-    _check_text("input", body.input)
-
-
-async def check_request(body: SpeechRequest, state) -> tuple[str | None, str]:
-    """The checks of everything but ``input`` before any work (instructions, mode, format, voice),
-    as :class:`ApiError`, with the app's ``speech_defaults`` filled in; ``state``: the app's state
-    (tts, limits, voice names). Returns :meth:`SpeechRequest.streaming` and the registered voice the
-    request speaks with. Shared with ``/v1/audio/speech/stream`` (:mod:`cosyllama.server.speech_stream`)."""
-    try:
-        state.limits.request.check_chars("instructions", body.instructions)
-    except LimitExceeded as e:
-        raise synthesis_error(e) from e
-    if body.instructions is not None and not body.instructions.strip():
-        raise ApiError(422, "instructions is empty; give a style instruction or leave the field out",
-                       param="instructions", code="empty_string")
-    _check_text("instructions", body.instructions)
-    body.synthesis_mode()
+async def check_request(body: SpeechRequest, state, text: str | None = None) -> tuple[str | None, SynthesisRequest]:
+    """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
+    ``response_format`` aac, the voice's name), the app's ``speech_defaults`` filled in, then the
+    one :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as
+    :class:`ApiError` (422 naming the field, 413 over a limit); ``state``: the app's state (tts,
+    limits, voice names); ``text``: instead of ``body.input`` (a streamed session's sentence).
+    Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
+    (:mod:`cosyllama.server.speech_stream`)."""
     for name, value in state.speech_defaults.items():
         if name not in body.model_fields_set:
             setattr(body, name, value)
+    streaming = body.streaming()
     if body.response_format == "aac" and not aac_available():
         log.warning("a request for aac: %s", AAC_HINT)
         formats = ", ".join(f for f in FORMATS if f != "aac")
         raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
                        param="response_format", code="unsupported_value")
+    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits.request, text)
     voice = await voice_of(state.tts, state.voice_names, body.voice_name())
-    return body.streaming(), voice
+    try:
+        return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
+    except RequestError as e:
+        raise synthesis_error(e) from None
+
+
+def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
+                      text: str | None = None) -> SynthesisRequest:
+    """The :class:`~cosyllama.request.SynthesisRequest` of ``body`` spoken by ``voice`` (a name, or
+    its features), checked against ``limits``. Synthesis streams only when the stream can carry it: ``speed`` 1 (the
+    time stretch applies to the finished audio) and a streamable format (flac writes its header last);
+    other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport)."""
+    synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
+    options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed)
+    try:
+        return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
+                                instruction=body.instructions, options=options, limits=limits)
+    except (RequestError, LimitExceeded) as e:
+        raise synthesis_error(e) from None
 
 
 router = APIRouter()
@@ -302,11 +279,10 @@ router = APIRouter()
 
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
-    tts, limits = request.app.state.tts, request.app.state.limits
-    check_input(body, limits.request)
-    streaming, voice = await check_request(body, request.app.state)
+    tts = request.app.state.tts
+    streaming, synthesis = await check_request(body, request.app.state)
     g = gate(request.app)
-    job = _Job(tts, body, streaming, voice)
+    job = _Job(tts, synthesis, streaming, body.response_format)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
     try:
         admitted = await g.acquire(gone=watcher)
@@ -356,6 +332,15 @@ async def speech(body: SpeechRequest, request: Request):
         if not handed_off:
             with anyio.CancelScope(shield=True):
                 await cleanup()
+
+
+def _voice(voices, names: VoiceNames, name: str):
+    """The features of the registered voice a request's ``name`` speaks with, or 404."""
+    voice_id = _voice_id(voices, names, name)
+    try:
+        return voices.get(voice_id)
+    except UnknownVoiceError:  # removed meanwhile
+        raise unknown_voice_error(voice_id, voices.ids()) from None
 
 
 def _voice_id(voices, names: VoiceNames, name: str) -> str:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import anyio
@@ -51,7 +51,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from ..limits import LimitExceeded
 from ..llm.scheduler import RequestCancelled
-from .common import gate
+from ..request import HTTP_NAMES, RequestError, SynthesisRequest
+from .common import ApiError, gate
 from .conn import ConnectionLimits
 from .errors import describe_invalid, limit_error, synthesis_error
 from .serving import SentenceStream
@@ -62,6 +63,8 @@ log = logging.getLogger("cosyllama.server")
 
 PATH = "/v1/audio/speech/stream"
 CHANNELS = 1
+CONFIG_TEXT = "config"  # the text session.config is checked with: each sentence's own is checked as it comes
+STREAM_NAMES = {**HTTP_NAMES, "text": "text"}  # the text comes in input.text messages
 MESSAGE_SLACK_BYTES = 16 * 1024  # a message's JSON around its text (the config's other fields)
 # WebSocket close codes (RFC 6455, 7.4.1)
 CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, CLOSE_FAILED, CLOSE_BUSY = 1000, 1008, 1009, 1011, 1013
@@ -115,7 +118,7 @@ class _Sentence:
     text: str
     request: SpeechRequest  # the session's config when the sentence was queued
     streaming: str | None
-    voice: str  # the registered voice the config's voice name speaks with
+    synthesis: SynthesisRequest  # what the config asks for (its text: CONFIG_TEXT), checked
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class _Session:
         self.max_bytes = message_bytes(self.limits)
         self.config: SpeechRequest | None = None
         self.streaming: str | None = None
-        self.voice: str | None = None
+        self.synthesis: SynthesisRequest | None = None
         self.text = SentenceStream(self.limits)
         self.utterance = 0  # the open utterance's index
         self.n_queued = 0  # its sentences so far
@@ -281,13 +284,14 @@ class _Session:
             request = SpeechRequest.model_validate({**fields, "input": ""})
         except ValidationError as e:
             raise Refusal(*_invalid(e)) from None
-        streaming, voice = await check_request(request, self.ws.app.state)  # as POST /v1/audio/speech checks it
-        self.config, self.streaming, self.voice = request, streaming, voice
+        # as POST /v1/audio/speech checks it, with a stand-in text: each sentence is checked as it comes
+        streaming, synthesis = await check_request(request, self.ws.app.state, text=CONFIG_TEXT)
+        self.config, self.streaming, self.synthesis = request, streaming, synthesis
         self.text.whole = config.split_granularity == "none"
 
     def _queue(self, sentence: str) -> None:
         self.work.put_nowait(_Sentence(self.utterance, self.n_queued, sentence, self.config, self.streaming,
-                                       self.voice))
+                                       self.synthesis))
         self.n_queued += 1
 
     # -- the speaker --------------------------------------------------------------------------
@@ -320,8 +324,9 @@ class _Session:
 
     async def _sentence(self, item: _Sentence) -> None:
         rate = self.tts.sample_rate
-        request = item.request.model_copy(update={"input": item.text})
-        job = self.job = _Job(self.tts, request, item.streaming, item.voice)
+        request = item.request
+        job = self.job = _Job(self.tts, replace(item.synthesis, text=item.text), item.streaming,
+                              request.response_format)
         start = {"type": "audio.start", "utterance_index": item.utterance, "sentence_index": item.index,
                  "sentence_text": item.text, "format": request.response_format, "sample_rate": rate,
                  "channels": CHANNELS}
@@ -398,6 +403,8 @@ def _error(e: BaseException) -> tuple[dict, int]:
         return {"type": "error", "message": e.message, "code": e.code, "param": e.param}, e.close
     if isinstance(e, LimitExceeded) and e.field in ("input", "session", "sequence"):
         err = limit_error(e, param="text")  # the text came in input.text messages
+    elif isinstance(e, RequestError) and e.field == "text":
+        err = ApiError(422, e.render(STREAM_NAMES), param="text", code=e.code)
     else:
         err = synthesis_error(e)  # logs a failure of the server
     if err.status >= 500 and err.status != 503:

@@ -57,6 +57,7 @@ from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDepend
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
 from ..memory import trim_heap
+from ..request import SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest, check_options
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
@@ -116,6 +117,8 @@ def error_event(e: BaseException) -> Event:
         code = "limit_exceeded"
     elif isinstance(e, (ServerBusyError, SchedulerBusyError, BackendBusyError)):
         code = "busy"
+    elif isinstance(e, RequestError):  # a synthesis rule; the Wyoming event's field is text
+        code = "empty_text" if e.code == "empty_string" and e.field == "text" else "invalid_input"
     elif isinstance(e, InputError):
         code = "invalid_input"
     elif isinstance(e, CosyllamaError):
@@ -138,11 +141,10 @@ class WyomingService:
 
     def __init__(self, serving, gate: Gate, *, default_voice: str | None = None, options=None,
                  connection_limits: ConnectionLimits | None = None):
-        from ..tts import SynthesisOptions
-
         self.serving, self.tts, self.gate = serving, serving.tts, gate
         self.default_voice = default_voice
         self.options = replace(options or SynthesisOptions(), stream=True)
+        check_options(self.options)  # e.g. a speed, which streaming synthesis cannot make: refused at start
         self.limits = connection_limits if connection_limits is not None else ConnectionLimits()
         self.caps = event_caps(serving.limits)
         self.executor = ThreadPoolExecutor(serving.max_concurrent + 2, thread_name_prefix="cosyllama-wyoming")
@@ -245,15 +247,15 @@ class _Job:
     """``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
     cancel token frees the LLM sequence without waiting for that chunk."""
 
-    def __init__(self, tts, text: str, voice, options):
-        self.tts, self.text, self.voice, self.options = tts, text, voice, options
+    def __init__(self, tts, request: SynthesisRequest):
+        self.tts, self.request = tts, request
         self.token = CancelToken()
         self.lock = threading.Lock()
         self.syn = None
 
     def open(self) -> None:
         with self.lock, self.token.bound():
-            self.syn = self.tts.synthesize(self.text, voice=self.voice, options=self.options)
+            self.syn = self.tts.run(self.request, cancel=self.token)
 
     def next(self):
         """The next chunk's float32 samples, or None at the end."""
@@ -277,7 +279,8 @@ class _Session:
     def __init__(self, conn: _Connection, voice_id: str, voice, streaming: bool, after: asyncio.Task | None):
         self.conn, self.service = conn, conn.service
         self.voice_id, self.voice, self.streaming = voice_id, voice, streaming
-        self.sentences: asyncio.Queue[str | None] = asyncio.Queue()
+        self.sentences: asyncio.Queue[SynthesisRequest | None] = asyncio.Queue()
+        self.n_requests = 0  # sentences queued so far: the k-th is seeded with the service's seed + k
         self.text = SentenceStream(self.service.serving.limits)  # streamed text, cut into sentences
         self.job: _Job | None = None
         self.waiting_for_text = False  # an open stream has spoken all it was sent: the client's turn
@@ -301,7 +304,8 @@ class _Session:
         self.sentences.put_nowait(None)
 
     def _queue(self, sentence: str) -> None:
-        """One sentence (or a whole text) to speak, within this connection's bound on waiting text."""
+        """One sentence (or a whole text) to speak, within this connection's bound on waiting text, as
+        the :class:`~cosyllama.request.SynthesisRequest` it makes (whose refusal is the client's error event)."""
         limits = self.service.serving.limits
         if self.conn.queued_chars + len(sentence) > QUEUED_INPUTS * limits.input_chars:
             raise LimitExceeded(f"this connection has {self.conn.queued_chars} characters waiting to be "
@@ -309,8 +313,13 @@ class _Session:
                                 f"({QUEUED_INPUTS * limits.input_chars}); send more once its audio comes",
                                 field="input", limit=QUEUED_INPUTS * limits.input_chars,
                                 flag="--max-input-chars")
+        opts = self.service.options
+        if opts.seed is not None:  # wrapped into the seeds a request takes
+            opts = replace(opts, seed=(opts.seed + self.n_requests) % (SEED_RANGE[1] + 1))
+        request = SynthesisRequest(sentence, voice=self.voice, options=opts, limits=limits)  # its rules: refused here
+        self.n_requests += 1
         self.conn.queued_chars += len(sentence)
-        self.sentences.put_nowait(sentence)
+        self.sentences.put_nowait(request)
 
     def cancel(self) -> None:
         """The client is gone: free the LLM sequence now, stop the session."""
@@ -339,22 +348,20 @@ class _Session:
 
     async def _speak(self) -> None:
         service, tts, conn = self.service, self.service.tts, self.conn
-        rate, ms, k = tts.sample_rate, 0.0, 0
+        rate, ms = tts.sample_rate, 0.0
         started = False
         while True:
             if self.sentences.empty():
                 self.waiting_for_text = True  # from here the idle timeout runs
                 self.conn.touch()
             try:
-                text = await self.sentences.get()
+                request = await self.sentences.get()
             finally:
                 self.waiting_for_text = False
-            if text is None:
+            if request is None:
                 break
-            self.conn.queued_chars -= len(text)
-            opts = service.options if service.options.seed is None else replace(service.options,
-                                                                                  seed=service.options.seed + k)
-            job = self.job = _Job(tts, text, self.voice, opts)
+            self.conn.queued_chars -= len(request.text)
+            job = self.job = _Job(tts, request)
             try:
                 await service.call(job.open)
                 while (samples := await service.call(job.next)) is not None:
@@ -370,7 +377,6 @@ class _Session:
             finally:
                 self.job = None
                 await asyncio.shield(service.call(job.close))
-            k += 1
         if not started:  # every sentence was silent: still one (empty) audio stream
             await conn.write_event(AudioStart(rate=rate, width=SAMPLE_WIDTH, channels=CHANNELS, timestamp=0).event())
         await conn.write_event(AudioStop(timestamp=round(ms)).event())
@@ -500,7 +506,6 @@ class _Connection:
                 if self.stream is None:  # inside a stream: its copy for old servers, ignored
                     if is_only_punctuation(text.strip()):  # empty, blank or nothing to say
                         raise RequestRefused("text is empty; give some text to speak", "empty_text")
-                    self.service.serving.limits.check_chars("input", text)
                     session = await self._open(voice, streaming=False)
                     session.add_whole(text)
                     session.sentences.put_nowait(None)
