@@ -7,6 +7,7 @@ protocols where the protocol matters (httptools only where it is installed)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import socket
 import threading
@@ -191,8 +192,11 @@ class _HeldBackend(SlowBackend):
 
 
 def test_a_request_whose_client_left_leaves_the_queue_at_once(tts, voice):
+    from cosyllama.tts import TTS
+
     view = _view(tts, voice)
-    view.llm = held = _HeldBackend(tts.llm)  # create_app makes its scheduler over tts.llm
+    held = _HeldBackend(tts.llm)  # create_app makes its scheduler over tts.llm
+    view = TTS.from_models(dataclasses.replace(tts.models, llm=held), voices=view.voices)
     srv = LoopbackServer(create_app(view, max_concurrent=1, max_queue=4))
     socks = []
     try:

@@ -6,6 +6,7 @@ and bad messages; a disconnect frees the LLM sequence; the HTTP routes' API key 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -36,7 +37,7 @@ def tts():
     from cosyllama.tts import TTS
 
     t = TTS(MODEL_DIR, threads=1)
-    t.llm = Gated(t.llm)
+    t = TTS.from_models(dataclasses.replace(t.models, llm=Gated(t.llm)))
     t.add_voice("en", PROMPT_WAV, "Hello, this is my voice.")
     return t
 

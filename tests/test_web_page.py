@@ -13,6 +13,7 @@ shows its own errors where its button is, in the page's words where the API's wo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -54,8 +55,8 @@ def tts():
     from cosyllama.tts import TTS
 
     t = TTS(MODEL_DIR, threads=1, precision="fp32")
-    t.llm = slow_backend(t.llm, piecewise=True)  # create_app makes its scheduler over tts.llm
-    return t
+    # create_app makes its scheduler over tts.llm
+    return TTS.from_models(dataclasses.replace(t.models, llm=slow_backend(t.llm, piecewise=True)))
 
 
 def _serve(tts, **kw) -> LoopbackServer:

@@ -5,6 +5,7 @@ to the HTTP endpoint's audio, two clients at once, a disconnect frees its sequen
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -32,7 +33,7 @@ def tts():
     from cosyllama.tts import TTS
 
     t = TTS(MODEL_DIR, threads=1)
-    t.llm = Gated(t.llm)
+    t = TTS.from_models(dataclasses.replace(t.models, llm=Gated(t.llm)))
     t.add_voice("en", PROMPT_WAV, "Hello, this is my voice.")
     t.add_voice("bare", PROMPT_WAV)
     return t

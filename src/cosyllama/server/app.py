@@ -32,6 +32,7 @@ from ..errors import InputError, MissingDependencyError
 from ..heap import bound_onednn_cache
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
+from ..voices import VoiceStore
 from .serving import (
     check_can_listen,
     check_options,
@@ -73,7 +74,7 @@ BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 # The app
 #
 # The routes are plain module-level functions; what they share lives on ``app.state`` (set once by
-# create_app): ``tts`` (a view of the given TTS whose tokens come from the scheduler), ``scheduler``,
+# create_app): ``tts`` (the served pipeline over the given TTS's models, its tokens from the scheduler), ``scheduler``,
 # ``limits`` and ``gate`` (made on first use, inside the running event loop).
 
 
@@ -104,9 +105,9 @@ async def health(request: Request):
            "max_concurrent": state.limits.max_concurrent, "max_queue": state.limits.max_queue,
            "decode_steps": s["steps"], "decoded_tokens": s["tokens"], "max_batch": s["max_batch"],
            "interleave": s.get("interleave", "off")}
-    backend_stats = getattr(state.scheduler.backend, "stats", None)
-    if callable(backend_stats):
-        out["llm"] = backend_stats()
+    backend_stats = state.scheduler.backend.stats()
+    if backend_stats is not None:
+        out["llm"] = backend_stats
     prompt_cache = getattr(getattr(state.tts, "token2wav", None), "prompt_cache_info", None)
     if callable(prompt_cache):
         out["prompt_cache"] = prompt_cache()
@@ -127,7 +128,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
                interleave: str | None = None, default_voice: str | None = None,
                voice_aliases: dict[str, str] | None = None, speech_defaults: dict | None = None,
-               connection_limits: ConnectionLimits | None = None) -> FastAPI:
+               connection_limits: ConnectionLimits | None = None, voices: VoiceStore | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is.
 
     Requests decode through ``scheduler`` (a :class:`BatchScheduler`), else ``tts.token_source``
@@ -142,10 +143,11 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     a sequence (the gate is the real limit); ``prefill_chunk``: prompt positions a scheduler made
     here runs between two decode steps, pausing for flow work as ``interleave`` says (None: by threads
     and cores, :func:`cosyllama.server.serving.prepare`). ``api_key`` and ``allow_origins``: see
-    :mod:`cosyllama.server.security`. Voices are registered in ``tts.voices`` (``serve`` sets it
-    with :func:`cosyllama.server.serving.open_voice_store`), at most ``max_voices`` of them (a new id past it
-    gets 409; None: no bound). ``/`` serves the web page (:mod:`cosyllama.server.page`). ``wyoming``: a
-    URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming protocol
+    :mod:`cosyllama.server.security`. Voices are registered in ``voices`` (default: ``tts.voices``;
+    ``serve`` opens it with :func:`cosyllama.server.serving.open_voice_store`), at most ``max_voices``
+    of them (a new id past it gets 409; None: no bound). ``/`` serves the web page
+    (:mod:`cosyllama.server.page`). ``wyoming``: a URI (``tcp://HOST:PORT``) where the app, while it
+    runs, also answers the Wyoming protocol
     (:mod:`cosyllama.server.wyoming`, with ``wyoming_options``) from the same TTS, scheduler, voices and
     admission gate. ``voice_aliases`` (name -> registered id) and ``default_voice`` (what OpenAI's
     built-in voice names speak with when not registered): see :class:`~cosyllama.server.speech.VoiceNames`.
@@ -158,7 +160,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
     serving = prepare(tts, max_concurrent=max_concurrent, max_queue=max_queue, limits=limits, scheduler=scheduler,
-                      prefill_chunk=prefill_chunk, interleave=interleave)
+                      prefill_chunk=prefill_chunk, interleave=interleave, voices=voices)
     limits = serving.limits
     voice_names = VoiceNames(dict(voice_aliases or {}), default_voice)
     speech_defaults = dict(speech_defaults or {})
@@ -234,12 +236,12 @@ def serve(args) -> None:
         wyoming_options = wyoming_options_from_args(args)  # checks the URI and the extra before loading
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
-    tts.voices = voices
     app = create_app(tts, max_queue=getattr(args, "max_queue", DEFAULT_MAX_QUEUE), limits=limits,
                      prefill_chunk=chunk, api_key=api_key, allow_origins=origins, wyoming=wyoming,
                      wyoming_options=wyoming_options, max_voices=max_voices, interleave=interleave_choice(args),
-                     default_voice=default_voice, voice_aliases=voice_aliases, connection_limits=conn_limits)
-    warm_voices(tts)  # after create_app: voice folders are made by then
+                     default_voice=default_voice, voice_aliases=voice_aliases, connection_limits=conn_limits,
+                     voices=voices)
+    warm_voices(tts, voices)  # after create_app: voice folders are made by then
     openmp_hint(tts)
     from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
 

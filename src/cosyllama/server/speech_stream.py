@@ -55,7 +55,7 @@ from .common import gate
 from .conn import ConnectionLimits
 from .errors import describe_invalid, limit_error, synthesis_error
 from .serving import SentenceStream
-from .speech import SpeechRequest, _Job, check_request
+from .speech import SpeechJob, SpeechRequest, check_request
 from .wire import encode
 
 log = logging.getLogger("cosyllama.server")
@@ -148,7 +148,7 @@ class _Session:
         self.closing = False  # session.close came
         self.work: asyncio.Queue = asyncio.Queue()
         self.in_hand = None  # the item the speaker is on
-        self.job: _Job | None = None
+        self.job: SpeechJob | None = None
         self.partial = False  # the failed sentence had sent audio
         self.wake = asyncio.Event()  # the speaker ran out of work
 
@@ -321,7 +321,7 @@ class _Session:
     async def _sentence(self, item: _Sentence) -> None:
         rate = self.tts.sample_rate
         request = item.request.model_copy(update={"input": item.text})
-        job = self.job = _Job(self.tts, request, item.streaming, item.voice)
+        job = self.job = SpeechJob(self.tts, request, item.streaming, item.voice)
         start = {"type": "audio.start", "utterance_index": item.utterance, "sentence_index": item.index,
                  "sentence_text": item.text, "format": request.response_format, "sample_rate": rate,
                  "channels": CHANNELS}

@@ -45,7 +45,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -53,12 +52,13 @@ from urllib.parse import urlparse
 
 from .. import __version__
 from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
-from ..heap import trim_heap
 from ..limits import LimitExceeded
-from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
+from ..llm.scheduler import RequestCancelled, SchedulerBusyError
+from ..request import SynthesisRequest
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
+from .job import SynthesisJob
 from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError, pcm16
 from .wyoming_wire import (
     ProtocolError,
@@ -237,38 +237,6 @@ class _RateLimitedLog:
 
 
 # ----------------------------------------------------------------------------------------------
-# One sentence's synthesis, advanced chunk by chunk from the service's threads
-
-
-class _Job:
-    """``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
-    cancel token frees the LLM sequence without waiting for that chunk."""
-
-    def __init__(self, tts, text: str, voice, options):
-        self.tts, self.text, self.voice, self.options = tts, text, voice, options
-        self.token = CancelToken()
-        self.lock = threading.Lock()
-        self.syn = None
-
-    def open(self) -> None:
-        with self.lock, self.token.bound():
-            self.syn = self.tts.synthesize(self.text, voice=self.voice, options=self.options)
-
-    def next(self):
-        """The next chunk's float32 samples, or None at the end."""
-        with self.lock, self.token.bound():
-            chunk = next(self.syn, None) if self.syn is not None else None
-        return None if chunk is None else chunk.samples
-
-    def close(self) -> None:
-        self.token.cancel()
-        with self.lock:
-            if self.syn is not None:
-                self.syn.close()
-        trim_heap()
-
-
-# ----------------------------------------------------------------------------------------------
 # A session: the sentences of one synthesize, or of one synthesize-start ... -stop
 
 
@@ -278,7 +246,7 @@ class _Session:
         self.voice_id, self.voice, self.streaming = voice_id, voice, streaming
         self.sentences: asyncio.Queue[str | None] = asyncio.Queue()
         self.text = SentenceStream(self.service.serving.limits)  # streamed text, cut into sentences
-        self.job: _Job | None = None
+        self.job: SynthesisJob | None = None
         self.waiting_for_text = False  # an open stream has spoken all it was sent: the client's turn
         self.task = asyncio.create_task(self._run(after), name=f"cosyllama-wyoming-{voice_id}")
 
@@ -353,7 +321,7 @@ class _Session:
             self.conn.queued_chars -= len(text)
             opts = service.options if service.options.seed is None else replace(service.options,
                                                                                   seed=service.options.seed + k)
-            job = self.job = _Job(tts, text, self.voice, opts)
+            job = self.job = SynthesisJob(tts, SynthesisRequest(text, voice=self.voice, options=opts))
             try:
                 await service.call(job.open)
                 while (samples := await service.call(job.next)) is not None:
@@ -713,15 +681,14 @@ def run_wyoming(args) -> None:
     wyoming_options = wyoming_options_from_args(args)
     voices = open_voice_store(getattr(args, "voices", None))
     tts = load_tts(args)
-    tts.voices = voices
     serving = prepare(tts, max_queue=args.max_queue, limits=limits, prefill_chunk=chunk,
-                      interleave=interleave_choice(args))
-    warm_voices(tts)  # after prepare: the store has its encoder by then, so voice folders warm too
+                      interleave=interleave_choice(args), voices=voices)
+    warm_voices(serving.tts)  # after prepare: the store has its encoder by then, so voice folders warm too
     openmp_hint(tts)
 
     async def main():
         server = await start_wyoming(uri, serving, **wyoming_options)
-        log.warning("Wyoming server listening on %s (%d voices)", uri, len(tts.voices))
+        log.warning("Wyoming server listening on %s (%d voices)", uri, len(serving.tts.voices))
         stopped = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
