@@ -162,7 +162,7 @@ class SentenceStream:
 
 
 # ----------------------------------------------------------------------------------------------
-# The served view of a TTS
+# The served pipeline
 
 
 def check_can_listen(host: str, port: int, where: str) -> None:
