@@ -248,6 +248,7 @@ class Gated:
 
     def __init__(self, inner):
         self.inner, self.name, self.cfg = inner, getattr(inner, "name", "torch"), inner.cfg
+        self.n_seq_max, self.max_seq_tokens, self.n_threads = inner.n_seq_max, inner.max_seq_tokens, inner.n_threads
         self._cond = threading.Condition()
         self._budget: int | None = None
 
@@ -273,6 +274,9 @@ class Gated:
 
     def release(self, handle):
         self.inner.release(handle)
+
+    def stats(self):
+        return self.inner.stats()
 
 
 class LoopbackServer:

@@ -5,6 +5,7 @@ of the HTTP API's answers. Imported by the test modules (``from serverkit import
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ def voiced_tts(*voices: str, gated: bool = True):
 
     t = TTS(MODEL_DIR, threads=1)
     if gated:
-        t.llm = Gated(t.llm)
+        t = TTS.from_models(dataclasses.replace(t.models, llm=Gated(t.llm)))
     t.add_voice("en", PROMPT_WAV, PROMPT_TEXT)
     for name in voices:
         t.add_voice(name, PROMPT_WAV)

@@ -164,7 +164,7 @@ def start_up_log(monkeypatch):
 
     monkeypatch.setattr(serving, "open_voice_store", open_voice_store)
     monkeypatch.setattr(serving, "load_tts", load_tts)
-    monkeypatch.setattr(serving, "warm_voices", lambda tts: log.append("warm"))
+    monkeypatch.setattr(serving, "warm_voices", lambda tts, voices=None: log.append("warm"))
     monkeypatch.setattr(serving, "openmp_hint", lambda tts: log.append("openmp_hint"))
     return log
 

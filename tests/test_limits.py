@@ -86,21 +86,22 @@ def test_tts_checks_tokens_and_the_budget_before_any_llm_work(torch_llm):
         def generate(self, *a, **kw):
             raise AssertionError("the LLM ran")
 
-    tts = TTS(MODEL_DIR, llm_backend=torch_llm)
-    tts.token_source = NoLLM()
+    tts = TTS.from_models(TTS(MODEL_DIR, llm_backend=torch_llm).models, token_source=NoLLM())
     voice = tts.make_voice(str(MODEL_DIR.parent / "wavs" / "prompt_en_16k.wav"), "Hello, this is my voice.")
-    tight = tts.with_limits(RequestLimits(instructions_tokens=8, seq_tokens=200))
+    tight = TTS.from_models(tts.models, token_source=tts.token_source,
+                            limits=RequestLimits(instructions_tokens=8, seq_tokens=200))
     with pytest.raises(LimitExceeded, match="--max-instructions-tokens"):
         tight.instruct("Hi.", "Please speak very slowly and softly.", voice=voice)
     with pytest.raises(LimitExceeded, match="--max-seq-tokens"):
         tight.cross_lingual("A sentence long enough that twenty speech tokens per text token do not fit.",
                             voice=voice)
     with pytest.raises(LimitExceeded, match="--max-transcript-chars"):
-        tts.with_limits(RequestLimits(transcript_chars=5)).make_voice(
+        TTS.from_models(tts.models, limits=RequestLimits(transcript_chars=5)).make_voice(
             str(MODEL_DIR.parent / "wavs" / "prompt_en_16k.wav"), "Hello, this is my voice.")
-    assert tts.limits is None  # views leave the original alone
+    assert tts.limits is None  # other pipelines leave this one alone
     with pytest.raises(AssertionError, match="the LLM ran"):  # fits: the LLM is asked
-        list(tts.with_limits(RequestLimits()).cross_lingual("Hi.", voice=voice))
+        list(TTS.from_models(tts.models, token_source=tts.token_source,
+                             limits=RequestLimits()).cross_lingual("Hi.", voice=voice))
 
 
 # -- the budget in the backends ----------------------------------------------------------------
@@ -223,8 +224,7 @@ def test_cancel_between_pieces(torch_llm, prefill):
     backend = slow_backend(torch_llm, piecewise=True, piece_delay=0.1, chunk=16, name="slow")
     with BatchScheduler(backend, prefill_chunk=16) as sched:
         token = CancelToken()
-        with token.bound():
-            it = sched.generate(long, n_text, DecodeOptions(greedy=True))
+        it = sched.generate(long, n_text, DecodeOptions(greedy=True), cancel=token)
         got = []
 
         def consume():

@@ -23,6 +23,7 @@ class Watched:
 
     def __init__(self, inner, n_slots: int | None = None):
         self.inner, self.cfg, self.name = inner, inner.cfg, "watched"
+        self.n_seq_max, self.max_seq_tokens, self.n_threads = None, inner.max_seq_tokens, None
         self.n_slots = n_slots
         self.live: set[int] = set()
         self.max_step = 0
@@ -51,6 +52,9 @@ class Watched:
         with self.lock:
             self.live.discard(id(h))
         self.inner.release(h)
+
+    def stats(self):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +125,8 @@ def test_cancel_token_from_another_thread(torch_llm, prefills):
     with BatchScheduler(be) as sched:
         p, n = prefills[0]
         token = CancelToken()
-        with token.bound():
-            it = sched.generate(p, n, DecodeOptions(greedy=True, ignore_stop=True, max_len=10_000))
-            next(it)
+        it = sched.generate(p, n, DecodeOptions(greedy=True, ignore_stop=True, max_len=10_000), cancel=token)
+        next(it)
         assert len(be.live) == 1
         threading.Thread(target=token.cancel).start()
         with pytest.raises(RequestCancelled):
@@ -131,8 +134,8 @@ def test_cancel_token_from_another_thread(torch_llm, prefills):
                 pass
         it.close()
         assert not be.live and sched.stats()["active_sequences"] == 0
-        with token.bound(), pytest.raises(RequestCancelled):
-            next(sched.generate(p, n, DecodeOptions(greedy=True)))
+        with pytest.raises(RequestCancelled):
+            next(sched.generate(p, n, DecodeOptions(greedy=True), cancel=token))
 
 
 def test_one_bad_request_fails_alone(torch_llm, prefills):
@@ -237,7 +240,7 @@ def test_interleave_holds_decode_steps_while_a_flow_turn_is_held(torch_llm, pref
     with BatchScheduler(Watched(torch_llm), interleave=mode) as sched:
         it = sched.generate(p, n, opts)
         got = [next(it)]
-        with sched.flow_turn(first=first):
+        with sched.pause_for_flow(first=first):
             held_at = sched.stats()["steps"]
             if pauses:  # the worker may finish the step it was in; none starts after it, however long we hold
                 assert not _wait(lambda: sched.stats()["steps"] > held_at + 1, 1.0)
@@ -255,7 +258,7 @@ def test_the_engine_asks_for_a_first_turn_only_before_a_streams_first_audio():
     import contextlib
 
     import cosyllama
-    from cosyllama.tts import SynthesisOptions
+    from cosyllama.tts import TTS, SynthesisOptions
 
     tts = cosyllama.load(MODEL_DIR, precision="fp32")
     calls = []
@@ -267,11 +270,11 @@ def test_the_engine_asks_for_a_first_turn_only_before_a_streams_first_audio():
         def generate(self, *a, **kw):
             return self.inner.generate(*a, **kw)
 
-        def flow_turn(self, first=False):
+        def pause_for_flow(self, first=False):
             calls.append(first)
             return contextlib.nullcontext()
 
-    view = tts.with_token_source(Source(tts.token_source))
+    view = TTS.from_models(tts.models, token_source=Source(tts.token_source))
     voice = view.make_voice(str(FIXTURES / "wavs/prompt_en_16k.wav"))
     opts = SynthesisOptions(seed=1, stream=True, ignore_stop=True, max_tokens=90)
     list(view.cross_lingual("Hello there.", voice=voice, options=opts))

@@ -4,7 +4,6 @@ and ordinary requests (kept-alive too) pass."""
 
 from __future__ import annotations
 
-import copy
 import socket
 import time
 
@@ -15,6 +14,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from serverkit import json_error as _error  # noqa: E402
@@ -35,8 +35,7 @@ def guarded(request, tts, voice):
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         options = {"http": guarded_protocol(LIMITS, HttpToolsProtocol)}
-    view = copy.copy(tts)
-    view.voices = VoiceStore()
+    view = TTS.from_models(tts.models, voices=VoiceStore())
     view.voices.add("en", voice)
     srv = LoopbackServer(create_app(view), **options)
     yield srv

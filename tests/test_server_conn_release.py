@@ -6,7 +6,7 @@ protocols where the protocol matters (httptools only where it is installed)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import socket
 import threading
@@ -21,6 +21,7 @@ from fastapi import FastAPI, WebSocket  # noqa: E402  (module level: the route's
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer, SlowBackend  # noqa: E402
 
@@ -54,8 +55,7 @@ def _small_send_buffer(base: type) -> type:
 
 
 def _view(tts, voice):
-    view = copy.copy(tts)
-    view.voices = VoiceStore()
+    view = TTS.from_models(tts.models, voices=VoiceStore())
     view.voices.add("en", voice)
     return view
 
@@ -179,8 +179,11 @@ class _HeldBackend(SlowBackend):
 
 
 def test_a_request_whose_client_left_leaves_the_queue_at_once(tts, voice):
+    from cosyllama.tts import TTS
+
     view = _view(tts, voice)
-    view.llm = held = _HeldBackend(tts.llm)  # create_app makes its scheduler over tts.llm
+    held = _HeldBackend(tts.llm)  # create_app makes its scheduler over tts.llm
+    view = TTS.from_models(dataclasses.replace(tts.models, llm=held), voices=view.voices)
     srv = LoopbackServer(create_app(view, max_concurrent=1, max_queue=4))
     socks = []
     try:

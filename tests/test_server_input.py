@@ -5,8 +5,6 @@ same-origin rule the web page and /docs rely on. Slow clients: test_server_conn.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from serverkit import PROMPT_WAV  # noqa: E402
 from serverkit import float_wav as _float_wav  # noqa: E402
@@ -24,8 +23,7 @@ from serverkit import json_error as _error  # noqa: E402
 
 @pytest.fixture(scope="module")
 def server(tts, voice):
-    view = copy.copy(tts)
-    view.voices = VoiceStore()
+    view = TTS.from_models(tts.models, voices=VoiceStore())
     view.voices.add("en", voice)
     srv = LoopbackServer(create_app(view, max_prompt_bytes=1_000_000, max_voices=4))
     yield srv

@@ -11,7 +11,6 @@ server, broken voice files are never voices, and what only the API key may see.
 """
 from __future__ import annotations
 
-import copy
 import json
 import re
 
@@ -25,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.serving import open_voice_store  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from serverkit import PROMPT_WAV  # noqa: E402
 from serverkit import broken_voice_dir as _broken_dir  # noqa: E402
@@ -42,8 +42,7 @@ def vdir(tmp_path_factory, voice):
 
 @pytest.fixture(scope="module")
 def server(tts, vdir):
-    view = copy.copy(tts)
-    view.voices = open_voice_store(str(vdir))
+    view = TTS.from_models(tts.models, voices=open_voice_store(str(vdir)))
     srv = LoopbackServer(create_app(view, api_key=KEY, max_voices=2))
     yield srv
     srv.stop()
@@ -173,8 +172,7 @@ def test_error_bodies_name_no_path_library_or_exception(client, vdir):
 def test_an_internal_error_says_nothing_of_it(tts, vdir, monkeypatch):
     from fastapi.testclient import TestClient
 
-    view = copy.copy(tts)
-    view.voices = open_voice_store(str(vdir))
+    view = TTS.from_models(tts.models, voices=open_voice_store(str(vdir)))
 
     def boom(*a, **kw):
         raise RuntimeError(f"secret detail at {MODEL_DIR}/llm.pt")
@@ -265,8 +263,7 @@ def test_an_echoed_id_is_clipped(client):
 def test_with_an_api_key_the_page_loads_and_its_origin_needs_the_key(tts, voice):
     from fastapi.testclient import TestClient
 
-    view = copy.copy(tts)
-    view.voices = VoiceStore()
+    view = TTS.from_models(tts.models, voices=VoiceStore())
     view.voices.add("en", voice)
     with TestClient(create_app(view, api_key=KEY), base_url="http://tts.example") as c:
         page = c.get("/")

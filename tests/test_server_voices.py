@@ -7,7 +7,6 @@ an unknown voice's message names a few voices and counts the rest."""
 
 from __future__ import annotations
 
-import copy
 import io
 import logging
 import os
@@ -30,6 +29,7 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.serving import open_voice_store  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from serverkit import PROMPT_WAV  # noqa: E402
@@ -152,8 +152,7 @@ def test_replicas_share_a_voice_directory_and_survive_kill_9(tmp_path):
 
 @pytest.fixture(scope="module")
 def server(tts, tmp_path_factory):
-    view = copy.copy(tts)
-    view.voices = VoiceDirectory(tmp_path_factory.mktemp("voices"))
+    view = TTS.from_models(tts.models, voices=VoiceDirectory(tmp_path_factory.mktemp("voices")))
     srv = LoopbackServer(create_app(view, api_key=KEY, allow_origins=[GOOD_ORIGIN],
                                     limits=RequestLimits(transcript_chars=200)))
     yield srv
@@ -273,8 +272,7 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
     bundle = VoiceStore()
     bundle.add("en", tts.make_voice(PROMPT_WAV, "Hello, this is my voice."))
     bundle.save(tmp_path / "voices.pt")
-    view = copy.copy(tts)
-    view.voices = open_voice_store(str(tmp_path / "voices.pt"))
+    view = TTS.from_models(tts.models, voices=open_voice_store(str(tmp_path / "voices.pt")))
     with TestClient(create_app(view)) as c:
         assert _ids(c) == ["en"]
         assert _speak(c, "en").status_code == 200
@@ -310,8 +308,7 @@ def test_a_bad_voice_file_is_skipped_at_start_and_reported(tts, voice, tmp_path,
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "empty.pt" in warned and "cut.pt" in warned and "not a voice file" in warned
     assert sorted(store.skipped) == ["cut.pt", "empty.pt"]
-    view = copy.copy(tts)
-    view.voices = store
+    view = TTS.from_models(tts.models, voices=store)
     with TestClient(create_app(view)) as c:  # no API key: /health has the details
         voices = c.get("/health").json()["voices"]
         assert voices["skipped_count"] == 2
@@ -331,8 +328,7 @@ def test_unknown_voice_names_a_few_and_counts_the_rest(tts, voice):
     store = VoiceStore()
     for i in range(12):
         store.add(f"voice{i:02d}", voice)
-    view = copy.copy(tts)
-    view.voices = store
+    view = TTS.from_models(tts.models, voices=store)
     with TestClient(create_app(view)) as c:
         err = _error(c.post("/v1/audio/speech", json={"input": "Hi.", "voice": "nobody"}), 404, "nobody")
         assert "voice00, voice01, voice02, voice03, voice04 and 7 more" in err["message"]
@@ -355,8 +351,7 @@ def test_skipped_files_are_no_voices(tts, voice, tmp_path, caplog):
     assert store.ids() == ["anna"] and len(store) == 1
     assert sorted(store.skipped) == ["aaa.pt", "trunc.pt"]
     assert "aaa" not in store and "trunc" not in store
-    view = copy.copy(tts)
-    view.voices = store
+    view = TTS.from_models(tts.models, voices=store)
     with caplog.at_level(logging.WARNING, logger="cosyllama.server"):
         serving = prepare(view)
     try:

@@ -5,7 +5,6 @@ like broken files. Through the store, ``serve``'s routes, Wyoming's service and 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import soundfile as sf
 import torch
 
 from cosyllama.errors import InputError
+from cosyllama.tts import TTS
 from cosyllama.voices import (
     FOLDER_VOICE,
     ClipEncoder,
@@ -177,8 +177,7 @@ def test_a_read_only_folder_is_made_each_time_with_a_warning(tts, tmp_path, capl
 
 def test_a_voice_with_an_instruction_speaks_instruct_unless_told_otherwise(tts, tmp_path, monkeypatch):
     store = VoiceDirectory(_layout(tmp_path / "voices"), encoder=ClipEncoder.of(tts))
-    view = copy.copy(tts)
-    view.voices = store
+    view = TTS.from_models(tts.models, voices=store)
     calls = []
     fe = view.frontend  # TTS.run chooses the mode and calls the frontend's method for it
     monkeypatch.setattr(fe, "instruct2", lambda text, instr, *a, **kw: calls.append(("instruct", instr)) or [])
@@ -218,8 +217,7 @@ def test_serve_routes_and_wyoming_serve_folders(tts, tmp_path):
     from cosyllama.server.wyoming import WyomingService
 
     root = _layout(tmp_path / "voices")
-    view = copy.copy(tts)
-    view.voices = open_voice_store(str(root))
+    view = TTS.from_models(tts.models, voices=open_voice_store(str(root)))
     app = create_app(view, max_voices=4)
     with TestClient(app) as c:  # create_app gave the store its encoder
         voices = {v["id"]: v for v in c.get("/v1/voices").json()["voices"]}

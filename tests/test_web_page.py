@@ -12,7 +12,7 @@ shows its own errors where its button is, in the page's words where the API's wo
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -33,6 +33,7 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.wire import wav_header  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 
@@ -54,13 +55,12 @@ def tts():
     from cosyllama.tts import TTS
 
     t = TTS(MODEL_DIR, threads=1, precision="fp32")
-    t.llm = slow_backend(t.llm, piecewise=True)  # create_app makes its scheduler over tts.llm
-    return t
+    # create_app makes its scheduler over tts.llm
+    return TTS.from_models(dataclasses.replace(t.models, llm=slow_backend(t.llm, piecewise=True)))
 
 
 def _serve(tts, **kw) -> LoopbackServer:
-    view = copy.copy(tts)
-    view.voices = VoiceStore()
+    view = TTS.from_models(tts.models, voices=VoiceStore())
     app = create_app(view, max_prompt_bytes=1_000_000, limits=RequestLimits(input_chars=MAX_INPUT), **kw)
     return LoopbackServer(app)
 

@@ -195,8 +195,8 @@ def test_a_client_that_stops_reading_frees_its_slot(server, monkeypatch):
 
     from cosyllama.server import wyoming
 
-    real_next = wyoming._Job.next
-    monkeypatch.setattr(wyoming._Job, "next",
+    real_next = wyoming.SynthesisJob.next
+    monkeypatch.setattr(wyoming.SynthesisJob, "next",
                         lambda self: None if real_next(self) is None else np.zeros(1 << 20, np.float32))
     gate = server.app.state.gate
     sockets = [_non_reader(server.port, LONG) for _ in range(2)]
@@ -476,7 +476,7 @@ def test_error_events_name_no_paths_or_exception_texts(server, monkeypatch, capl
         def boom(self):
             raise RuntimeError("/srv/secret/model.bin exploded")
 
-        monkeypatch.setattr(wyoming._Job, "open", boom)
+        monkeypatch.setattr(wyoming.SynthesisJob, "open", boom)
         (event,) = _run(_synthesize(server.port))  # the package's client: internal_error is not a fuzz answer
         error = Error.from_event(event)
     finally:

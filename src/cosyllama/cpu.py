@@ -141,7 +141,7 @@ def llama_flash_attention(flags: frozenset[str] | None = None) -> bool | None:
 def interleave_stages(llm_threads: int, flow_threads: int, device: str = "cpu",
                       cores: int | None = None) -> tuple[str, str]:
     """When a server's scheduler pauses decoding for flow work (a mode of
-    :data:`cosyllama.llm.scheduler.INTERLEAVE_MODES`, see ``BatchScheduler.flow_turn``), and why.
+    :data:`cosyllama.llm.scheduler.INTERLEAVE_MODES`, see ``BatchScheduler.pause_for_flow``), and why.
     Where the two stages' threads together outnumber the cores, running them at once slows each:
     the first chunk of a stream, which everyone waits for, then gets the cores alone ("first"); the
     later chunks still overlap, which gave the better real-time factor on 2 cores (docs/amx.md,
@@ -250,9 +250,9 @@ def tts_path(tts, requested: str, threads: int | None = None) -> CpuPath:
 
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.qint8: "int8"}  # qint8: precision.INT8
     t2w = tts.token2wav
-    llm = "torch" if type(tts.llm).__name__ == "TorchLLM" else "llamacpp"
+    llm = tts.llm.name  # the backend's own: "torch" for TorchLLM and StaticTorchLLM alike
     choice = getattr(t2w.flow, "precision_choice", None)
     return CpuPath(threads=threads or torch.get_num_threads(), flow=names.get(t2w.flow.precision),
                    vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device),
                    llm=llm, flow_why=choice.reason if choice is not None else None,
-                   llama_bufts=getattr(tts.llm, "extra_buffer_types_why", None))
+                   llama_bufts=tts.llm.extra_buffer_types_why if llm == "llamacpp" else None)

@@ -87,8 +87,11 @@ class _StreamState:
         return self.hop + (self.prompt_pad if self.token_offset == 0 else 0)
 
 
-def no_turn(first: bool = False) -> ContextManager:
-    """The ``turn`` of a token source that never pauses for flow work (see ``BatchScheduler.flow_turn``)."""
+FlowPause = Callable[[bool], ContextManager]  # pause(first) -> held around one flow + vocoder call
+
+
+def no_pause(first: bool = False) -> ContextManager:
+    """A flow pause that holds nothing (see :meth:`cosyllama.llm.decode.TokenSource.pause_for_flow`)."""
     return nullcontext()
 
 
@@ -238,23 +241,21 @@ class Token2Wav:
                                   prompt.embedding, streaming=streaming, finalize=finalize, cache=cache)
         return mel[:, :, self.token_mel_ratio * offset:]
 
-    def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0,
-             turn: Callable[..., ContextManager] = no_turn) -> np.ndarray:
-        """Non-streaming: all tokens -> (480 * 2 * len(tokens) / speed,) samples. ``turn()`` is held
-        around the flow and vocoder work (a batching scheduler's ``flow_turn``; not a first chunk)."""
+    def full(self, tokens: list[int], prompt: FlowPrompt, speed: float = 1.0) -> np.ndarray:
+        """Non-streaming: all tokens -> (480 * 2 * len(tokens) / speed,) samples (one flow and one
+        vocoder call: the caller holds its flow pause around this)."""
         if not tokens:
             return np.zeros(0, dtype=np.float32)
-        with turn():
-            mel = self._mel(tokens, prompt, 0, streaming=False, finalize=True)
-            if speed != 1.0:  # at least one frame: a one-token output at speed > 2 would have none
-                mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
-            return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
+        mel = self._mel(tokens, prompt, 0, streaming=False, finalize=True)
+        if speed != 1.0:  # at least one frame: a one-token output at speed > 2 would have none
+            mel = F.interpolate(mel, size=max(1, int(mel.shape[2] / speed)), mode="linear")
+        return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
     def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
-               turn: Callable[..., ContextManager] = no_turn) -> Iterator[AudioChunk]:
-        """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``turn(first)``
-        is held around each chunk's flow and vocoder work (``first``: no audio yielded yet), never while
-        waiting for tokens."""
+               pause: FlowPause = no_pause) -> Iterator[AudioChunk]:
+        """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``pause(first)``
+        (the pipeline's flow pause) is held around each chunk's flow and vocoder work (``first``: no audio
+        yielded yet), never while waiting for tokens."""
         p = prompt.tokens.shape[1]
         first_hop = self.token_hop
         st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
@@ -275,7 +276,7 @@ class Token2Wav:
                 while len(st.tokens) - st.token_offset >= st.next_hop() + self.lookahead:
                     hop = st.next_hop()
                     end = st.token_offset + hop + self.lookahead
-                    with turn(first=not st.emitted):
+                    with pause(not st.emitted):
                         mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
                                         cache=st.flow_cache)
                         if keep_key is not None:
@@ -293,7 +294,7 @@ class Token2Wav:
             self._drop_cache(st)
             samples = np.zeros(0, dtype=np.float32)
             if st.tokens:  # a chunk always leaves >= lookahead tokens, so the final call has new tokens
-                with turn(first=not st.emitted):
+                with pause(not st.emitted):
                     mel = self._mel(st.tokens, prompt, st.token_offset, streaming=False, finalize=True)
                     samples = self._vocode_new(st, mel, finalize=True)
             yield AudioChunk(samples, self.sample_rate, segment, True, tuple(st.tokens))

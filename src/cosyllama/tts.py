@@ -5,16 +5,18 @@ generator of :class:`~cosyllama.engine.AudioChunk`.
 >>> voice = tts.make_voice("prompt.wav", "Transcript of the prompt.")
 >>> audio = np.concatenate([c.samples for c in tts.zero_shot("Hello there!", voice=voice)])
 
-A :class:`TTS` holds only read-only models; every call keeps its state in its own generator, so
-calls may run from several threads or be interleaved.
+A :class:`TTS` is a cheap pipeline over loaded, read-only :class:`~cosyllama.models.Models` (its own token
+source, limits, voices, text worker and flow-slot limit); every call keeps its state in its own generator, so
+calls may run from several threads or be interleaved. Several pipelines may share one set of models
+(:meth:`TTS.from_models`).
 """
 
 from __future__ import annotations
 
-import copy
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -22,19 +24,18 @@ import numpy as np
 import torch
 
 from .audio import AudioSource
-from .config import load_config
+from .config import ModelConfig
 from .defaults import LLM_CHOICES
-from .device import resolve_device
-from .engine import AudioChunk, FlowPrompt, Token2Wav, no_turn
-from .flow import Flow
+from .engine import AudioChunk, FlowPause, FlowPrompt, Token2Wav
 from .frontend import Frontend, ModelInput, PromptFeatures
 from .limits import RequestLimits
 from .llm.backend import LLMBackend, Prefill
-from .llm.decode import MAX_LEN_RATIO, DecodeOptions, DirectTokens, SilentTokenFilter
-from .llm.factory import choose_llm, make_llm, make_token_source
+from .llm.decode import MAX_LEN_RATIO, CancelToken, DecodeOptions, DirectTokens, SilentTokenFilter, TokenSource
+from .llm.factory import make_token_source
+from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
-from .vocoder import HiFT
+from .text.normalize import TextNormalizer
 from .voices import VoiceStore
 
 __all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOptions", "SynthesisRequest", "TTS",
@@ -56,12 +57,11 @@ class Timings:
 class Synthesis(Iterator[AudioChunk]):
     """The audio of one call, chunk by chunk. ``timings`` is complete once iteration ends."""
 
-    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings, cancel=None):
-        self._chunks, self.timings, self._cancel = chunks, timings, cancel
+    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings):
+        self._chunks, self.timings = chunks, timings
 
     def __next__(self) -> AudioChunk:
-        with self._cancel.bound() if self._cancel is not None else nullcontext():
-            return next(self._chunks)
+        return next(self._chunks)
 
     def close(self) -> None:
         """Stop early; the LLM sequence is released at once."""
@@ -97,8 +97,12 @@ def choose_mode(mode: str | None = None, instruction: str | None = None, has_tra
                         voice_instruction=None)[0]
 
 
+_FROM_OPTIONS = object()  # TTS.from_models: the limits the models were loaded with
+
+
 class TTS:
-    """CosyVoice3 synthesis from an official model directory.
+    """CosyVoice3 synthesis from an official model directory: a pipeline over loaded
+    :class:`~cosyllama.models.Models`.
 
     ``TTS(options)`` with a :class:`~cosyllama.options.LoadOptions`, or ``TTS(model_dir, **fields)`` with
     the fields of :class:`~cosyllama.options.LoadOptions` as keywords (``TTS(options, **fields)``: those
@@ -106,56 +110,97 @@ class TTS:
     llm_precision, precision, threads, parallel, max_seq_tokens, limits, stream_cache_mb,
     prompt_cache_mb. ``llm_backend``: an LLM backend already built (tests, tools), used instead of
     building one from the options. What the streaming caches hold per frame and per voice: see
-    docs/benchmarks.md#memory-of-the-streaming-caches.
+    docs/benchmarks.md#memory-of-the-streaming-caches. This loads the models (:meth:`Models.load
+    <cosyllama.models.Models.load>`), then builds the pipeline Python calls get: each request decodes
+    alone, the options' limits, an empty voice store. :meth:`from_models` builds another pipeline over
+    models already loaded (a server's, batch's).
 
-    The model directory's config is read once, here; every stage is built from it.
+    The models (``models``, and as attributes ``config``, ``device``, ``sample_rate``, ``frontend``,
+    ``llm``, ``token2wav``, ``options``) are shared and read-only; ``token_source``, ``limits``,
+    ``voices``, ``normalizer`` and ``flow_slots`` are this pipeline's.
     """
 
     def __init__(self, model_dir: str | Path | LoadOptions, *, llm_backend: LLMBackend | None = None, **options):
-        self.options = opts = LoadOptions.of(model_dir, **options)
-        if llm_backend is None:
-            choose_llm(opts.llm, opts.gguf)  # refuse llama.cpp without a GGUF before loading anything
-        self.device = resolve_device(opts.device)
-        if opts.threads is not None:
-            torch.set_num_threads(opts.threads)
-        self.config = config = load_config(opts.model_dir)
-        self.model_dir = config.model_dir
-        self.sample_rate = config.sample_rate
-        self.frontend = Frontend(config)
-        self.llm = llm_backend if llm_backend is not None else make_llm(
-            config, opts.llm, gguf=opts.gguf, llm_weights=opts.llm_weights, device=self.device, threads=opts.threads,
-            n_gpu_layers=opts.n_gpu_layers, n_seq_max=opts.parallel, llm_precision=opts.llm_precision,
-            max_seq_tokens=opts.max_seq_tokens)
-        self.token2wav = Token2Wav.from_config(
-            config, Flow.from_config(config, self.device, precision=opts.precision),
-            HiFT.from_config(config, self.device, precision=opts.precision),
-            stream_cache_mb=opts.stream_cache_mb, prompt_cache_mb=opts.prompt_cache_mb)
-        self.token_source = make_token_source(self.llm)
-        self.voices = VoiceStore()
-        self.limits = opts.limits
+        models = Models.load(LoadOptions.of(model_dir, **options), llm_backend=llm_backend)
+        self._build(models, make_token_source(models.llm), models.options.limits, VoiceStore(), None, 0)
 
-    def with_token_source(self, token_source) -> TTS:
-        """A view of this TTS (same models, same voices) whose LLM tokens come from
-        ``token_source`` (e.g. the server's batching scheduler); this one is left as it is."""
-        view = copy.copy(self)
-        view.token_source = token_source
-        return view
+    @classmethod
+    def from_models(cls, models: Models, *, token_source: TokenSource | None = None,
+                    limits: RequestLimits | None = _FROM_OPTIONS, voices: VoiceStore | None = None,
+                    text_worker: bool = False, flow_slots: int = 0) -> TTS:
+        """A pipeline over ``models`` (nothing is loaded or copied; the models are shared):
 
-    def with_text_worker(self) -> TTS:
-        """A view of this TTS whose frontend normalizes long texts in a helper process (see
-        :meth:`~cosyllama.text.normalize.TextNormalizer.with_worker_process`; same text, but a long text no
-        longer holds the GIL for seconds); ``view.frontend.normalizer.close_worker()`` ends it."""
-        view = copy.copy(self)
-        view.frontend = copy.copy(self.frontend)
-        view.frontend.normalizer = self.frontend.normalizer.with_worker_process()
-        return view
+        * ``token_source``: where its speech tokens come from (a :class:`~cosyllama.llm.decode.TokenSource`
+          from :func:`~cosyllama.llm.factory.make_token_source`, e.g. a server's batching scheduler, which
+          its maker closes); None: each request decodes alone (:class:`~cosyllama.llm.decode.DirectTokens`);
+        * ``limits``: every call is checked against these :class:`~cosyllama.limits.RequestLimits`
+          (default: ``models.options.limits``; None: no limits);
+        * ``voices``: the voice store its ``voice="id"`` calls read (default: a new, empty one);
+        * ``text_worker``: normalize long texts in a helper process, started now (same text, but a long
+          text no longer holds the GIL for seconds; :meth:`close` ends it);
+        * ``flow_slots``: at most this many of its calls run the flow and vocoder at once (the rest keep
+          decoding; on a few CPU cores concurrent flows only split the same cores); 0: no limit.
+        """
+        if flow_slots < 0:
+            raise ValueError(f"flow_slots must be >= 0, got {flow_slots}")
+        tts = cls.__new__(cls)
+        normalizer = models.frontend.normalizer.with_worker_process() if text_worker else None
+        tts._build(models, token_source if token_source is not None else make_token_source(models.llm),
+                   models.options.limits if limits is _FROM_OPTIONS else limits,
+                   voices if voices is not None else VoiceStore(), normalizer, flow_slots)
+        return tts
 
-    def with_limits(self, limits: RequestLimits | None) -> TTS:
-        """A view of this TTS (same models, same voices, same token source) checking every call
-        against ``limits``; this one is left as it is."""
-        view = copy.copy(self)
-        view.limits = limits
-        return view
+    def _build(self, models: Models, token_source: TokenSource, limits: RequestLimits | None, voices: VoiceStore,
+               normalizer: TextNormalizer | None, flow_slots: int) -> None:
+        self.models = models  # shared, read-only
+        self.token_source = token_source  # speech tokens: DirectTokens or a BatchScheduler (its maker closes it)
+        self.limits = limits  # checked on every call; None: none
+        self.voices = voices  # what voice="id" reads
+        # text normalization of this pipeline's calls: the frontend's, or one with a helper process (close())
+        self.normalizer = normalizer if normalizer is not None else models.frontend.normalizer
+        self._own_normalizer = normalizer is not None
+        self.flow_slots = flow_slots  # calls in the flow + vocoder at once; 0: no limit
+        self._flow_sem = threading.Semaphore(flow_slots) if flow_slots > 0 else None
+
+    def close(self) -> None:
+        """End the text helper process this pipeline started (if any); the models and the token source
+        are not this pipeline's to close."""
+        if self._own_normalizer:
+            self.normalizer.close_worker()
+
+    # -- the shared models, read-only ----------------------------------------------------------------
+
+    @property
+    def options(self) -> LoadOptions:
+        return self.models.options
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.models.config
+
+    @property
+    def model_dir(self) -> Path:
+        return self.models.config.model_dir
+
+    @property
+    def device(self) -> torch.device:
+        return self.models.device
+
+    @property
+    def sample_rate(self) -> int:
+        return self.models.sample_rate
+
+    @property
+    def frontend(self) -> Frontend:
+        return self.models.frontend
+
+    @property
+    def llm(self) -> LLMBackend:
+        return self.models.llm
+
+    @property
+    def token2wav(self) -> Token2Wav:
+        return self.models.token2wav
 
     # -- voices ------------------------------------------------------------------------------------
 
@@ -187,24 +232,25 @@ class TTS:
 
     def zero_shot(self, text: str, prompt_wav: AudioSource | None = None, prompt_text: str | None = None, *,
                   voice: PromptFeatures | str | None = None, options: SynthesisOptions | None = None,
-                  **kw) -> Synthesis:
+                  cancel: CancelToken | None = None, **kw) -> Synthesis:
         """Clone the prompt's voice saying ``text``; the LLM continues the prompt's transcript."""
         return self.run(SynthesisRequest(text, "zero-shot", voice, prompt_wav, prompt_text,
-                                         options=self._options(options, kw)))
+                                         options=self._options(options, kw)), cancel=cancel)
 
     def cross_lingual(self, text: str, prompt_wav: AudioSource | None = None, *,
                       voice: PromptFeatures | str | None = None, options: SynthesisOptions | None = None,
-                      **kw) -> Synthesis:
+                      cancel: CancelToken | None = None, **kw) -> Synthesis:
         """Speak ``text`` (any language) in the prompt's voice, without its transcript."""
-        return self.run(SynthesisRequest(text, "cross-lingual", voice, prompt_wav, options=self._options(options, kw)))
+        return self.run(SynthesisRequest(text, "cross-lingual", voice, prompt_wav, options=self._options(options, kw)),
+                        cancel=cancel)
 
     def instruct(self, text: str, instruction: str | None, prompt_wav: AudioSource | None = None, *,
                  voice: PromptFeatures | str | None = None, options: SynthesisOptions | None = None,
-                 **kw) -> Synthesis:
+                 cancel: CancelToken | None = None, **kw) -> Synthesis:
         """Speak ``text`` in the prompt's voice following ``instruction`` (CosyVoice3 instruct2; None:
         the voice's own instruction)."""
         return self.run(SynthesisRequest(text, "instruct", voice, prompt_wav, instruction=instruction,
-                                         options=self._options(options, kw)))
+                                         options=self._options(options, kw)), cancel=cancel)
 
     def voice_conversion(self, source_wav: AudioSource, prompt_wav: AudioSource, *,
                          options: SynthesisOptions | None = None, **kw) -> Synthesis:
@@ -217,19 +263,21 @@ class TTS:
 
     def synthesize(self, text: str, *, mode: str | None = None, instruction: str | None = None,
                    voice: PromptFeatures | str | None = None, prompt_wav: AudioSource | None = None,
-                   prompt_text: str | None = None, options: SynthesisOptions | None = None, **kw) -> Synthesis:
+                   prompt_text: str | None = None, options: SynthesisOptions | None = None,
+                   cancel: CancelToken | None = None, **kw) -> Synthesis:
         """One of the three text modes, chosen as :meth:`SynthesisRequest.resolve` says when ``mode``
         is None: instruct with an ``instruction`` (or a voice that has one, e.g. from a voice folder's
         ``instruct.txt``: an ``instruction`` given replaces it), zero-shot when the voice (or
         ``prompt_text``) has a transcript, else cross-lingual."""
         return self.run(SynthesisRequest(text, mode, voice, prompt_wav, prompt_text, instruction,
-                                         options=self._options(options, kw)))
+                                         options=self._options(options, kw)), cancel=cancel)
 
-    def run(self, request: SynthesisRequest, *, cancel=None) -> Synthesis:
+    def run(self, request: SynthesisRequest, *, cancel: CancelToken | None = None) -> Synthesis:
         """Synthesize ``request`` (every front door comes through here): its voice looked up, its
         mode resolved (:meth:`SynthesisRequest.resolve`), the frontend's inputs made for that mode.
-        ``cancel``: a :class:`~cosyllama.llm.scheduler.CancelToken` whose ``cancel()`` stops the
-        synthesis and frees its LLM sequence at once (from any thread)."""
+        ``cancel``: a :class:`~cosyllama.llm.decode.CancelToken` whose ``cancel()`` stops the
+        synthesis and frees its LLM sequence at once (from any thread; the synthesis then raises
+        ``RequestCancelled``)."""
         r = request
         if self.limits is not None and r.limits != self.limits:  # checked once: against this TTS's limits
             r = replace(r, limits=self.limits)
@@ -238,7 +286,8 @@ class TTS:
         opts = r.options
         t0 = time.perf_counter()
         v = voice if voice is not None else r.prompt_wav
-        how = {"text_frontend": opts.text_frontend, "russian_numbers": opts.russian_numbers}
+        how = {"text_frontend": opts.text_frontend, "russian_numbers": opts.russian_numbers,
+               "normalizer": self.normalizer}
         if mode == "zero-shot":
             inputs = self.frontend.zero_shot(r.text, v, r.prompt_text, **how)
         elif mode == "instruct":
@@ -274,8 +323,10 @@ class TTS:
         return FlowPrompt(tokens.reshape(1, -1).to(dev, torch.int32), feat.unsqueeze(0).to(dev, torch.float32),
                           embedding.reshape(1, -1).to(dev, torch.float32))
 
-    def segment_tokens(self, inp: ModelInput, opts: SynthesisOptions, segment: int) -> Iterator[int]:
-        """Speech tokens that reach the flow for one segment (silent-token filter applied)."""
+    def segment_tokens(self, inp: ModelInput, opts: SynthesisOptions, segment: int,
+                       cancel: CancelToken | None = None) -> Iterator[int]:
+        """Speech tokens that reach the flow for one segment (silent-token filter applied); ``cancel``
+        goes to the token source."""
         if inp.mode == "vc":
             yield from (int(t) for t in inp.source_speech_tokens.tolist())
             return
@@ -283,7 +334,7 @@ class TTS:
         seed = None if opts.seed is None else opts.seed + segment
         dec = DecodeOptions(greedy=opts.greedy, seed=seed, max_len=opts.max_tokens, ignore_stop=opts.ignore_stop)
         flt = SilentTokenFilter()
-        for tok in self.token_source.generate(prefill, len(inp.text_ids), dec):
+        for tok in self.token_source.generate(prefill, len(inp.text_ids), dec, cancel=cancel):
             if flt.keep(tok):
                 yield tok
 
@@ -303,22 +354,36 @@ class TTS:
             n_new = opts.max_tokens if opts.max_tokens is not None else MAX_LEN_RATIO * len(inp.text_ids)
             lim.check_sequence(n_prompt, n_new, inp.text)
 
-    def _run(self, inputs: list[ModelInput], opts: SynthesisOptions, frontend_s: float, cancel=None) -> Synthesis:
+    def _run(self, inputs: list[ModelInput], opts: SynthesisOptions, frontend_s: float, *,
+             cancel: CancelToken | None = None) -> Synthesis:
         self._check_tokens(inputs, opts)
         timings = Timings(frontend=frontend_s)
-        return Synthesis(self._generate(inputs, opts, timings), timings, cancel)
+        return Synthesis(self._generate(inputs, opts, timings, cancel), timings)
 
-    def _generate(self, inputs: list[ModelInput], opts: SynthesisOptions, timings: Timings) -> Iterator[AudioChunk]:
+    @contextmanager
+    def _flow_work(self, first: bool = False) -> Iterator[None]:
+        """Held around each flow + vocoder call of this pipeline: one of its flow slots (when it has a
+        limit), then the token source's pause (``first``: the call that makes the request's first audio)."""
+        with self._flow_sem if self._flow_sem is not None else nullcontext():
+            with self.token_source.pause_for_flow(first):
+                yield
+
+    def _later_flow_work(self, first: bool = False) -> AbstractContextManager[None]:
+        """:meth:`_flow_work` for the segments after the first: none of their chunks is the request's first audio."""
+        return self._flow_work(False)
+
+    def _generate(self, inputs: list[ModelInput], opts: SynthesisOptions, timings: Timings,
+                  cancel: CancelToken | None = None) -> Iterator[AudioChunk]:
         start = time.perf_counter()
         llm_acc = [0.0]
-        turn = getattr(self.token_source, "flow_turn", no_turn)  # a batching scheduler may pause for the flow
+        pause: FlowPause = self._flow_work
         for i, inp in enumerate(inputs):
             if i == 1:  # only the first segment's first chunk is the request's first audio
-                turn = _never_first(turn)
+                pause = self._later_flow_work
             prompt = self._flow_prompt(inp)
-            tokens = _timed(self.segment_tokens(inp, opts, i), llm_acc)
+            tokens = _timed(self.segment_tokens(inp, opts, i, cancel), llm_acc)
             if opts.stream:
-                for chunk in self.token2wav.stream(tokens, prompt, i, turn=turn):
+                for chunk in self.token2wav.stream(tokens, prompt, i, pause=pause):
                     timings.audio_seconds += chunk.samples.size / self.sample_rate
                     if timings.first_chunk is None and chunk.samples.size:
                         timings.first_chunk = time.perf_counter() - start + timings.frontend
@@ -327,7 +392,8 @@ class TTS:
                     yield chunk
             else:
                 toks = list(tokens)
-                samples = self.token2wav.full(toks, prompt, opts.speed, turn=turn)
+                with pause(False):
+                    samples = self.token2wav.full(toks, prompt, opts.speed)
                 timings.tokens.append(toks)
                 timings.audio_seconds += samples.size / self.sample_rate
                 if timings.first_chunk is None:
@@ -343,8 +409,3 @@ def load(model_dir: str | Path | LoadOptions, **options) -> TTS:
     return TTS(model_dir, **options)
 
 
-def _never_first(turn):
-    """``turn`` for the segments after the first: none of their chunks is the request's first audio."""
-    def later(first: bool = False):
-        return turn(first=False)
-    return later

@@ -1,7 +1,7 @@
 """Synthesis of manifest rows on one model: several rows at once, their LLM decode steps batched.
 
-:class:`BatchEngine` loads a :class:`~cosyllama.tts.TTS`, puts a
-:class:`~cosyllama.llm.scheduler.BatchScheduler` in front of its LLM (as the server does) and runs
+:class:`BatchEngine` loads a :class:`~cosyllama.tts.TTS`, builds its own pipeline over its models
+with a :class:`~cosyllama.llm.scheduler.BatchScheduler` in front of the LLM (as the server does) and runs
 ``concurrency`` rows in worker threads: while some rows decode together, others run the flow and
 the vocoder. Each finished row is written (atomically) to the output directory and described by
 one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.batch.ray_runner`).
@@ -99,21 +99,6 @@ def load_tts(opts: EngineOptions):
     return tts
 
 
-class _FlowGate:
-    """Lets at most ``slots`` rows run the flow and vocoder at once (the rest keep decoding): on a
-    few CPU cores, concurrent flows only split the same cores between more threads."""
-
-    def __init__(self, inner, slots: int):
-        self._inner, self._sem = inner, threading.Semaphore(slots)
-
-    def full(self, *args, **kw):
-        with self._sem:
-            return self._inner.full(*args, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def error_record(row_id: str | None, line: int, message: str, stage: str, digest: str | None = None) -> dict:
     rec = {"id": row_id, "line": line, "status": "error", "error": message, "stage": stage}
     if digest:
@@ -156,12 +141,12 @@ class RowSynthesizer:
         cancel = cancel or CancelToken()
         t0 = time.perf_counter()
         try:
-            with cancel.bound():
-                voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
-                voice_s = time.perf_counter() - t0
-                syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
-                                                    options=row.options()))
-                audio = syn.audio()
+            cancel.check()  # a row cancelled before it started makes no voice
+            voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
+            voice_s = time.perf_counter() - t0
+            syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
+                                                options=row.options()), cancel=cancel)
+            audio = syn.audio()
             t1 = time.perf_counter()
             nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt)
             t2 = time.perf_counter()
@@ -220,16 +205,18 @@ class BatchEngine:
     """
 
     def __init__(self, opts: EngineOptions, out_dir: Path, tts=None):
+        from ..llm.factory import make_token_source
         from ..llm.scheduler import BatchScheduler
+        from ..tts import TTS
 
         self.opts = opts
-        self.tts = tts if tts is not None else load_tts(opts)
-        self._restore = (self.tts.token_source, self.tts.token2wav)  # a given TTS is handed back as it came
-        if not isinstance(self.tts.token_source, BatchScheduler):
-            self.tts.token_source = BatchScheduler(self.tts.llm, max_active=opts.concurrency)
-        self.scheduler = self.tts.token_source
-        if opts.flow_slots > 0 and not isinstance(self.tts.token2wav, _FlowGate):
-            self.tts.token2wav = _FlowGate(self.tts.token2wav, opts.flow_slots)
+        loaded = tts if tts is not None else load_tts(opts)  # a given TTS is left as it is
+        self._owns_scheduler = not isinstance(loaded.token_source, BatchScheduler)
+        self.scheduler = (make_token_source(loaded.llm, batched=True, max_active=opts.concurrency)
+                          if self._owns_scheduler else loaded.token_source)
+        # the rows' pipeline: the loaded models and voices, batched decoding, at most flow_slots rows in the flow
+        self.tts = TTS.from_models(loaded.models, token_source=self.scheduler, limits=loaded.limits,
+                                   voices=loaded.voices, flow_slots=opts.flow_slots)
         self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -298,6 +285,5 @@ class BatchEngine:
             self._jobs.put(_STOP)
         for th in self._threads:
             th.join()
-        if self.scheduler is not self._restore[0]:
+        if self._owns_scheduler:
             self.scheduler.close()
-        self.tts.token_source, self.tts.token2wav = self._restore

@@ -53,10 +53,20 @@ def check_max_seq_tokens(max_seq_tokens: int | None, cfg: LLMConfig) -> int:
 
 @runtime_checkable
 class LLMBackend(Protocol):
-    """What the decode loop needs from a backend."""
+    """What the decode loop, the scheduler, the servers and the CPU report need from a backend."""
 
-    name: str  # "torch" | "llamacpp"
+    name: str  # "torch" | "llamacpp": the backend's family, as reports and the servers name it
     cfg: LLMConfig  # speech ids, sampling defaults; vocab_size (6761) = len(logp)
+    # sequences held at once (a start beyond them raises BackendBusyError); None: no bound of its own (the
+    # scheduler then decodes DEFAULT_MAX_ACTIVE together)
+    n_seq_max: int | None
+    # positions one sequence may use, prompt + new speech tokens (the unit of RequestLimits.seq_tokens); None: unknown
+    max_seq_tokens: int | None
+    n_threads: int | None  # CPU threads of its own (llama.cpp's); None: it shares PyTorch's
+
+    def stats(self) -> dict | None:
+        """Counters for the server's ``/health`` (``"llm"``), or None when the backend keeps none."""
+        ...
 
     def start(self, prefill: Prefill, max_new_tokens: int) -> tuple[object, torch.Tensor]:
         """Create a sequence, run the prefill, return ``(handle, logp)``.

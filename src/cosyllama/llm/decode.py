@@ -11,17 +11,25 @@ Rules (see docs/reference.md#length-limits and docs/design.md#sampling-rules):
 
 The per-request policy lives in :class:`TokenDecoder` so that a scheduler can advance many
 requests in one backend batch (the server's scheduler) with the same rules as :func:`generate`.
+
+A *token source* (:class:`TokenSource`) is what a synthesis pipeline decodes through:
+:class:`DirectTokens` decodes each request on its own (the Python API's default),
+:class:`~cosyllama.llm.scheduler.BatchScheduler` advances concurrent requests in one backend step (the
+servers' and batch's). Both take a :class:`CancelToken` as an argument of ``generate``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..config import LLMConfig
-from ..errors import InputError
+from ..errors import CosyllamaError, InputError
 from .backend import LLMBackend, Prefill
 from .sampling import Sampler
 
@@ -44,6 +52,54 @@ class DecodeOptions:
     min_len: int | None = None
     max_len: int | None = None
     ignore_stop: bool = False
+
+
+class RequestCancelled(CosyllamaError, RuntimeError):
+    """The request was cancelled through its :class:`CancelToken`."""
+
+
+class CancelToken:
+    """Cancels the requests it is passed to (``token_source.generate(..., cancel=token)``), from any
+    thread: their sequences are freed at the next decode step and their iterators raise
+    :class:`RequestCancelled`. A request given a token already cancelled raises at once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._hooks: dict[int, Callable[[], None]] = {}
+        self._next = 0
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """Cancel the token's requests; returns at once (their token source frees the sequences)."""
+        with self._lock:
+            self._cancelled = True
+            hooks, self._hooks = list(self._hooks.values()), {}
+        for hook in hooks:
+            hook()
+
+    def attach(self, on_cancel: Callable[[], None]) -> Callable[[], None]:
+        """Call ``on_cancel`` (from the cancelling thread) when the token is cancelled; returns the
+        function that detaches it again (a finished request). Raises :class:`RequestCancelled` when
+        the token is cancelled already."""
+        with self._lock:
+            if self._cancelled:
+                raise RequestCancelled("the request was cancelled")
+            key, self._next = self._next, self._next + 1
+            self._hooks[key] = on_cancel
+
+        def detach() -> None:
+            with self._lock:
+                self._hooks.pop(key, None)
+        return detach
+
+    def check(self) -> None:
+        """Raise :class:`RequestCancelled` if the token is cancelled."""
+        if self._cancelled:
+            raise RequestCancelled("the request was cancelled")
 
 
 class TokenDecoder:
@@ -82,10 +138,13 @@ class TokenDecoder:
 
 
 def generate(backend: LLMBackend, prefill: Prefill, n_text_tokens: int,
-             options: DecodeOptions = DecodeOptions()) -> Iterator[int]:
+             options: DecodeOptions = DecodeOptions(), cancel: CancelToken | None = None) -> Iterator[int]:
     """Yield speech tokens of one request as they are decoded. Releases the sequence when the
-    generator finishes or is closed (a cancelled request frees its KV memory at once)."""
+    generator finishes or is closed (a cancelled request frees its KV memory at once). ``cancel``:
+    checked before the prefill and before each decode step (:class:`RequestCancelled`)."""
     dec = TokenDecoder(backend.cfg, n_text_tokens, options)
+    if cancel is not None:
+        cancel.check()
     handle, logp = backend.start(prefill, dec.max_len)
     try:
         while True:
@@ -95,6 +154,8 @@ def generate(backend: LLMBackend, prefill: Prefill, n_text_tokens: int,
             yield tok
             if dec.done:  # max_len reached: no forward for a token nobody will read
                 return
+            if cancel is not None:
+                cancel.check()
             (logp,) = backend.step([(handle, tok)])
     finally:
         backend.release(handle)
@@ -125,16 +186,41 @@ class SilentTokenFilter:
         return [t for t in tokens if self.keep(t)]
 
 
-class DirectTokens:
-    """Token source that decodes each request on its own (the Python API's default).
+@runtime_checkable
+class TokenSource(Protocol):
+    """Where a synthesis pipeline gets its speech tokens (:class:`DirectTokens`,
+    :class:`~cosyllama.llm.scheduler.BatchScheduler`)."""
 
-    A token source has ``generate(prefill, n_text_tokens, options) -> Iterator[int]`` with the
-    semantics of :func:`generate` (closing the iterator frees the sequence). The server uses a
-    batching scheduler instead, which advances many requests in one backend step.
-    """
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions,
+                 cancel: CancelToken | None = None) -> Iterator[int]:
+        """The speech tokens of one request, with the semantics of :func:`generate`: closing the
+        iterator frees the sequence; ``cancel`` stops it from any thread (:class:`RequestCancelled`)."""
+        ...
+
+    def pause_for_flow(self, first: bool = False) -> AbstractContextManager[None]:
+        """Held by the pipeline around each flow + vocoder call (``first``: the call that makes a
+        streamed request's first audio); a source may pause its decoding meanwhile."""
+        ...
+
+    def close(self) -> None:
+        """Stop; requests in flight fail."""
+        ...
+
+
+class DirectTokens:
+    """Token source that decodes each request on its own (the Python API's default); it never
+    pauses for flow work and holds nothing to close. The servers use a batching scheduler instead,
+    which advances many requests in one backend step."""
 
     def __init__(self, backend: LLMBackend):
         self.backend = backend
 
-    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions) -> Iterator[int]:
-        return generate(self.backend, prefill, n_text_tokens, options)
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions,
+                 cancel: CancelToken | None = None) -> Iterator[int]:
+        return generate(self.backend, prefill, n_text_tokens, options, cancel)
+
+    def pause_for_flow(self, first: bool = False) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def close(self) -> None:
+        pass

@@ -1,20 +1,24 @@
 """The one place that turns "which LLM" into a backend and a token source; the Python API, the
 CLI and the server all come through here.
 
-A *token source* has ``generate(prefill, n_text_tokens, options) -> Iterator[int]``:
-:class:`~cosyllama.llm.decode.DirectTokens` decodes each request on its own (the API's default),
-:class:`~cosyllama.llm.scheduler.BatchScheduler` advances concurrent requests in one backend step
-(the server's).
+A *token source* (:class:`~cosyllama.llm.decode.TokenSource`: ``generate(prefill, n_text_tokens, options,
+cancel)``, ``pause_for_flow(first)``, ``close()``): :class:`~cosyllama.llm.decode.DirectTokens` decodes each
+request on its own (the API's default), :class:`~cosyllama.llm.scheduler.BatchScheduler` advances concurrent
+requests in one backend step (the servers' and batch's).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import ModelConfig
 from ..defaults import LLM_CHOICES, LLM_PRECISION, LLM_PRECISIONS, LLM_WEIGHTS, N_SEQ_MAX
 from ..errors import DeviceError, InputError
 from .backend import LLMBackend, check_max_seq_tokens
+
+if TYPE_CHECKING:
+    from .decode import TokenSource
 
 
 def choose_llm(llm: str | None, gguf: str | Path | None) -> str:
@@ -85,18 +89,21 @@ def make_llm(config: ModelConfig, llm: str = "torch", *, gguf: str | Path | None
                        n_ctx=None if max_seq_tokens is None else n_seq_max * max_seq_tokens)
 
 
-def make_token_source(backend: LLMBackend, *, batched: bool = False, max_waiting: int | None = None,
-                      prefill_chunk: int | None = None, interleave: str = "off"):
+def make_token_source(backend: LLMBackend, *, batched: bool = False, max_active: int | None = None,
+                      max_waiting: int | None = None, prefill_chunk: int | None = None,
+                      interleave: str = "off") -> TokenSource:
     """``batched=False``: each request decodes alone (:class:`DirectTokens`). ``batched=True``: a
-    :class:`~cosyllama.llm.scheduler.BatchScheduler` over ``backend`` letting ``max_waiting`` requests
-    wait for a sequence and prefilling ``prefill_chunk`` prompt positions between two decode steps
-    (its defaults if None), pausing its decode steps during flow calls as ``interleave`` says
-    (:data:`~cosyllama.llm.scheduler.INTERLEAVE_MODES`); the caller closes it."""
+    :class:`~cosyllama.llm.scheduler.BatchScheduler` over ``backend`` decoding ``max_active`` sequences
+    together, letting ``max_waiting`` requests wait for a sequence and prefilling ``prefill_chunk``
+    prompt positions between two decode steps (its defaults if None), pausing its decode steps during
+    flow calls as ``interleave`` says (:data:`~cosyllama.llm.scheduler.INTERLEAVE_MODES`); the caller
+    closes it."""
     if not batched:
         from .decode import DirectTokens
 
         return DirectTokens(backend)
     from .scheduler import BatchScheduler
 
-    kw = {k: v for k, v in (("max_waiting", max_waiting), ("prefill_chunk", prefill_chunk)) if v is not None}
+    kw = {k: v for k, v in (("max_active", max_active), ("max_waiting", max_waiting),
+                            ("prefill_chunk", prefill_chunk)) if v is not None}
     return BatchScheduler(backend, interleave=interleave, **kw)

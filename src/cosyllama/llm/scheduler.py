@@ -22,17 +22,15 @@ fails the requests of that step (the backend cannot say which sequence caused it
 advanced some of them); the worker keeps serving the others.
 
 Cancellation: closing a request's iterator releases its sequence before ``close()`` returns. A
-:class:`CancelToken` bound with :meth:`CancelToken.bound` around the code that calls ``generate``
-lets another thread (a server noticing a disconnected client) cancel the request without waiting
-for the consumer: its sequence is freed at the next step and its iterator raises
-:class:`RequestCancelled`.
+:class:`~cosyllama.llm.decode.CancelToken` passed to ``generate`` (``cancel=``) lets another thread
+(a server noticing a disconnected client) cancel the request without waiting for the consumer: its
+sequence is freed at the next step and its iterator raises :class:`RequestCancelled`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import contextvars
 import queue
 import threading
 import weakref
@@ -44,20 +42,16 @@ import torch
 from ..defaults import INTERLEAVE_MODES, PREFILL_CHUNK
 from ..errors import BackendBusyError, CosyllamaError
 from .backend import LLMBackend, PiecewisePrefill, Prefill
-from .decode import DecodeOptions, TokenDecoder
+from .decode import CancelToken, DecodeOptions, RequestCancelled, TokenDecoder
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
 DEFAULT_MAX_WAITING = 64  # requests that may wait for a free sequence
-# When decoding pauses for flow work (BatchScheduler.flow_turn): never, during the flow call that makes a streamed
+# When decoding pauses for flow work (BatchScheduler.pause_for_flow): never, during the flow call that makes a streamed
 # request's first audio, or during every flow call.
 
 
 class SchedulerBusyError(CosyllamaError, RuntimeError):
     """The admission queue is full (or the scheduler is closed); retry later."""
-
-
-class RequestCancelled(CosyllamaError, RuntimeError):
-    """The request was cancelled through its :class:`CancelToken`."""
 
 
 _END = object()  # queue sentinel: decoding finished normally
@@ -79,45 +73,6 @@ class _Request:
         self.released = threading.Event()  # the backend sequence is gone (or never existed)
 
 
-class CancelToken:
-    """Cancels every scheduler request started while it is bound, from any thread."""
-
-    _current: contextvars.ContextVar[CancelToken | None] = contextvars.ContextVar("cosyllama_cancel", default=None)
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._cancelled = False
-        self._requests: list[tuple[BatchScheduler, _Request]] = []
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled
-
-    @contextlib.contextmanager
-    def bound(self) -> Iterator[CancelToken]:
-        """Requests started inside this block (in this thread/context) belong to the token."""
-        reset = CancelToken._current.set(self)
-        try:
-            yield self
-        finally:
-            CancelToken._current.reset(reset)
-
-    def cancel(self) -> None:
-        """Cancel the token's requests; returns at once (the worker frees the sequences)."""
-        with self._lock:
-            self._cancelled = True
-            reqs, self._requests = self._requests, []
-        for sched, req in reqs:
-            sched._cancel(req, wait=False)
-
-    def _attach(self, sched: BatchScheduler, req: _Request) -> None:
-        with self._lock:
-            if self._cancelled:
-                raise RequestCancelled("the request was cancelled")
-            self._requests = [(s, r) for s, r in self._requests if not r.finished]
-            self._requests.append((sched, req))
-
-
 class BatchScheduler:
     """Token source that batches the decode steps of concurrent requests on one backend.
 
@@ -132,7 +87,7 @@ class BatchScheduler:
                  max_waiting: int = DEFAULT_MAX_WAITING, prefill_chunk: int = PREFILL_CHUNK,
                  interleave: str = "off"):
         if max_active is None:
-            max_active = int(getattr(backend, "n_seq_max", DEFAULT_MAX_ACTIVE))
+            max_active = int(backend.n_seq_max or DEFAULT_MAX_ACTIVE)
         if interleave not in INTERLEAVE_MODES:
             raise ValueError(f"interleave must be one of {', '.join(INTERLEAVE_MODES)}, got {interleave!r}")
         if max_active < 1 or max_waiting < 0 or prefill_chunk < 1:
@@ -153,7 +108,7 @@ class BatchScheduler:
         self._backend_full = False  # the backend refused a start; admit again after a release
         self._closed = False
         self.interleave = interleave
-        self._flows = 0  # flow_turn()s held now that pause decoding
+        self._flows = 0  # pause_for_flow()s held now that pause decoding
         # counters for /health and tests
         self.steps = 0
         self.tokens = 0
@@ -169,19 +124,25 @@ class BatchScheduler:
 
     # -- token-source API ---------------------------------------------------------------------
 
-    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions = DecodeOptions()) -> Iterator[int]:
+    def generate(self, prefill: Prefill, n_text_tokens: int, options: DecodeOptions = DecodeOptions(),
+                 cancel: CancelToken | None = None) -> Iterator[int]:
         """Yield the speech tokens of one request (semantics of :func:`cosyllama.llm.decode.generate`).
 
         Option errors raise here; the request joins the batch when iteration starts. Closing the
-        iterator frees its sequence before ``close()`` returns.
+        iterator frees its sequence before ``close()`` returns; ``cancel.cancel()`` (any thread)
+        frees it at the next step and the iterator raises :class:`RequestCancelled`.
         """
         decoder = TokenDecoder(self.cfg, n_text_tokens, options)
-        return self._tokens(_Request(prefill, decoder), CancelToken._current.get())
+        return self._tokens(_Request(prefill, decoder), cancel)
 
     def _tokens(self, req: _Request, token: CancelToken | None) -> Iterator[int]:
-        if token is not None:
-            token._attach(self, req)
-        self._submit(req)
+        detach = token.attach(lambda: self._cancel(req, wait=False)) if token is not None else None
+        try:
+            self._submit(req)
+        except BaseException:
+            if detach is not None:
+                detach()
+            raise
         try:
             while True:
                 item = req.out.get()
@@ -191,10 +152,12 @@ class BatchScheduler:
                     raise item
                 yield item
         finally:
+            if detach is not None:
+                detach()
             self._cancel(req, wait=True)
 
     @contextlib.contextmanager
-    def flow_turn(self, first: bool = False) -> Iterator[None]:
+    def pause_for_flow(self, first: bool = False) -> Iterator[None]:
         """Held by a request's thread around its flow and vocoder work (``first``: the call that makes
         a streamed request's first audio). Where ``interleave`` says so ("all": every call; "first":
         first calls only) the worker takes no decode step and no prefill piece while it is held (it

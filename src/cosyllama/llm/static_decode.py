@@ -84,6 +84,7 @@ class StaticTorchLLM:
     """
 
     name = "torch"
+    n_threads = None  # shares PyTorch's threads
 
     def __init__(self, cfg: LLMConfig, weights: dict[str, torch.Tensor], device="cpu", *,
                  slots: int = 16, ctx: int = DEFAULT_CTX, precision: str = "fp32", graphs: bool | None = None):
@@ -102,6 +103,9 @@ class StaticTorchLLM:
         q = cfg.qwen
         self.slots, self.ctx = slots, ctx
         self.n_seq_max = slots  # the batching scheduler decodes this many at once
+        # prompt + new tokens one sequence may hold: the last new token is never fed back, so ctx - 1 positions
+        # (see begin)
+        self.max_seq_tokens = ctx
         shape = (q.num_hidden_layers, slots, q.num_key_value_heads, ctx, q.head_dim)
         # Zeros, not empty: masked keys still enter the attention product (times a zero weight),
         # and uninitialised memory may hold NaNs.
@@ -121,6 +125,10 @@ class StaticTorchLLM:
             if self.device.type != "cuda":
                 raise InputError("CUDA graphs need device='cuda'")
             self._capture()
+
+    def stats(self) -> None:
+        """No counters (the scheduler's are the server's)."""
+        return None
 
     def __repr__(self) -> str:
         return (f"StaticTorchLLM(device={str(self.device)!r}, precision={self.precision!r}, slots={self.slots}, "

@@ -29,6 +29,8 @@ class TorchLLM:
     positions one sequence may use (prompt + new tokens; default: the model's context length)."""
 
     name = "torch"
+    n_seq_max = None  # no bound of its own: each sequence allocates its cache
+    n_threads = None  # shares PyTorch's threads
 
     def __init__(self, cfg: LLMConfig, weights: dict[str, torch.Tensor], device="cpu",
                  max_seq_tokens: int | None = None):
@@ -41,6 +43,10 @@ class TorchLLM:
         # becomes resident for the rows a prefill actually reads.
         model.load_state_dict(weights, strict=True, assign=True)
         self.model = model.to(self.device).eval().requires_grad_(False)
+
+    def stats(self) -> None:
+        """No counters (the scheduler's are the server's)."""
+        return None
 
     def __repr__(self) -> str:
         return f"TorchLLM(device={str(self.device)!r}, precision='fp32', max_seq_tokens={self.max_seq_tokens})"

@@ -31,6 +31,7 @@ from ..defaults import MAX_QUEUE, MAX_VOICES
 from ..errors import MissingDependencyError
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
+from ..voices import VoiceStore
 from .serving import check_can_listen, prepare
 from .startup import ServeOptions, ready, start
 
@@ -64,7 +65,7 @@ BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 # The app
 #
 # The routes are plain module-level functions; what they share lives on ``app.state`` (set once by
-# create_app): ``tts`` (a view of the given TTS whose tokens come from the scheduler), ``scheduler``,
+# create_app): ``tts`` (the served pipeline over the given TTS's models, its tokens from the scheduler), ``scheduler``,
 # ``limits`` and ``gate`` (made on first use, inside the running event loop).
 
 
@@ -95,9 +96,9 @@ async def health(request: Request):
            "max_concurrent": state.limits.max_concurrent, "max_queue": state.limits.max_queue,
            "decode_steps": s["steps"], "decoded_tokens": s["tokens"], "max_batch": s["max_batch"],
            "interleave": s.get("interleave", "off")}
-    backend_stats = getattr(state.scheduler.backend, "stats", None)
-    if callable(backend_stats):
-        out["llm"] = backend_stats()
+    backend_stats = state.scheduler.backend.stats()
+    if backend_stats is not None:
+        out["llm"] = backend_stats
     prompt_cache = getattr(getattr(state.tts, "token2wav", None), "prompt_cache_info", None)
     if callable(prompt_cache):
         out["prompt_cache"] = prompt_cache()
@@ -118,7 +119,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
                wyoming_options: dict | None = None, max_voices: int | None = DEFAULT_MAX_VOICES,
                interleave: str | None = None, default_voice: str | None = None,
                voice_aliases: dict[str, str] | None = None, speech_defaults: dict | None = None,
-               connection_limits: ConnectionLimits | None = None) -> FastAPI:
+               connection_limits: ConnectionLimits | None = None, voices: VoiceStore | None = None) -> FastAPI:
     """The FastAPI app serving ``tts`` (a :class:`cosyllama.TTS`), which is left as it is. Every
     response carries ``x-request-id`` (:class:`~cosyllama.server.wire.RequestId`); ``/`` serves the web
     page (:mod:`cosyllama.server.page`). One line per parameter:
@@ -141,8 +142,9 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     * ``wyoming``: a URI (``tcp://HOST:PORT``) where the app, while it runs, also answers the Wyoming
       protocol (:mod:`cosyllama.server.wyoming`) from the same TTS, scheduler, voices and admission gate;
     * ``wyoming_options``: the keyword arguments of :func:`~cosyllama.server.wyoming.start_wyoming`;
-    * ``max_voices``: voices registered in ``tts.voices`` (``serve`` opens it with
-      :func:`cosyllama.server.serving.open_voice_store`); a new id past it gets 409; None: no bound;
+    * ``voices``: the store voices are read from and registered in (default: ``tts.voices``; ``serve``
+      opens it with :func:`cosyllama.server.serving.open_voice_store`);
+    * ``max_voices``: voices registered in it; a new id past it gets 409; None: no bound;
     * ``default_voice``: what OpenAI's built-in voice names speak with when not registered (see
       :class:`~cosyllama.server.speech.VoiceNames`);
     * ``voice_aliases``: name -> registered id (see :class:`~cosyllama.server.speech.VoiceNames`);
@@ -154,7 +156,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
     if max_prompt_bytes < 1 or (max_voices is not None and max_voices < 1):
         raise ValueError("max_prompt_bytes and max_voices must be >= 1")
     serving = prepare(tts, max_concurrent=max_concurrent, max_queue=max_queue, limits=limits, scheduler=scheduler,
-                      prefill_chunk=prefill_chunk, interleave=interleave)
+                      prefill_chunk=prefill_chunk, interleave=interleave, voices=voices)
     limits = serving.limits
     voice_names = VoiceNames(dict(voice_aliases or {}), default_voice)
     speech_defaults = dict(speech_defaults or {})
@@ -219,7 +221,7 @@ def serve(options: ServeOptions) -> None:
 
             check_listen(options.wyoming)  # a taken port is one line before the model loads
 
-    tts = start(s, check_addresses)
+    tts, voices = start(s, check_addresses)
     wyoming_options = None
     if options.wyoming is not None:
         wyoming_options = {"default_voice": s.default_voice, "connection_limits": s.connection_limits}
@@ -227,8 +229,8 @@ def serve(options: ServeOptions) -> None:
                      api_key=options.api_key, allow_origins=options.allow_origins, wyoming=options.wyoming,
                      wyoming_options=wyoming_options, max_voices=options.max_voices, interleave=s.interleave,
                      default_voice=s.default_voice, voice_aliases=dict(options.voice_aliases),
-                     connection_limits=s.connection_limits)
-    ready(tts)  # after create_app: voice folders are made by then
+                     connection_limits=s.connection_limits, voices=voices)
+    ready(tts, voices)  # after create_app: voice folders are made by then
     from uvicorn.protocols.websockets.auto import AutoWebSocketsProtocol
 
     if AutoWebSocketsProtocol is None:  # uvicorn answers a WebSocket handshake with 400 without one

@@ -4,8 +4,9 @@
 * :func:`load_tts`: the model the ``serve`` / ``wyoming`` options ask for (the start-up both run is
   :mod:`cosyllama.server.startup`);
 * :func:`open_voice_store`, :func:`report_voices` and :func:`warm_voices`: the voices of ``--voices``;
-* :func:`prepare`: the served view of a TTS (its tokens from one batching scheduler, its calls
-  checked against the limits, long texts normalized in a helper process), as a :class:`Serving`;
+* :func:`prepare`: the served pipeline over a TTS's models (its tokens from one batching scheduler,
+  its calls checked against the limits, its voices, long texts normalized in a helper process), as a
+  :class:`Serving`;
 * :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
 * :class:`SentenceStream`: text as it is written (an LLM's answer, piece by piece) cut into the
   sentences to speak, within the limits (Wyoming's streamed synthesis, ``/v1/audio/speech/stream``);
@@ -153,7 +154,7 @@ class SentenceStream:
 
 
 # ----------------------------------------------------------------------------------------------
-# The served view of a TTS
+# The served pipeline
 
 
 def check_can_listen(host: str, port: int, where: str) -> None:
@@ -175,9 +176,10 @@ def check_can_listen(host: str, port: int, where: str) -> None:
 
 @dataclass
 class Serving:
-    """A TTS as a server runs it. ``tts``: the view requests use; ``scheduler``: the
-    :class:`BatchScheduler` all of them decode through; ``max_concurrent`` running plus
-    ``max_queue`` waiting requests (the gate's bounds); ``limits``: each request's bounds."""
+    """A TTS as a server runs it. ``tts``: the pipeline requests use (built by :func:`prepare` over the
+    given TTS's models); ``scheduler``: the :class:`BatchScheduler` all of them decode through;
+    ``max_concurrent`` running plus ``max_queue`` waiting requests (the gate's bounds); ``limits``:
+    each request's bounds."""
 
     tts: object
     scheduler: BatchScheduler
@@ -188,19 +190,22 @@ class Serving:
 
     def close(self) -> None:
         """Stop the text helper process, and the scheduler when :func:`prepare` made it."""
-        self.tts.frontend.normalizer.close_worker()
+        self.tts.close()
         if self.owns_scheduler:
             self.scheduler.close()
 
 
 def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEUE,
             limits: RequestLimits | None = None, scheduler: BatchScheduler | None = None,
-            prefill_chunk: int | None = None, interleave: str | None = None) -> Serving:
-    """Serve ``tts`` (a :class:`cosyllama.TTS`, left as it is): requests decode through
-    ``scheduler``, else ``tts.token_source`` when that is a :class:`BatchScheduler`, else one made
-    here over ``tts.llm`` (prefilling ``prefill_chunk`` positions between two decode steps; closed
-    by :meth:`Serving.close`). ``max_concurrent`` defaults to twice the scheduler's sequence slots,
-    so the LLM stays busy while other requests are in the flow and vocoder. ``interleave``: when
+            prefill_chunk: int | None = None, interleave: str | None = None,
+            voices: VoiceStore | None = None) -> Serving:
+    """Serve ``tts``'s models (a :class:`cosyllama.TTS`, left as it is) with a pipeline built here
+    (:meth:`TTS.from_models <cosyllama.tts.TTS.from_models>`): requests decode through ``scheduler``,
+    else ``tts.token_source`` when that is a :class:`BatchScheduler`, else one made here over
+    ``tts.llm`` (prefilling ``prefill_chunk`` positions between two decode steps; closed by
+    :meth:`Serving.close`); they speak with the voices of ``voices`` (default: ``tts.voices``).
+    ``max_concurrent`` defaults to twice the scheduler's sequence slots, so the LLM stays busy while
+    other requests are in the flow and vocoder. ``interleave``: when
     that scheduler pauses decoding for a request's flow work (``off``, ``first``, ``all``; None:
     :func:`cosyllama.cpu.interleave_stages` decides from the threads and cores)."""
     limits = RequestLimits() if limits is None else limits
@@ -208,11 +213,11 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
         scheduler = tts.token_source
     owns_scheduler = scheduler is None
     if max_concurrent is None:
-        max_concurrent = 2 * (int(getattr(tts.llm, "n_seq_max", DEFAULT_MAX_ACTIVE)) if owns_scheduler
+        max_concurrent = 2 * (int(tts.llm.n_seq_max or DEFAULT_MAX_ACTIVE) if owns_scheduler
                               else scheduler.max_active)
     if max_concurrent < 1 or max_queue < 0:
         raise ValueError("max_concurrent must be >= 1 and max_queue >= 0")
-    llm_budget = getattr(tts.llm, "max_seq_tokens", None)
+    llm_budget = tts.llm.max_seq_tokens
     if llm_budget is not None and llm_budget < limits.seq_tokens:
         raise ValueError(f"the LLM holds {llm_budget} positions per sequence, fewer than limits.seq_tokens "
                          f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
@@ -225,12 +230,14 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
     elif scheduler.max_waiting < max_concurrent:
         raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
                          f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
-    view = tts if tts.token_source is scheduler else tts.with_token_source(scheduler)
-    view = view.with_limits(limits).with_text_worker()  # long texts normalize beside, not in, the event loop
-    if hasattr(view.voices, "set_encoder"):  # voice folders: made now (within the limits), else read as kept
-        view.voices.set_encoder(ClipEncoder.of(view))
-    report_voices(view.voices)
-    return Serving(view, scheduler, max_concurrent, max_queue, limits, owns_scheduler)
+    from ..tts import TTS
+
+    # long texts normalize beside, not in, the event loop
+    served = TTS.from_models(tts.models, token_source=scheduler, limits=limits,
+                             voices=tts.voices if voices is None else voices, text_worker=True)
+    served.voices.set_encoder(ClipEncoder.of(served))  # voice folders: made now (within the limits)
+    report_voices(served.voices)
+    return Serving(served, scheduler, max_concurrent, max_queue, limits, owns_scheduler)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +252,7 @@ def stage_turns(tts) -> tuple[str, str]:
     from ..cpu import interleave_stages
 
     flow_threads = torch.get_num_threads()
-    llm_threads = int(getattr(tts.llm, "n_threads", 0) or flow_threads)
+    llm_threads = int(tts.llm.n_threads or flow_threads)
     return interleave_stages(llm_threads, flow_threads, torch.device(tts.device).type)
 
 
@@ -263,7 +270,7 @@ def load_tts(options: LoadOptions):
 
 def openmp_hint(tts) -> None:
     """Log, once at start, when the llama.cpp build threads with OpenMP (slower beside flow work)."""
-    if getattr(tts.llm, "name", None) == "llamacpp":
+    if tts.llm.name == "llamacpp":
         from ..llm.llamacpp_backend import openmp_serving_hint
 
         hint = openmp_serving_hint()
@@ -318,17 +325,18 @@ def report_voices(store: VoiceStore) -> None:
                     "--voices DIR keeps them)", n)
 
 
-def warm_voices(tts) -> None:
-    """Warm every voice of ``tts`` in a background thread, beside the first requests (each
-    voice's first stream gets a head start)."""
-    if len(tts.voices):
-        threading.Thread(target=_warm_all, args=(tts,), name="cosyllama-warm-voices", daemon=True).start()
+def warm_voices(tts, voices: VoiceStore | None = None) -> None:
+    """Warm every voice of ``voices`` (default: ``tts.voices``) on ``tts``'s models in a background
+    thread, beside the first requests (each voice's first stream gets a head start)."""
+    voices = tts.voices if voices is None else voices
+    if len(voices):
+        threading.Thread(target=_warm_all, args=(tts, voices), name="cosyllama-warm-voices", daemon=True).start()
 
 
-def _warm_all(tts) -> None:
-    for vid in tts.voices.ids():
+def _warm_all(tts, voices: VoiceStore) -> None:
+    for vid in voices.ids():
         try:
-            tts.warm_voice(vid)
+            tts.warm_voice(voices.get(vid))
         except Exception as e:
             log.warning("warming voice %s failed: %s", vid, e)
 

@@ -30,7 +30,6 @@ import asyncio
 import base64
 import json
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,11 +44,11 @@ from ..defaults import SPEED_RANGE
 from ..errors import InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
-from ..memory import trim_heap
 from ..request import MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import ApiError, client_gone, error_body, gate
 from .errors import synthesis_error
+from .job import SynthesisJob
 from .wire import (
     AAC_HINT,
     DEFAULT_FORMAT,
@@ -149,41 +148,26 @@ class SpeechRequest(BaseModel):
         return "audio" if self.stream else None
 
 
-class _Job:
-    """One speech request's synthesis, advanced chunk by chunk from the thread pool.
-
-    ``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
-    cancel token lets the event loop free the LLM sequence without waiting for that chunk.
-    A streamed job also owns the encoder of its response body; its synthesis streams unless the
-    request's speed or format needs the finished audio (then its segments are encoded as they come).
-    """
+class SpeechJob(SynthesisJob):
+    """One speech request's synthesis (:class:`~cosyllama.server.job.SynthesisJob`); a streamed job
+    also owns the encoder of its response body. Its synthesis streams unless the request's speed or
+    format needs the finished audio (then its segments are encoded as they come)."""
 
     def __init__(self, tts, request: SynthesisRequest, streaming: str | None, response_format: str):
-        self.tts, self.request, self.response_format = tts, request, response_format
-        self.token = CancelToken()
-        self.lock = threading.Lock()
-        self.syn = None
-        self.streaming = streaming
+        super().__init__(tts, request)
+        self.streaming, self.response_format = streaming, response_format
         self.encoder = None
 
-    def open(self) -> None:
-        with self.lock, self.token.bound():
-            self.syn = self.tts.run(self.request, cancel=self.token)
-            if self.streaming:
-                self.encoder = StreamEncoder(self.response_format, self.tts.sample_rate)
-
-    def next(self) -> np.ndarray | None:
-        """The next chunk's samples (float32), or None at the end."""
-        with self.lock, self.token.bound():
-            chunk = next(self.syn, None)
-        return None if chunk is None else chunk.samples
+    def _opened(self) -> None:
+        if self.streaming:
+            self.encoder = StreamEncoder(self.response_format, self.tts.sample_rate)
 
     def next_bytes(self) -> bytes | None:
         """Streamed: the next piece of the encoded body (maybe empty), or None after the last."""
-        with self.lock, self.token.bound():
+        with self.lock:
             if self.encoder is None:
                 return None
-            chunk = next(self.syn, None)
+            chunk = self.next_chunk()
             if chunk is not None:
                 return self.encoder.write(chunk.samples)
             tail = self.encoder.close()
@@ -199,17 +183,10 @@ class _Job:
         n_out = sum(len(t) for t in self.syn.timings.tokens)
         return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
 
-    def close(self) -> None:
-        """Stop the synthesis; its LLM sequence is free when this returns. Gives the heap's free
-        pages back to the OS (see :mod:`cosyllama.memory`)."""
-        self.token.cancel()
-        with self.lock:
-            if self.syn is not None:
-                self.syn.close()
-            if self.encoder is not None:
-                self.encoder.close()
-                self.encoder = None
-        trim_heap()
+    def _closed(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
+            self.encoder = None
 
 
 async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
@@ -282,7 +259,7 @@ async def speech(body: SpeechRequest, request: Request):
     tts = request.app.state.tts
     streaming, synthesis = await check_request(body, request.app.state)
     g = gate(request.app)
-    job = _Job(tts, synthesis, streaming, body.response_format)
+    job = SpeechJob(tts, synthesis, streaming, body.response_format)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
     try:
         admitted = await g.acquire(gone=watcher)
@@ -366,7 +343,7 @@ def _voice_id(voices, names: VoiceNames, name: str) -> str:
     return target
 
 
-async def _pieces(job: _Job, first: bytes | None):
+async def _pieces(job: SpeechJob, first: bytes | None):
     """The encoded body piece by piece; raises what synthesis raises after the first."""
     data = first
     while data is not None:
@@ -375,7 +352,7 @@ async def _pieces(job: _Job, first: bytes | None):
         data = await run_in_threadpool(job.next_bytes)
 
 
-async def _audio_body(job: _Job, first: bytes | None):
+async def _audio_body(job: SpeechJob, first: bytes | None):
     try:
         async for data in _pieces(job, first):
             yield data
@@ -389,7 +366,7 @@ def _event(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-async def _sse_body(job: _Job, first: bytes | None):
+async def _sse_body(job: SpeechJob, first: bytes | None):
     try:
         async for data in _pieces(job, first):
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})

@@ -56,7 +56,7 @@ from .common import ApiError, gate
 from .conn import ConnectionLimits
 from .errors import describe_invalid, limit_error, synthesis_error
 from .serving import SentenceStream
-from .speech import SpeechRequest, _Job, check_request
+from .speech import SpeechJob, SpeechRequest, check_request
 from .wire import encode
 
 log = logging.getLogger("cosyllama.server")
@@ -151,7 +151,7 @@ class _Session:
         self.closing = False  # session.close came
         self.work: asyncio.Queue = asyncio.Queue()
         self.in_hand = None  # the item the speaker is on
-        self.job: _Job | None = None
+        self.job: SpeechJob | None = None
         self.partial = False  # the failed sentence had sent audio
         self.wake = asyncio.Event()  # the speaker ran out of work
 
@@ -325,8 +325,8 @@ class _Session:
     async def _sentence(self, item: _Sentence) -> None:
         rate = self.tts.sample_rate
         request = item.request
-        job = self.job = _Job(self.tts, replace(item.synthesis, text=item.text), item.streaming,
-                              request.response_format)
+        job = self.job = SpeechJob(self.tts, replace(item.synthesis, text=item.text), item.streaming,
+                                   request.response_format)
         start = {"type": "audio.start", "utterance_index": item.utterance, "sentence_index": item.index,
                  "sentence_text": item.text, "format": request.response_format, "sample_rate": rate,
                  "channels": CHANNELS}

@@ -88,7 +88,7 @@ class ServeOptions:
 
 
 def start(options: ServingOptions, check_addresses: Callable[[], None] = lambda: None):
-    """Steps 1-4 of the start-up (see the module docstring): the loaded TTS with its voices.
+    """Steps 1-4 of the start-up (see the module docstring): the loaded TTS and the voice store it serves.
     ``check_addresses`` raises :class:`~cosyllama.errors.InputError` when the server cannot listen
     where it is asked to."""
     from .. import memory
@@ -98,16 +98,15 @@ def start(options: ServingOptions, check_addresses: Callable[[], None] = lambda:
     check_addresses()
     voices = serving.open_voice_store(options.voices)
     tts = serving.load_tts(options.load)
-    tts.voices = voices
-    return tts
+    return tts, voices
 
 
-def ready(tts) -> None:
+def ready(tts, voices) -> None:
     """Step 6, once the served view is prepared (voice folders are made into voices by then): warm every
     voice beside the first requests, and log the llama.cpp OpenMP hint where it applies."""
     from . import serving
 
-    serving.warm_voices(tts)
+    serving.warm_voices(tts, voices)
     serving.openmp_hint(tts)
 
 

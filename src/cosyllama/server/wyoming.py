@@ -45,7 +45,6 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -55,12 +54,12 @@ from .. import __version__
 from ..audio_out import pcm16
 from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
 from ..limits import LimitExceeded
-from ..llm.scheduler import CancelToken, RequestCancelled, SchedulerBusyError
-from ..memory import trim_heap
+from ..llm.scheduler import RequestCancelled, SchedulerBusyError
 from ..request import SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest, check_options
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
+from .job import SynthesisJob
 from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError
 from .wyoming_wire import (
     ProtocolError,
@@ -240,38 +239,6 @@ class _RateLimitedLog:
 
 
 # ----------------------------------------------------------------------------------------------
-# One sentence's synthesis, advanced chunk by chunk from the service's threads
-
-
-class _Job:
-    """``lock`` keeps ``close`` from running while a chunk is being made in another thread; the
-    cancel token frees the LLM sequence without waiting for that chunk."""
-
-    def __init__(self, tts, request: SynthesisRequest):
-        self.tts, self.request = tts, request
-        self.token = CancelToken()
-        self.lock = threading.Lock()
-        self.syn = None
-
-    def open(self) -> None:
-        with self.lock, self.token.bound():
-            self.syn = self.tts.run(self.request, cancel=self.token)
-
-    def next(self):
-        """The next chunk's float32 samples, or None at the end."""
-        with self.lock, self.token.bound():
-            chunk = next(self.syn, None) if self.syn is not None else None
-        return None if chunk is None else chunk.samples
-
-    def close(self) -> None:
-        self.token.cancel()
-        with self.lock:
-            if self.syn is not None:
-                self.syn.close()
-        trim_heap()
-
-
-# ----------------------------------------------------------------------------------------------
 # A session: the sentences of one synthesize, or of one synthesize-start ... -stop
 
 
@@ -282,7 +249,7 @@ class _Session:
         self.sentences: asyncio.Queue[SynthesisRequest | None] = asyncio.Queue()
         self.n_requests = 0  # sentences queued so far: the k-th is seeded with the service's seed + k
         self.text = SentenceStream(self.service.serving.limits)  # streamed text, cut into sentences
-        self.job: _Job | None = None
+        self.job: SynthesisJob | None = None
         self.waiting_for_text = False  # an open stream has spoken all it was sent: the client's turn
         self.task = asyncio.create_task(self._run(after), name=f"cosyllama-wyoming-{voice_id}")
 
@@ -361,7 +328,7 @@ class _Session:
             if request is None:
                 break
             self.conn.queued_chars -= len(request.text)
-            job = self.job = _Job(tts, request)
+            job = self.job = SynthesisJob(tts, request)
             try:
                 await service.call(job.open)
                 while (samples := await service.call(job.next)) is not None:
@@ -705,15 +672,15 @@ def run_wyoming(options, uri: str) -> None:
     from .startup import ready, start
 
     uri = check_uri(uri)
-    tts = start(options, lambda: check_listen(uri))
+    tts, voices = start(options, lambda: check_listen(uri))
     serving = prepare(tts, max_queue=options.max_queue, limits=options.limits, prefill_chunk=options.prefill_chunk,
-                      interleave=options.interleave)
-    ready(tts)  # after prepare: the store has its encoder by then, so voice folders warm too
+                      interleave=options.interleave, voices=voices)
+    ready(tts, voices)  # after prepare: the store has its encoder by then, so voice folders warm too
     wyoming_options = {"default_voice": options.default_voice, "connection_limits": options.connection_limits}
 
     async def main():
         server = await start_wyoming(uri, serving, **wyoming_options)
-        log.warning("Wyoming server listening on %s (%d voices)", uri, len(tts.voices))
+        log.warning("Wyoming server listening on %s (%d voices)", uri, len(serving.tts.voices))
         stopped = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)

@@ -23,7 +23,6 @@ Prompt conventions (our choice, documented here and in the engine): the LLM need
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 import threading
@@ -211,27 +210,33 @@ class TextNormalizer:
     process (:meth:`with_worker_process`; same output).
     """
 
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, *, shares: TextNormalizer | None = None, worker=None):
+        """``shares``: a normalizer whose wetext objects (and their lock) this one uses instead of making
+        its own; ``worker``: a :class:`~cosyllama.text.worker.WetextWorker` for long texts (see
+        :meth:`with_worker_process`)."""
         from .worker import make_wetext_normalizers
 
         self.tokenizer = tokenizer
-        try:
-            self._wetext_normalizers = make_wetext_normalizers()
-        except ImportError as e:
-            raise MissingDependencyError("text normalization needs wetext>=0.1.8: pip install 'wetext>=0.1.8'") from e
-        self._lock = threading.Lock()
-        self._worker = None
+        if shares is not None:
+            self._wetext_normalizers, self._lock = shares._wetext_normalizers, shares._lock
+        else:
+            try:
+                self._wetext_normalizers = make_wetext_normalizers()
+            except ImportError as e:
+                raise MissingDependencyError("text normalization needs wetext>=0.1.8: "
+                                             "pip install 'wetext>=0.1.8'") from e
+            self._lock = threading.Lock()
+        self._worker = worker
 
     def with_worker_process(self, min_chars: int | None = None) -> TextNormalizer:
-        """A copy of this normalizer (same wetext objects) that normalizes texts of at least
+        """A new normalizer sharing this one's wetext objects that normalizes texts of at least
         ``min_chars`` characters (default :data:`~cosyllama.text.worker.WORKER_MIN_CHARS`) in a
         helper process, started now, so that they do not stop this process's other threads; its
         :meth:`close_worker` ends the process."""
         from .worker import WORKER_MIN_CHARS, WetextWorker
 
-        twin = copy.copy(self)
-        twin._worker = WetextWorker(WORKER_MIN_CHARS if min_chars is None else min_chars)
-        return twin
+        worker = WetextWorker(WORKER_MIN_CHARS if min_chars is None else min_chars)
+        return TextNormalizer(self.tokenizer, shares=self, worker=worker)
 
     def close_worker(self) -> None:
         """Stop the helper process of :meth:`with_worker_process` (if any); normalize in place again."""
