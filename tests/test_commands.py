@@ -96,15 +96,15 @@ def test_one_vocabulary_per_choice():
 
 def test_a_bad_precision_is_refused_before_any_weights_load(monkeypatch):
     import cosyllama
-    from cosyllama import tts as tts_module
+    from cosyllama import models as models_module
     from cosyllama import weights
 
     def loaded(*a, **k):
         raise AssertionError("weights were loaded")
 
     monkeypatch.setattr(weights, "load_llm_weights", loaded)
-    monkeypatch.setattr(tts_module, "make_llm", loaded)
-    monkeypatch.setattr(tts_module, "load_config", loaded)
+    monkeypatch.setattr(models_module, "make_llm", loaded)
+    monkeypatch.setattr(models_module, "load_config", loaded)
     for kw in ({"precision": "fp16"}, {"device": "tpu"}, {"precision": "int8", "device": "cuda:0"}):
         with pytest.raises(InputError):
             cosyllama.load(MODEL_DIR, **kw)
