@@ -25,7 +25,7 @@ import cosyllama
 from cosyllama.llm.factory import make_token_source
 from cosyllama.timing import rounds
 from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
-from cosyllama.tts import SynthesisOptions
+from cosyllama.tts import TTS, SynthesisOptions
 
 
 def one_request(tts, voice, seed: int, tokens: int) -> dict:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     for llm_threads, flow_threads, interleave in splits:
         tts = cosyllama.load(model, llm="llamacpp", gguf=gguf, threads=llm_threads, precision="auto")
         sched = make_token_source(tts.llm, batched=True, interleave=interleave)
-        view = tts.with_token_source(sched)
+        view = TTS.from_models(tts.models, token_source=sched)
         voice = view.make_voice(prompt_wav(3.0))
         loaded[(llm_threads, flow_threads, interleave)] = (view, voice, sched)
     rows: dict = {s: [] for s in splits}

@@ -90,7 +90,7 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tts():
     """The tiny model with the PyTorch LLM (fp32, one thread), one per test module."""
-    from serverkit import tiny_tts
+    from server_helpers import tiny_tts
 
     return tiny_tts()
 
@@ -98,6 +98,6 @@ def tts():
 @pytest.fixture(scope="module")
 def voice(tts):
     """The prompt clip and its transcript as a voice of ``tts``."""
-    from serverkit import PROMPT_TEXT, PROMPT_WAV
+    from server_helpers import PROMPT_TEXT, PROMPT_WAV
 
     return tts.make_voice(PROMPT_WAV, PROMPT_TEXT)

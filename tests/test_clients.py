@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
 
 SR = 24_000
 SEED = 7

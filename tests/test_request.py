@@ -247,6 +247,21 @@ def test_batch_row(tmp_path, case):
     assert bad.line == 2 and words in bad.error and BATCH_FIELD[field] in bad.error, bad
 
 
+def test_batch_instruct_row_needs_instructions_unless_its_voice_has_its_own(tmp_path):
+    """An instruct row without instructions is refused when the manifest is read, before any synthesis,
+    unless its registered voice carries a style instruction (a voice folder's instruct.txt)."""
+    from cosyllama.batch.manifest import read_manifest
+
+    lines = ['{"id": "styled", "mode": "instruct", "text": "Hi.", "voice": "calm"}',
+             '{"id": "plain", "mode": "instruct", "text": "Hi.", "voice": "en"}']
+    (tmp_path / "m.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    m = read_manifest(tmp_path / "m.jsonl", voices={"en", "calm"}, voice_transcripts={"en": True, "calm": False},
+                      voice_instructions={"en": False, "calm": True})
+    assert [r.id for r in m.rows] == ["styled"]
+    [bad] = m.bad
+    assert bad.line == 2 and "instructions" in bad.error and "instruct mode needs" in bad.error, bad
+
+
 @pytest.mark.parametrize("case", ["empty text", "control character"])
 def test_wyoming(server, case):
     from wyoming.client import AsyncTcpClient

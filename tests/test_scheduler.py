@@ -230,7 +230,7 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
 
 @pytest.mark.parametrize("mode,first,pauses", [("all", False, True), ("all", True, True), ("first", True, True),
                                               ("first", False, False), ("off", True, False)])
-def test_interleave_holds_decode_steps_while_a_flow_turn_is_held(torch_llm, prefills, mode, first, pauses):
+def test_interleave_holds_decode_steps_while_a_pause_for_flow_is_held(torch_llm, prefills, mode, first, pauses):
     """Where ``interleave`` says so, no decode step runs while a request's flow work holds its turn
     (``first``: only the turn of a stream's first chunk); elsewhere the turn is a no-op. The tokens
     are the same as alone either way."""

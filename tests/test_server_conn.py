@@ -17,7 +17,7 @@ from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E4
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from serverkit import json_error as _error  # noqa: E402
+from server_helpers import json_error as _error  # noqa: E402
 
 LIMITS = ConnectionLimits(header_timeout=1.0, body_timeout=1.5, max_connections=6)
 

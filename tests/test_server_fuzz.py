@@ -22,7 +22,7 @@ from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
 
 VOICE = "en"
 MAX_INPUT_CHARS = 48  # keeps each synthesis of generated text short; longer input gets 413

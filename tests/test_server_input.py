@@ -16,9 +16,9 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
-from serverkit import float_wav as _float_wav  # noqa: E402
-from serverkit import json_error as _error  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
+from server_helpers import float_wav as _float_wav  # noqa: E402
+from server_helpers import json_error as _error  # noqa: E402
 
 
 @pytest.fixture(scope="module")

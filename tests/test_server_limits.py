@@ -26,9 +26,9 @@ from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
-from serverkit import speech as _speech  # noqa: E402
-from serverkit import wait_idle as _wait_idle  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
+from server_helpers import speech as _speech  # noqa: E402
+from server_helpers import wait_idle as _wait_idle  # noqa: E402
 
 PARALLEL, SEQ_TOKENS = 8, 4096
 PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs away into the "

@@ -26,10 +26,10 @@ from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.serving import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
-from serverkit import broken_voice_dir as _broken_dir  # noqa: E402
-from serverkit import float_wav as _wav  # noqa: E402
-from serverkit import json_error as _error  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
+from server_helpers import broken_voice_dir as _broken_dir  # noqa: E402
+from server_helpers import float_wav as _wav  # noqa: E402
+from server_helpers import json_error as _error  # noqa: E402
 
 KEY = "leaks-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -20,9 +20,9 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
-from serverkit import speech as _speech  # noqa: E402
-from serverkit import wait_idle as _wait_idle  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
+from server_helpers import speech as _speech  # noqa: E402
+from server_helpers import wait_idle as _wait_idle  # noqa: E402
 
 TEXTS = ["Hello there.", "Good morning!", "How are you?", "See you soon.", "One two three.",
          "Nice to meet you.", "It is raining.", "Thank you."]

@@ -32,10 +32,10 @@ from cosyllama.server.serving import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
-from serverkit import PROMPT_WAV  # noqa: E402
-from serverkit import broken_voice_dir as _broken_dir  # noqa: E402
-from serverkit import float_wav as _float_wav  # noqa: E402
-from serverkit import json_error as _error  # noqa: E402
+from server_helpers import PROMPT_WAV  # noqa: E402
+from server_helpers import broken_voice_dir as _broken_dir  # noqa: E402
+from server_helpers import float_wav as _float_wav  # noqa: E402
+from server_helpers import json_error as _error  # noqa: E402
 
 KEY = "test-key-0123456789"
 GOOD_ORIGIN = "http://app.example:3000"

@@ -23,7 +23,7 @@ from websockets.sync.client import connect  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, uvicorn_options  # noqa: E402
-from serverkit import voiced_tts  # noqa: E402
+from server_helpers import voiced_tts  # noqa: E402
 
 TIMEOUT = 120  # seconds for any one message: generous, only a hang reaches it
 PATH = "/v1/audio/speech/stream"

@@ -21,7 +21,7 @@ from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice  # noqa: E402
 
 from cosyllama.server.app import create_app  # noqa: E402
-from serverkit import voiced_tts  # noqa: E402
+from server_helpers import voiced_tts  # noqa: E402
 
 TIMEOUT = 120  # seconds for any one event: generous, only a hang reaches it
 LONG = "This is a long sentence that keeps the model busy for a good while, word after word after word."

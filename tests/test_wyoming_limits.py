@@ -33,7 +33,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits  # noqa: E402
-from serverkit import PROMPT_WAV, voiced_tts  # noqa: E402
+from server_helpers import PROMPT_WAV, voiced_tts  # noqa: E402
 
 TIMEOUT = 120  # seconds for anything that should happen: generous, only a hang reaches it
 LIMITS = ConnectionLimits(header_timeout=1.0, idle_timeout=2.0, write_timeout=1.0, max_connections=32)

@@ -32,7 +32,7 @@ def weights_key(module: nn.Module) -> tuple:
     return tuple((id(p), p.data_ptr(), _version(p)) for p in module.parameters())
 
 
-class DerivedWeights(Generic[T]):
+class WeightCopies(Generic[T]):
     """One derived object per module, built by ``build(module, *extra)`` on first use and again
     whenever :func:`weights_key` or ``extra`` (e.g. the compute dtype) changes. It keeps the
     parameters it was built from alive, so their identities cannot be reused by new tensors."""

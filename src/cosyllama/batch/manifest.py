@@ -80,11 +80,13 @@ def _digest(obj: dict) -> str:
 
 
 def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = None,
-              voice_transcripts: dict[str, bool] | None = None) -> Row | BadRow:
+              voice_transcripts: dict[str, bool] | None = None,
+              voice_instructions: dict[str, bool] | None = None) -> Row | BadRow:
     """Check one parsed line: its JSON shape here, the synthesis rules by building its
     :class:`~cosyllama.request.SynthesisRequest` (each problem in the row's field names). ``voices``:
     the registered voice ids (None: not checked); ``voice_transcripts``: which of them have a
-    transcript (zero-shot needs one)."""
+    transcript (zero-shot needs one); ``voice_instructions``: which of them have their own style
+    instruction (instruct without ``instructions`` needs one; None: not known, checked at synthesis)."""
     if not isinstance(obj, dict):
         return BadRow(line, None, f"a row must be a JSON object, got {type(obj).__name__}")
     problems: list[str] = []
@@ -143,8 +145,11 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
         request = SynthesisRequest(text if "text" in obj else MISSING_TEXT, mode, voice=voice, prompt_wav=prompt_wav,
                                    prompt_text=prompt_text, instruction=instructions)
         if voice is not None and voice_transcripts is not None and voice in voice_transcripts:
+            known = voice_instructions is not None and voice in voice_instructions
             resolve_mode(request.mode, request.instruction, prompt_text=bool(prompt_text), clip=False,
-                         voice_transcript=voice_transcripts[voice], voice_instruction=None, instruction_known=False)
+                         voice_transcript=voice_transcripts[voice],
+                         voice_instruction="(the voice's own)" if known and voice_instructions[voice] else None,
+                         instruction_known=known)
     except RequestError as e:
         problems.append(e.render(BATCH_NAMES))
 
@@ -156,7 +161,8 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
 
 
 def read_manifest(path: str | Path, voices: Collection[str] | None = None,
-                  voice_transcripts: dict[str, bool] | None = None) -> Manifest:
+                  voice_transcripts: dict[str, bool] | None = None,
+                  voice_instructions: dict[str, bool] | None = None) -> Manifest:
     """Parse and check every line (blank lines and lines starting with ``#`` are skipped).
 
     Raises :class:`InputError` only when the file itself cannot be read; row problems are
@@ -186,7 +192,7 @@ def read_manifest(path: str | Path, voices: Collection[str] | None = None,
         except json.JSONDecodeError as e:
             bad.append(BadRow(n, None, f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
-        r = check_row(obj, n, base, voices, voice_transcripts)
+        r = check_row(obj, n, base, voices, voice_transcripts, voice_instructions)
         if r.id is not None:
             if r.id in first_line:
                 msg = f"id {r.id!r} is used again (first on line {first_line[r.id]})"

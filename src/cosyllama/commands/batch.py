@@ -103,19 +103,22 @@ def _check_args(args) -> EngineOptions:
                          flow_slots=args.flow_slots)
 
 
-def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool]]:
-    """Registered voice ids and whether each has a transcript (read without loading a model)."""
-    from ..voices import REF_TXT, VoiceStore
+def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool], dict[str, bool]]:
+    """Registered voice ids, whether each has a transcript and whether each has its own style
+    instruction (read without loading a model)."""
+    from ..voices import INSTRUCT_TXT, REF_TXT, VoiceStore
 
     if path is None:
-        return set(), {}
+        return set(), {}, {}
     store = VoiceStore()
     for f in voice_files(path):
         store.load(f)
     transcripts = {v: store.get(v).prompt_text is not None for v in store.ids()}
+    instructions = {v: getattr(store.get(v), "instruction", None) is not None for v in store.ids()}
     for vid, folder in voice_folders(path).items():  # made with the model; a file of the same id wins
         transcripts.setdefault(vid, (folder / REF_TXT).is_file())
-    return set(transcripts), transcripts
+        instructions.setdefault(vid, (folder / INSTRUCT_TXT).is_file())
+    return set(transcripts), transcripts, instructions
 
 
 def plan(manifest: Manifest, out_dir: Path, fmt: str, retry_failed: bool):
@@ -138,8 +141,8 @@ def run_batch(args, out=None, err=None) -> int:
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     opts = _check_args(args)
-    ids, transcripts = _voice_ids(opts.voices)
-    manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts)
+    ids, transcripts, instructions = _voice_ids(opts.voices)
+    manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts, instructions)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {args.out!r} is a file; give a directory")

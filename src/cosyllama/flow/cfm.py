@@ -9,7 +9,7 @@ from torch import nn
 from ..config import FlowConfig
 from ..errors import InputError
 from ..precision import INT8
-from ..weight_copies import DerivedWeights, weights_key
+from ..weight_copies import WeightCopies, weights_key
 from .cache import LOWP_KV_DTYPE, FlowStreamCache, StepCache
 from .dit import DiT
 from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_engine_problem
@@ -50,7 +50,7 @@ class CFM(nn.Module):
         # float32: the reference solver below. bfloat16 / INT8: the mixed-precision solver (FastDiT).
         self.compute_dtype = torch.float32
         self.int8_engine = INT8_ENGINE  # PyTorch's int8 kernel library at INT8 (fast_dit.INT8_ENGINES)
-        self._fast: DerivedWeights[FastDiT] = DerivedWeights(FastDiT)  # the fast solver's weight copies
+        self._fast: WeightCopies[FastDiT] = WeightCopies(FastDiT)  # the fast solver's weight copies
 
     def set_compute_dtype(self, dtype: torch.dtype, int8_engine: str | None = None) -> None:
         """float32: the reference solver; else :class:`FastDiT` in ``dtype`` (at INT8 on ``int8_engine``,

@@ -41,7 +41,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
-from .common import gate as _gate  # noqa: E402
+from .common import admission as _admission  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .errors import add_error_handlers  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
@@ -89,7 +89,7 @@ router = APIRouter()
 async def health(request: Request):
     state = request.app.state
     s = state.scheduler.stats()
-    g = _gate(request.app)
+    g = _admission(request.app)
     out = {"status": "ok", "active_sequences": s["active_sequences"],
            "queue_depth": g.waiting + s["waiting"], "requests_running": g.running,
            "requests_waiting": g.waiting, "sequences_waiting": s["waiting"],
@@ -169,7 +169,7 @@ def create_app(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAU
         if wyoming is not None:  # the same TTS view, scheduler and gate as the HTTP routes
             from .wyoming import start_wyoming
 
-            wyoming_server = await start_wyoming(wyoming, serving, gate=_gate(app), **(wyoming_options or {}))
+            wyoming_server = await start_wyoming(wyoming, serving, gate=_admission(app), **(wyoming_options or {}))
             log.warning("Wyoming server listening on %s", wyoming)
         app.state.wyoming = wyoming_server
         try:

@@ -9,7 +9,7 @@ import asyncio
 from fastapi import FastAPI, Request
 
 from ..defaults import RETRY_AFTER_S
-from .serving import Gate as _Gate
+from .serving import Admission as _Admission
 from .serving import ServerBusyError
 
 
@@ -36,12 +36,12 @@ def busy(message: str) -> ApiError:
     return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
 
 
-class Gate(_Gate):
-    """The app's :class:`~cosyllama.server.serving.Gate`: a refusal is answered 503 with ``Retry-After``."""
+class Admission(_Admission):
+    """The app's :class:`~cosyllama.server.serving.Admission`: a refusal is answered 503 with ``Retry-After``."""
 
     async def acquire(self, gone: asyncio.Future | None = None) -> bool:
         """A running slot (True), or False when ``gone`` (the task waiting for the client to leave)
-        ended first; see :meth:`~cosyllama.server.serving.Gate.admit`."""
+        ended first; see :meth:`~cosyllama.server.serving.Admission.admit`."""
         try:
             return await self.admit(gone)
         except ServerBusyError as e:
@@ -54,8 +54,8 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-def gate(app: FastAPI) -> Gate:
+def admission(app: FastAPI) -> Admission:
     """The app's gate (``app.state.limits``' max_concurrent and max_queue), made on first use."""
     if app.state.gate is None:  # created inside the running loop
-        app.state.gate = Gate(app.state.limits.max_concurrent, app.state.limits.max_queue)
+        app.state.gate = Admission(app.state.limits.max_concurrent, app.state.limits.max_queue)
     return app.state.gate

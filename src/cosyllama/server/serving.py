@@ -7,7 +7,7 @@
 * :func:`prepare`: the served pipeline over a TTS's models (its tokens from one batching scheduler,
   its calls checked against the limits, its voices, long texts normalized in a helper process), as a
   :class:`Serving`;
-* :class:`Gate`: admission (so many requests run, so many more wait, the rest are refused);
+* :class:`Admission`: who runs now (so many requests run, so many more wait, the rest are refused);
 * :class:`SentenceStream`: text as it is written (an LLM's answer, piece by piece) cut into the
   sentences to speak, within the limits (Wyoming's streamed synthesis, ``/v1/audio/speech/stream``);
 * :data:`INTERNAL_ERROR`: all a client is told of a failure that is the server's (the unknown-voice
@@ -48,7 +48,7 @@ class ServerBusyError(CosyllamaError, RuntimeError):
     """Every running slot of the server is taken and its queue is full; retry later."""
 
 
-class Gate:
+class Admission:
     """At most ``limit`` requests run; up to ``queue`` more wait (FIFO); the rest are refused with
     :class:`ServerBusyError`. Made inside the event loop that uses it."""
 
@@ -341,6 +341,6 @@ def _warm_all(tts, voices: VoiceStore) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["INTERNAL_ERROR", "Gate", "SentenceStream", "ServerBusyError", "Serving", "check_can_listen",
+__all__ = ["INTERNAL_ERROR", "Admission", "SentenceStream", "ServerBusyError", "Serving", "check_can_listen",
            "load_tts", "open_voice_store", "prepare", "report_voices",
            "stage_turns", "warm_voices"]

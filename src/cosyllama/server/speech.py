@@ -46,7 +46,7 @@ from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..request import MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
-from .common import ApiError, client_gone, error_body, gate
+from .common import ApiError, admission, client_gone, error_body
 from .errors import synthesis_error
 from .job import SynthesisJob
 from .wire import (
@@ -258,7 +258,7 @@ router = APIRouter()
 async def speech(body: SpeechRequest, request: Request):
     tts = request.app.state.tts
     streaming, synthesis = await check_request(body, request.app.state)
-    g = gate(request.app)
+    g = admission(request.app)
     job = SpeechJob(tts, synthesis, streaming, body.response_format)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
     try:

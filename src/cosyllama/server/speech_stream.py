@@ -52,7 +52,7 @@ from starlette.websockets import WebSocketDisconnect
 from ..limits import LimitExceeded
 from ..llm.scheduler import RequestCancelled
 from ..request import HTTP_NAMES, RequestError, SynthesisRequest
-from .common import ApiError, gate
+from .common import ApiError, admission
 from .conn import ConnectionLimits
 from .errors import describe_invalid, limit_error, synthesis_error
 from .serving import SentenceStream
@@ -137,7 +137,7 @@ class _Session:
     def __init__(self, ws: WebSocket):
         state = ws.app.state
         self.ws, self.tts, self.limits = ws, state.tts, state.limits.request
-        self.gate = gate(ws.app)
+        self.gate = admission(ws.app)
         conn = getattr(state, "connection_limits", None) or ConnectionLimits()
         self.idle_timeout, self.write_timeout = conn.idle_timeout, conn.write_timeout
         self.max_bytes = message_bytes(self.limits)

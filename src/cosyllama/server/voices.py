@@ -16,7 +16,7 @@ from ..errors import CosyllamaError, InputError
 from ..limits import LimitExceeded, RequestLimits
 from ..text.normalize import text_problem
 from ..voices import ReadOnlyVoicesError, VoiceExistsError, check_voice_id
-from .common import ApiError, client_gone, gate
+from .common import ApiError, admission, client_gone
 from .errors import limit_error
 
 log = logging.getLogger("cosyllama.server")
@@ -92,7 +92,7 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
                        "clip (at most 30 s)", "request_too_large")
     if not data:
         raise ApiError(400, "the audio file is empty")
-    g = gate(request.app)
+    g = admission(request.app)
     watcher = asyncio.create_task(client_gone(request))
     try:
         admitted = await g.acquire(gone=watcher)
@@ -122,7 +122,7 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
 async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
     """After answering: solve the voice's shared flow blocks, so its first streaming request
     starts after them too. Takes a slot like a request; skipped when the server is busy."""
-    g = gate(app)
+    g = admission(app)
     try:
         await g.acquire()
     except ApiError:

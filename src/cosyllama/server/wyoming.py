@@ -60,7 +60,7 @@ from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
 from .job import SynthesisJob
-from .serving import INTERNAL_ERROR, Gate, SentenceStream, ServerBusyError
+from .serving import INTERNAL_ERROR, Admission, SentenceStream, ServerBusyError
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -138,7 +138,7 @@ class WyomingService:
     voice, the synthesis options of every request (e.g. ``greedy``/``seed``, which the protocol
     cannot carry) and the threads that run model code (never the event loop)."""
 
-    def __init__(self, serving, gate: Gate, *, default_voice: str | None = None, options=None,
+    def __init__(self, serving, gate: Admission, *, default_voice: str | None = None, options=None,
                  connection_limits: ConnectionLimits | None = None):
         self.serving, self.tts, self.gate = serving, serving.tts, gate
         self.default_voice = default_voice
@@ -631,7 +631,7 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
         service.connections.pop(task, None)
 
 
-async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_voice: str | None = None,
+async def start_wyoming(uri: str, serving, *, gate: Admission | None = None, default_voice: str | None = None,
                         options=None, connection_limits: ConnectionLimits | None = None) -> WyomingServer:
     """Listen at ``uri`` in the running event loop and answer the Wyoming protocol from ``serving``
     (a :class:`~cosyllama.server.serving.Serving`); ``gate``: the admission gate to share (default: a new
@@ -639,7 +639,7 @@ async def start_wyoming(uri: str, serving, *, gate: Gate | None = None, default_
     every request (always streaming). ``connection_limits``: what a client may hold (default
     :class:`ConnectionLimits`()). A TCP port 0 listens on a free port (see ``address``)."""
     check_uri(uri)
-    gate = gate if gate is not None else Gate(serving.max_concurrent, serving.max_queue)
+    gate = gate if gate is not None else Admission(serving.max_concurrent, serving.max_queue)
     service = WyomingService(serving, gate, default_voice=default_voice, options=options,
                              connection_limits=connection_limits)
     u = urlparse(uri)

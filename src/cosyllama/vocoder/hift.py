@@ -14,7 +14,7 @@ from ..config import HiftConfig, ModelConfig
 from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
 from ..precision import INT8, is_auto, resolve_precision
-from ..weight_copies import DerivedWeights
+from ..weight_copies import WeightCopies
 from .fast import CHANNELS_LAST, FastGenerator
 from .modules import (
     CONV_POST_KERNEL,
@@ -81,8 +81,8 @@ class HiFT(nn.Module):
         # first use. False: the module-by-module reference path (same math, ~1.5-2x slower on CPU).
         self.fast = True
         # Weight copies each path prepares, rebuilt when the weights change (cosyllama.weight_copies).
-        self._fast_weights: DerivedWeights[FastGenerator] = DerivedWeights(FastGenerator)
-        self._lowp_weights: DerivedWeights[dict[str, nn.Module]] = DerivedWeights(_lowp_copies)
+        self._fast_weights: WeightCopies[FastGenerator] = WeightCopies(FastGenerator)
+        self._lowp_weights: WeightCopies[dict[str, nn.Module]] = WeightCopies(_lowp_copies)
 
     @property
     def _fast(self) -> FastGenerator | None:

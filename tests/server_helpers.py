@@ -1,6 +1,6 @@
 """Helpers the server tests share (the HTTP API, its WebSocket stream and the Wyoming server): the
 prompt clip, the tiny TTS with its voices the streamed protocols serve, and checks
-of the HTTP API's answers. Imported by the test modules (``from serverkit import ...``); the
+of the HTTP API's answers. Imported by the test modules (``from server_helpers import ...``); the
 ``tts`` and ``voice`` fixtures most of them use are in ``conftest.py``. Not a test module."""
 
 from __future__ import annotations
