@@ -72,3 +72,17 @@ def test_llm_fidelity_on_the_tiny_model(tmp_path, monkeypatch, capsys):
     assert res["F32"]["top1"] == 1.0 and res["F32"]["free_equal"] == 1.0 and res["F32"]["kl_max"] < 1e-6
     assert res["Q4_0"]["kl_mean"] > 100 * max(res["F32"]["kl_mean"], 1e-9)
     assert "Q4_0" in capsys.readouterr().out
+
+
+def test_flow_ceiling(tmp_path, capsys):
+    out = tmp_path / "ceiling.json"
+    main = runpy.run_path(str(SCRIPTS / "flow_ceiling.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--threads", "1", "--calls", "1", "--prompt-seconds", "0.4",
+                 "--output-seconds", "0.4", "--no-compile", "--variants", "fp32,bf16", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["product"] for r in res["products"]] == ["qkv", "attention out", "ff in + GELU", "ff out"]
+    assert all(r["bf16_ms"] > 0 and r["static_products_only_ms"] > 0 for r in res["products"])
+    assert [r["dtype"] for r in res["attention"]] == ["float32", "bfloat16"]
+    assert [r["variant"] for r in res["profile"]] == ["fp32", "bf16"]
+    assert all(r["self_cpu_seconds_per_audio_second"] for r in res["profile"])
+    assert "attention bfloat16" in capsys.readouterr().out

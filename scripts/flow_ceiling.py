@@ -1,0 +1,196 @@
+"""What bounds the flow on this CPU: the DiT's products per kind of int8 kernel against bf16, its attention
+per kernel and precision, and where one flow call's time goes per precision variant.
+
+    python scripts/flow_ceiling.py --threads 2 [--parts products,attention,profile] [--json FILE]
+
+* ``products``: one DiT layer's four products (qkv, attention out, feed-forward in with GELU, out) at the
+  rows of one non-streaming call (CFG pair x prompt + output frames): bf16 on oneDNN (the bf16 path),
+  PyTorch's dynamic int8 linear on fbgemm and oneDNN (the int8 paths: activation range and
+  quantization inside the kernel), and static activation scales on oneDNN's ``qlinear_pointwise``
+  (products alone, then with the separate quantization pass a static scale needs);
+* ``attention``: the DiT's attention at that length, PyTorch's CPU flash kernel in fp32 and bf16,
+  explicit bf16 ``matmul`` + ``softmax`` + ``matmul``, and the flash kernel under ``torch.compile``
+  (``--no-compile``: not that one);
+* ``profile``: one flow call per variant (``--variants``, default bf16, int8-onednn, int8-onednn+bf16),
+  self CPU time by kind of op (torch.profiler).
+
+Numbers are for the machine it runs on; docs/benchmarks.md has them per CPU class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PARTS = ("products", "attention", "profile")
+OP_KINDS = [("int8 products", ("quantized::linear",)),
+            ("bf16/fp32 products", ("linear_pointwise", "addmm", "aten::mm", "aten::bmm", "aten::linear")),
+            ("attention", ("scaled_dot_product", "flash_attention")),
+            ("dtype conversions", ("aten::to", "aten::_to_copy", "aten::copy_")),
+            ("gelu", ("gelu",)),
+            ("norm/modulation", ("layer_norm", "aten::mul", "aten::add", "aten::addcmul"))]
+
+
+def _ms(fn, n: int) -> float:
+    """Best of 3 rounds of ``n`` calls, ms per call (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e3
+
+
+def products(cfg, rows: int, n: int) -> list[dict]:
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+
+    d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
+    shapes = [("qkv", d, 3 * d, False), ("attention out", d, d, False), ("ff in + GELU", d, ff, True),
+              ("ff out", ff, d, False)]
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for name, k, m, gelu in shapes:
+        w, b = torch.randn(m, k, generator=g) * 0.05, torch.randn(m, generator=g) * 0.01
+        x = torch.randn(rows, k, generator=g)
+        xb = x.bfloat16()
+        post = ("gelu", [], "tanh") if gelu else ("none", [], "")
+        wp, bb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None), b.bfloat16()
+        row = {"product": name, "rows": rows, "k": k, "n": m,
+               "bf16_ms": _ms(lambda: torch.ops.mkldnn._linear_pointwise(xb, wp, bb, *post), n)}
+        scale = (w.abs().amax(1) / 127).double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scale, torch.zeros(m, dtype=torch.long), 0, torch.qint8)
+            for engine in ("fbgemm", "onednn"):
+                if engine not in torch.backends.quantized.supported_engines:
+                    continue
+                torch.backends.quantized.engine = engine
+                packed = torch.ops.quantized.linear_prepack(qw, b)
+                row[f"dynamic_{engine}_ms"] = _ms(lambda: torch.ops.quantized.linear_dynamic(x, packed, False), n)
+        xs, zp = float(x.abs().max() / 127.0), 128
+        w8 = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        qwp = torch.ops.onednn.qlinear_prepack(w8, [rows, k])
+        ws, wz = scale.float(), torch.zeros(m, dtype=torch.int32)
+        quant = torch.ops.quantized_decomposed.quantize_per_tensor.default
+        qx = quant(x, xs, zp, 0, 255, torch.uint8)
+
+        def static(qx_of, dtype):
+            return lambda: torch.ops.onednn.qlinear_pointwise(qx_of(), xs, zp, qwp, ws, wz, b, 1.0, 0, dtype, *post)
+
+        row["static_products_only_ms"] = _ms(static(lambda: qx, torch.bfloat16), n)
+        row["static_with_quantize_ms"] = _ms(static(lambda: quant(x, xs, zp, 0, 255, torch.uint8), torch.float32), n)
+        out.append(row)
+    return out
+
+
+def attention(cfg, frames: int, n: int, compile_too: bool = True) -> list[dict]:
+    h, dh = cfg.dit_heads, cfg.dit_dim_head
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(2, h, frames, dh, generator=g).to(dtype) for _ in range(3))
+        row = {"dtype": str(dtype).removeprefix("torch."), "batch": 2, "heads": h, "frames": frames,
+               "flash_ms": _ms(lambda: F.scaled_dot_product_attention(q, k, v), n)}
+        if dtype == torch.bfloat16:
+            row["matmul_softmax_matmul_ms"] = _ms(
+                lambda: torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * dh ** -0.5, -1), v), n)
+            if compile_too:  # inductor needs a C++ compiler
+                compiled = torch.compile(F.scaled_dot_product_attention, dynamic=False)
+                compiled(q, k, v)
+                row["flash_compiled_ms"] = _ms(lambda: compiled(q, k, v), n)
+        row["gflop_per_s"] = 4 * 2 * h * frames ** 2 * dh / row["flash_ms"] / 1e6
+        out.append(row)
+    return out
+
+
+def profile(model_dir: Path, variants: list[str], prompt_s: float, output_s: float) -> list[dict]:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from cosyllama.config import load_config
+    from cosyllama.flow import Flow
+    from cosyllama.tools.bench_flow import FlowVariant, _inputs
+
+    config = load_config(model_dir)
+    dev = torch.device("cpu")
+    tokens, pt, pf, emb = _inputs(config, prompt_s, output_s, torch.Generator().manual_seed(0), dev)
+    flow = Flow.from_config(config, dev)
+    out = []
+    for name in variants:
+        v = FlowVariant.parse(name)
+        if v is None or not v.available():
+            continue
+        v.apply(flow)
+        with v.running(dev):
+            flow.inference(tokens[:, :10], pt, pf, emb)
+            t0 = time.perf_counter()
+            flow.inference(tokens, pt, pf, emb)
+            wall = time.perf_counter() - t0
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                flow.inference(tokens, pt, pf, emb)
+        kinds: dict[str, float] = {}
+        for ev in prof.key_averages():
+            kind = next((k for k, names in OP_KINDS if any(s in ev.key for s in names)), "other")
+            kinds[kind] = kinds.get(kind, 0.0) + ev.self_cpu_time_total / 1e6 / output_s
+        out.append({"variant": name, "seconds_per_audio_second": wall / output_s,
+                    "self_cpu_seconds_per_audio_second": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--parts", default=",".join(PARTS))
+    p.add_argument("--variants", default="bf16,int8-onednn,int8-onednn+bf16")
+    p.add_argument("--prompt-seconds", type=float, default=3.0)
+    p.add_argument("--output-seconds", type=float, default=10.0)
+    p.add_argument("--calls", type=int, default=20, help="calls per timing round of a product or an attention")
+    p.add_argument("--no-compile", action="store_true", help="attention: skip the torch.compile row")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    if any(x not in PARTS for x in parts):
+        p.error(f"--parts: a comma list of {', '.join(PARTS)}")
+    torch.set_num_threads(args.threads)
+    from cosyllama.config import load_config
+    from cosyllama.tools.bench_setup import ensure_full_model, machine_info
+
+    model = Path(args.model_dir or ensure_full_model(print))
+    cfg = load_config(model).flow
+    frames = round((args.prompt_seconds + args.output_seconds) * 50)  # mel frames, 50 Hz
+    res = {"machine": machine_info(args.threads), "frames": frames}
+    if "products" in parts:
+        res["products"] = products(cfg, 2 * frames, args.calls)
+        for r in res["products"]:
+            print(f"{r['product']:14s} {r['rows']}x{r['k']}->{r['n']}: bf16 {r['bf16_ms']:.2f} ms; " + ", ".join(
+                f"{k.removesuffix('_ms')} {r[k]:.2f} ms ({r['bf16_ms'] / r[k]:.2f}x)" for k in r
+                if k.endswith("_ms") and k != "bf16_ms"))
+    if "attention" in parts:
+        res["attention"] = attention(cfg, frames, args.calls, not args.no_compile)
+        for r in res["attention"]:
+            print(f"attention {r['dtype']} 2x{r['heads']}x{frames}: " + ", ".join(
+                f"{k.removesuffix('_ms')} {r[k]:.2f} ms" for k in r if k.endswith("_ms"))
+                + f" ({r['gflop_per_s']:.0f} GFLOP/s flash)")
+    if "profile" in parts:
+        res["profile"] = profile(model, [v.strip() for v in args.variants.split(",") if v.strip()],
+                                 args.prompt_seconds, args.output_seconds)
+        for r in res["profile"]:
+            kinds = ", ".join(f"{k} {v:.3f}" for k, v in r["self_cpu_seconds_per_audio_second"].items())
+            print(f"flow {r['variant']}: {r['seconds_per_audio_second']:.3f} s per audio second; self CPU: {kinds}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
