@@ -16,6 +16,7 @@ from helpers import FIXTURES, MODEL_DIR, Gated
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
 PROMPT_TEXT = "Hello, this is my voice."  # what PROMPT_WAV says
+WAIT_S = 120  # seconds for anything a server test waits for: generous, only a hang reaches it
 
 
 def tiny_tts():
@@ -38,6 +39,14 @@ def voiced_tts(*voices: str, gated: bool = True):
     for name in voices:
         t.add_voice(name, PROMPT_WAV)
     return t
+
+
+def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
+    """Poll ``condition`` until it holds; fail saying ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def speech(client, text, **kw):

@@ -24,6 +24,7 @@ from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from server_helpers import voiced_tts  # noqa: E402
+from server_helpers import wait_until as _wait  # noqa: E402
 
 TIMEOUT = 120  # seconds for any one message: generous, only a hang reaches it
 PATH = "/v1/audio/speech/stream"
@@ -92,13 +93,6 @@ def _http(srv, text: str, **fields) -> bytes:
         r = c.post("/v1/audio/speech", json=body)
     assert r.status_code == 200, r.text
     return r.content
-
-
-def _wait(condition, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_each_sentence_is_spoken_before_the_next_piece_is_sent(server, tts):

@@ -5,7 +5,6 @@ to the HTTP endpoint's audio, two clients at once, a disconnect frees its sequen
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -22,6 +21,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 
 from cosyllama.server.app import create_app  # noqa: E402
 from server_helpers import voiced_tts  # noqa: E402
+from server_helpers import wait_until as _wait  # noqa: E402
 
 TIMEOUT = 120  # seconds for any one event: generous, only a hang reaches it
 LONG = "This is a long sentence that keeps the model busy for a good while, word after word after word."
@@ -75,13 +75,6 @@ def _http_pcm(server, text: str, voice: str = "en", seed: int = 0) -> bytes:
                                              "stream": True, "response_format": "pcm"})
     assert r.status_code == 200, r.text
     return r.content
-
-
-def _wait(condition, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_describe_lists_the_voices(server):

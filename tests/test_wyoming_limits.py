@@ -34,6 +34,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits  # noqa: E402
 from server_helpers import PROMPT_WAV, voiced_tts  # noqa: E402
+from server_helpers import wait_until as _wait  # noqa: E402
 
 TIMEOUT = 120  # seconds for anything that should happen: generous, only a hang reaches it
 LIMITS = ConnectionLimits(header_timeout=1.0, idle_timeout=2.0, write_timeout=1.0, max_connections=32)
@@ -63,13 +64,6 @@ def server(tts):
 
 def _run(coro, timeout: float = 4 * TIMEOUT):
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def _wait(condition, what: str, timeout: float = TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def _idle(server) -> bool:
