@@ -223,7 +223,7 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
                          f"({limits.seq_tokens}); lower the limit or load the LLM with max_seq_tokens >= it")
     if owns_scheduler:
         if interleave is None:
-            interleave, why = stage_turns(tts)
+            interleave, why = choose_interleave(tts)
             log.warning("scheduler: %s (--interleave)", why)  # start-up facts go out at warning, as the voices line
         scheduler = make_token_source(tts.llm, batched=True, max_waiting=max(DEFAULT_MAX_WAITING, max_concurrent),
                                       prefill_chunk=prefill_chunk, interleave=interleave)
@@ -244,7 +244,7 @@ def prepare(tts, *, max_concurrent: int | None = None, max_queue: int = MAX_QUEU
 # Options and loading
 
 
-def stage_turns(tts) -> tuple[str, str]:
+def choose_interleave(tts) -> tuple[str, str]:
     """:func:`cosyllama.cpu.interleave_stages` for a loaded TTS: its LLM's threads (llama.cpp's own
     count; the torch LLM shares PyTorch's) and PyTorch's."""
     import torch
@@ -343,4 +343,4 @@ def _warm_all(tts, voices: VoiceStore) -> None:
 
 __all__ = ["INTERNAL_ERROR", "Admission", "SentenceStream", "ServerBusyError", "Serving", "check_can_listen",
            "load_tts", "open_voice_store", "prepare", "report_voices",
-           "stage_turns", "warm_voices"]
+           "choose_interleave", "warm_voices"]
