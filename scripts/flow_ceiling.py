@@ -7,7 +7,11 @@ per kernel and precision, and where one flow call's time goes per precision vari
   rows of one non-streaming call (CFG pair x prompt + output frames): bf16 on oneDNN (the bf16 path),
   PyTorch's dynamic int8 linear on fbgemm and oneDNN (the int8 paths: activation range and
   quantization inside the kernel), and static activation scales on oneDNN's ``qlinear_pointwise``
-  (products alone, then with the separate quantization pass a static scale needs);
+  (products alone, then with the separate quantization pass a static scale needs); then the feed-forward
+  pair as a chain, the one place in a DiT block where a product's output feeds the next product with
+  nothing but GELU between them: bf16, dynamic int8, and static int8 whose first product requantizes in
+  its epilogue (GELU and the second product's input scale as oneDNN post-ops, uint8 out), so only the
+  chain's input needs a quantization pass;
 * ``attention``: the DiT's attention at that length, PyTorch's CPU flash kernel in fp32 and bf16,
   explicit bf16 ``matmul`` + ``softmax`` + ``matmul``, and the flash kernel under ``torch.compile``
   (``--no-compile``: not that one);
@@ -89,7 +93,55 @@ def products(cfg, rows: int, n: int) -> list[dict]:
         row["static_products_only_ms"] = _ms(static(lambda: qx, torch.bfloat16), n)
         row["static_with_quantize_ms"] = _ms(static(lambda: quant(x, xs, zp, 0, 255, torch.uint8), torch.float32), n)
         out.append(row)
+        if name == "ff in + GELU":
+            first = (w, b, x, qw, qwp, scale, xs)
+    out.append(_ff_chain(cfg, rows, n, first, g))
     return out
+
+
+def _ff_chain(cfg, rows: int, n: int, first, g) -> dict:
+    """The feed-forward pair timed as one chain (see the module's doc)."""
+    quant = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    qlinear = torch.ops.onednn.qlinear_pointwise
+    d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
+    w1, b1, x, qw1, qwp1, scale1, xs = first
+    w2, b2 = torch.randn(d, ff, generator=g) * 0.05, torch.randn(d, generator=g) * 0.01
+    scale2 = (w2.abs().amax(1) / 127).double()
+    qwp2 = torch.ops.onednn.qlinear_prepack(torch.round(w2 / scale2.float()[:, None]).clamp(-127, 127)
+                                            .to(torch.int8), [rows, ff])
+    h = F.gelu(x @ w1.T + b1, approximate="tanh")
+    hs, zp = float(h.abs().max() / 127.0), 128  # the second product's static input scale, calibrated on h
+    z1, z2 = torch.zeros(ff, dtype=torch.int32), torch.zeros(d, dtype=torch.int32)
+    xb = x.bfloat16()
+    p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in (w1, w2))
+    bf1, bf2 = b1.bfloat16(), b2.bfloat16()
+    pw = torch.ops.mkldnn._linear_pointwise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.quantized.engine = "onednn"
+        d1 = torch.ops.quantized.linear_prepack(qw1, b1)
+        d2 = torch.ops.quantized.linear_prepack(
+            torch.quantize_per_channel(w2, scale2, torch.zeros(d, dtype=torch.long), 0, torch.qint8), b2)
+
+    def bf16():
+        return pw(pw(xb, p1, bf1, "gelu", [], "tanh"), p2, bf2, "none", [], "")
+
+    def dynamic():
+        y = torch.ops.aten.gelu_(torch.ops.quantized.linear_dynamic(x, d1, False), approximate="tanh")
+        return torch.ops.quantized.linear_dynamic(y, d2, False)
+
+    def static():
+        q = qlinear(quant(x, xs, zp, 0, 255, torch.uint8), xs, zp, qwp1, scale1.float(), z1, b1, hs, zp,
+                    torch.uint8, "gelu", [], "tanh")
+        return qlinear(q, hs, zp, qwp2, scale2.float(), z2, b2, 1.0, 0, torch.bfloat16, "none", [], "")
+
+    row = {"product": "ff chain", "rows": rows, "k": d, "n": d}
+    for key, fn in (("bf16_ms", bf16), ("dynamic_onednn_ms", dynamic), ("static_int8_epilogue_ms", static)):
+        row[key] = _ms(fn, n)
+    ref = h @ w2.T + b2
+    for key, fn in (("bf16", bf16), ("dynamic_onednn", dynamic), ("static_int8_epilogue", static)):
+        row[f"{key}_max_error"] = float((fn().float() - ref).abs().max())
+    return row
 
 
 def attention(cfg, frames: int, n: int, compile_too: bool = True) -> list[dict]:

@@ -6,6 +6,8 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
+
 from helpers import MODEL_DIR
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -80,9 +82,45 @@ def test_flow_ceiling(tmp_path, capsys):
     assert main(["--model-dir", str(MODEL_DIR), "--threads", "1", "--calls", "1", "--prompt-seconds", "0.4",
                  "--output-seconds", "0.4", "--no-compile", "--variants", "fp32,bf16", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [r["product"] for r in res["products"]] == ["qkv", "attention out", "ff in + GELU", "ff out"]
-    assert all(r["bf16_ms"] > 0 and r["static_products_only_ms"] > 0 for r in res["products"])
+    assert [r["product"] for r in res["products"]] == ["qkv", "attention out", "ff in + GELU", "ff out", "ff chain"]
+    assert all(r["bf16_ms"] > 0 and r["static_products_only_ms"] > 0 for r in res["products"][:4])
+    chain = res["products"][4]
+    assert chain["static_int8_epilogue_ms"] > 0 and chain["dynamic_onednn_ms"] > 0
+    # int8 errs more than bf16, and neither is garbage (the chain's outputs are O(1))
+    assert chain["bf16_max_error"] < chain["static_int8_epilogue_max_error"] < 1.0
     assert [r["dtype"] for r in res["attention"]] == ["float32", "bfloat16"]
     assert [r["variant"] for r in res["profile"]] == ["fp32", "bf16"]
     assert all(r["self_cpu_seconds_per_audio_second"] for r in res["profile"])
     assert "attention bfloat16" in capsys.readouterr().out
+
+
+def test_flow_pt2e_without_torchao_says_how_to_install(monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao", None)  # an import of it now raises ImportError
+    main = runpy.run_path(str(SCRIPTS / "flow_pt2e.py"))["main"]
+    with pytest.raises(SystemExit) as e:
+        main(["--model-dir", str(MODEL_DIR)])
+    assert e.value.code == 2 and "pip install torchao" in capsys.readouterr().err
+
+
+def test_flow_pt2e_refuses_an_unknown_scheme(capsys):
+    main = runpy.run_path(str(SCRIPTS / "flow_pt2e.py"))["main"]
+    with pytest.raises(SystemExit) as e:
+        main(["--quantization", "static,fp4"])
+    assert e.value.code == 2 and "static, dynamic" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_flow_pt2e_on_the_tiny_model(tmp_path, capsys):
+    """The whole measurement where torchao is installed (it is no dependency: skipped otherwise)."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "pt2e.json"
+    main = runpy.run_path(str(SCRIPTS / "flow_pt2e.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--threads", "1", "--quantization", "dynamic", "--rounds", "1",
+                 "--prompt-seconds", "0.4", "--output-seconds", "0.4", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["rows"]) == {"bf16", "int8-onednn+bf16", "inductor-bf16", "pt2e-dynamic", "pt2e-dynamic+2bf16"}
+    for row in res["rows"].values():
+        assert row["seconds_per_audio_second"][0] > 0 and 0 <= row["mel_error_mean"] <= row["mel_error_max"]
+    assert "x bf16" in capsys.readouterr().out
