@@ -9,11 +9,15 @@ One process, one whole flow call (3 s prompt + 10 s by default) per row, rows in
 bf16 and int8/onednn+bf16 solvers, then per quantization scheme the PT2E DiT on every Euler step
 (``pt2e-<scheme>``) and on all but the last two, which run the inductor-compiled bf16 DiT
 (``pt2e-<scheme>+2bf16``, the tail cosyllama's int8 solvers keep in higher precision), plus the
-inductor bf16 DiT alone. ``--scope linear`` quantizes every linear layer of the DiT; ``all`` lets the quantizer take every op it knows (the
-input convs too); ``blocks`` only the products inside the DiT blocks, the ones cosyllama's int8 solvers
-quantize (its time MLP, modulations, input and output projections stay float). Mel error against the float32 solve of the same inputs; static scales are
-calibrated on a whole solve of other random inputs. The export is specialised to the call's frame
-count: the script also reports what a second length costs (a new export, calibration and compile).
+inductor bf16 DiT alone.
+
+``--scope``: ``blocks`` (the default) quantizes only the products inside the DiT blocks, the ones
+cosyllama's int8 solvers quantize (the time MLP, modulations and the input and output projections
+stay float); ``linear`` every linear layer of the DiT; ``all`` every op the quantizer knows.
+
+Mel error against the float32 solve of the same inputs; static scales are calibrated on a whole solve
+of other random inputs. The export is specialised to the call's frame count: another length needs a
+new export, calibration and compile (the setup times are reported).
 
 Needs ``pip install torchao`` (not a cosyllama dependency). Numbers: docs/benchmarks.md#findings.
 """
