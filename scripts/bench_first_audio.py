@@ -11,18 +11,30 @@ length, each closed after its first non-empty chunk:
 ``--breakdown`` splits each first audio into its serial parts: text front end and LLM prefill up to the first
 speech token, the rest of the tokens the first chunk needs, the chunk's flow call and its vocoder call.
 ``--profile`` also splits the last request's first flow call by operator (``torch.profiler``, self CPU time).
+
+``--paths`` compares how the request reaches the models, request by request in turns (A B, B A, ...):
+``direct`` decodes on the request's own thread (``cosyllama synth``, the Python API), ``scheduler`` through
+the servers' batch scheduler on its own thread, pausing decoding for the first chunk as ``serve`` does
+on 2 cores; ``/main`` runs the request on the main thread, ``/thread`` on a fresh thread each time, as
+the servers' executors do:
+
+    python scripts/bench_first_audio.py --threads 2 --prompt-cache-mb 512 --warm --breakdown \
+        --paths direct/main,scheduler/thread
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 
 import cosyllama
+from cosyllama.llm.factory import make_token_source
 from cosyllama.precision import precision_name
+from cosyllama.server.serving import choose_interleave
 from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
-from cosyllama.tts import SynthesisOptions
+from cosyllama.tts import TTS, SynthesisOptions
 
 
 class Marks:
@@ -73,6 +85,30 @@ def first_audio_s(tts, voice, seed: int, marks: Marks | None = None) -> tuple[fl
         chunks.close()
 
 
+PATHS = ("direct/main", "direct/thread", "scheduler/main", "scheduler/thread")
+
+
+def on_thread(fn, fresh: bool):
+    """``fn()`` on this thread, or on a fresh one (its result or exception either way)."""
+    if not fresh:
+        return fn()
+    out: list = []
+
+    def run():
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # handed back to the caller
+            out.append((False, e))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def profiled_request(tts, voice, seed: int, marks: Marks | None):
     """One more request whose first flow call runs under ``torch.profiler``; prints its operator table."""
     from torch.profiler import ProfilerActivity, profile
@@ -113,8 +149,15 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="auto", help="flow precision")
     p.add_argument("--breakdown", action="store_true", help="split each first audio into its serial parts")
     p.add_argument("--profile", action="store_true", help="split the last request's first flow call by operator")
+    p.add_argument("--paths", default="direct/main",
+                   help=f"comma list of {', '.join(PATHS)}: how requests reach the models, in turns (see above)")
     p.add_argument("--json", help="append one JSON line per setting here")
     args = p.parse_args(argv)
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if not paths or any(x not in PATHS for x in paths) or len(set(paths)) < len(paths):
+        p.error(f"--paths: a comma list of distinct {', '.join(PATHS)}")
+    if args.profile and paths != ["direct/main"]:
+        p.error("--profile profiles the direct path alone: leave --paths out")
     model = args.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
     for mb in (float(x) for x in args.prompt_cache_mb.split(",")):
@@ -130,23 +173,39 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             kept = tts.warm_voice(voice)
             warm = f" (warmed first: {time.perf_counter() - t0:.2f} s, {'kept' if kept else 'nothing kept'})"
-        marks = Marks(tts) if args.breakdown else None
-        runs = [first_audio_s(tts, voice, i, marks) for i in range(args.requests - args.profile)]
+        scheduler = None
+        pipes = {}
+        for path in paths:
+            if path.startswith("scheduler") and scheduler is None:
+                scheduler = make_token_source(tts.llm, batched=True, interleave=choose_interleave(tts)[0])
+            pipe = tts if path.startswith("direct") else TTS.from_models(tts.models, token_source=scheduler,
+                                                                          voices=tts.voices)
+            pipes[path] = (pipe, Marks(pipe) if args.breakdown else None)
+        runs: dict[str, list] = {path: [] for path in paths}
+        for i in range(args.requests - args.profile):
+            for path in paths if i % 2 == 0 else paths[::-1]:
+                pipe, marks = pipes[path]
+                runs[path].append(on_thread(lambda: first_audio_s(pipe, voice, i, marks), path.endswith("/thread")))
         if args.profile:
-            runs.append(profiled_request(tts, voice, args.requests - 1, marks))
-        times = [t for t, _ in runs]
-        print(f"prompt_cache_mb={mb:g}{warm}: first audio " + ", ".join(f"{t:.2f}" for t in times) + " s",
-              flush=True)
-        for _, parts in runs:
-            if parts is not None:
-                print("  " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in parts.items()) + " s")
-        if args.json:
-            row = {"llm": args.llm, "type": args.type if gguf else args.llm_precision, "device": args.device,
-                   "flow": precision_name(tts.token2wav.flow.precision), "prompt_cache_mb": mb, "warm": args.warm,
-                   "first_audio_s": times, "breakdown": [parts for _, parts in runs if parts is not None]}
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
-        del tts
+            runs[paths[0]].append(profiled_request(tts, voice, args.requests - 1, pipes[paths[0]][1]))
+        if scheduler is not None:
+            scheduler.close()
+        for path in paths:
+            times = [t for t, _ in runs[path]]
+            via = "" if paths == ["direct/main"] else f" [{path}]"
+            print(f"prompt_cache_mb={mb:g}{warm}{via}: first audio " + ", ".join(f"{t:.2f}" for t in times) + " s",
+                  flush=True)
+            for _, parts in runs[path]:
+                if parts is not None:
+                    print("  " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f}" for k, v in parts.items()) + " s")
+            if args.json:
+                row = {"llm": args.llm, "type": args.type if gguf else args.llm_precision, "device": args.device,
+                       "flow": precision_name(tts.token2wav.flow.precision), "prompt_cache_mb": mb,
+                       "warm": args.warm, "path": path, "first_audio_s": times,
+                       "breakdown": [parts for _, parts in runs[path] if parts is not None]}
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        del tts, pipes
     return 0
 
 

@@ -26,6 +26,27 @@ def test_first_audio(tmp_path, capsys):
     assert "first audio" in capsys.readouterr().out
 
 
+def test_first_audio_paths_in_turns(tmp_path, capsys):
+    out = tmp_path / "first-audio.jsonl"
+    main = runpy.run_path(str(SCRIPTS / "bench_first_audio.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--prompt-cache-mb", "512",
+                 "--warm", "--requests", "2", "--prompt-seconds", "1", "--breakdown",
+                 "--paths", "direct/main,scheduler/thread", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["path"] for r in rows] == ["direct/main", "scheduler/thread"]
+    for r in rows:
+        assert len(r["first_audio_s"]) == 2 and all(t > 0 for t in r["first_audio_s"])
+        assert len(r["breakdown"]) == 2 and all(b["flow_s"] > 0 for b in r["breakdown"])
+    assert "[scheduler/thread]: first audio" in capsys.readouterr().out
+
+
+def test_first_audio_refuses_an_unknown_path(capsys):
+    main = runpy.run_path(str(SCRIPTS / "bench_first_audio.py"))["main"]
+    with pytest.raises(SystemExit) as e:
+        main(["--paths", "direct/main,server"])
+    assert e.value.code == 2 and "--paths" in capsys.readouterr().err
+
+
 def test_concurrency(tmp_path, capsys):
     out = tmp_path / "concurrency.json"
     main = runpy.run_path(str(SCRIPTS / "bench_concurrency.py"))["main"]
