@@ -113,6 +113,10 @@ class RowSynthesizer:
         self.tts, self.out_dir, self.fmt = tts, Path(out_dir), fmt
         self._voices: OrderedDict[tuple[str, str | None], Future] = OrderedDict()
         self._lock = threading.Lock()
+        # Set when the run that owns the rows stops without waiting for them (BatchEngine.run): a row
+        # still synthesizing then writes no file, since nobody would record it (a file on disk always
+        # has its result line).
+        self.abandoned = threading.Event()
 
     def _clip_voice(self, wav: str, text: str | None):
         """Features of a prompt clip, computed once for every row that uses the same clip and transcript."""
@@ -147,6 +151,8 @@ class RowSynthesizer:
             syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
                                                 options=row.options()), cancel=cancel)
             audio = syn.audio()
+            if self.abandoned.is_set():
+                return None
             t1 = time.perf_counter()
             nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt)
             t2 = time.perf_counter()
@@ -200,8 +206,10 @@ class BatchEngine:
     """Runs rows ``concurrency`` at a time on one TTS; decode steps of concurrent rows are batched.
 
     ``run`` returns when every row has a record, or raises ``KeyboardInterrupt`` after cancelling
-    the rows in flight (their LLM sequences stop at once; a row already past its LLM finishes and
-    is recorded). Worker threads are daemons, so a second interrupt quits without waiting.
+    the rows in flight (their LLM sequences stop at once; on Ctrl-C a row already past its LLM
+    finishes and is recorded; a KeyboardInterrupt raised by other code, e.g. in ``on_result``, waits
+    for none and lets none of them write its file). Worker threads are daemons, so a second interrupt
+    quits without waiting.
     """
 
     def __init__(self, opts: EngineOptions, out_dir: Path, tts=None):
@@ -259,6 +267,7 @@ class BatchEngine:
                         return
                     self._take_one(in_flight, on_result)
             except KeyboardInterrupt:  # raised by another handler: stop the rows, wait for none
+                self.synth.abandoned.set()  # and let none of them write a file nobody records
                 for token in in_flight.values():
                     token.cancel()
                 raise
