@@ -113,8 +113,11 @@ def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool], dict[str, b
     store = VoiceStore()
     for f in voice_files(path):
         store.load(f)
-    transcripts = {v: store.get(v).prompt_text is not None for v in store.ids()}
-    instructions = {v: getattr(store.get(v), "instruction", None) is not None for v in store.ids()}
+    transcripts, instructions = {}, {}
+    for v in store.ids():
+        voice = store.get(v)
+        transcripts[v] = voice.prompt_text is not None
+        instructions[v] = voice.instruction is not None
     for vid, folder in voice_folders(path).items():  # made with the model; a file of the same id wins
         transcripts.setdefault(vid, (folder / REF_TXT).is_file())
         instructions.setdefault(vid, (folder / INSTRUCT_TXT).is_file())
