@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import cosyllama
 from cosyllama.llm.factory import make_token_source
 from cosyllama.precision import precision_name
 from cosyllama.server.serving import choose_interleave
+from cosyllama.timing import rounds
 from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, prompt_wav
 from cosyllama.tts import TTS, SynthesisOptions
 
@@ -92,21 +93,8 @@ def on_thread(fn, fresh: bool):
     """``fn()`` on this thread, or on a fresh one (its result or exception either way)."""
     if not fresh:
         return fn()
-    out: list = []
-
-    def run():
-        try:
-            out.append((True, fn()))
-        except BaseException as e:  # handed back to the caller
-            out.append((False, e))
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    ok, value = out[0]
-    if not ok:
-        raise value
-    return value
+    with ThreadPoolExecutor(1) as pool:  # a new executor: a thread that never ran torch before
+        return pool.submit(fn).result()
 
 
 def profiled_request(tts, voice, seed: int, marks: Marks | None):
@@ -182,10 +170,10 @@ def main(argv=None) -> int:
                                                                           voices=tts.voices)
             pipes[path] = (pipe, Marks(pipe) if args.breakdown else None)
         runs: dict[str, list] = {path: [] for path in paths}
-        for i in range(args.requests - args.profile):
-            for path in paths if i % 2 == 0 else paths[::-1]:
-                pipe, marks = pipes[path]
-                runs[path].append(on_thread(lambda: first_audio_s(pipe, voice, i, marks), path.endswith("/thread")))
+        for k, path in enumerate(rounds(paths, args.requests - args.profile)):
+            pipe, marks = pipes[path]
+            seed = k // len(paths)  # request i of every path has the seed i
+            runs[path].append(on_thread(lambda: first_audio_s(pipe, voice, seed, marks), path.endswith("/thread")))
         if args.profile:
             runs[paths[0]].append(profiled_request(tts, voice, args.requests - 1, pipes[paths[0]][1]))
         if scheduler is not None:

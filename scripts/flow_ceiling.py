@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cosyllama.timing import best_of
+
 PARTS = ("products", "attention", "profile")
 OP_KINDS = [("int8 products", ("quantized::linear",)),
             ("bf16/fp32 products", ("linear_pointwise", "addmm", "aten::mm", "aten::bmm", "aten::linear")),
@@ -42,16 +44,8 @@ OP_KINDS = [("int8 products", ("quantized::linear",)),
 
 
 def _ms(fn, n: int) -> float:
-    """Best of 3 rounds of ``n`` calls, ms per call (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e3
+    """Best of 3 rounds of ``n`` calls, ms per call (after a warm-up round)."""
+    return best_of(lambda: [fn() for _ in range(n)], 3) / n * 1e3
 
 
 def products(cfg, rows: int, n: int) -> list[dict]:

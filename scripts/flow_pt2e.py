@@ -132,6 +132,7 @@ def main(argv=None) -> int:
 
     from cosyllama.config import load_config
     from cosyllama.flow import Flow
+    from cosyllama.timing import rounds
     from cosyllama.tools.bench_flow import FlowVariant, _inputs
     from cosyllama.tools.bench_setup import ensure_full_model, machine_info
 
@@ -164,29 +165,27 @@ def main(argv=None) -> int:
                   f"compile {setup['compile_s']} s", flush=True)
             runs[f"pt2e-{scheme}"] = _Steps(dit, steps, q, bf16_dit, 0, True)
             runs[f"pt2e-{scheme}+2bf16"] = _Steps(dit, steps, q, bf16_dit, TAIL_STEPS, True)
-        names = list(runs)
-        for rnd in range(args.rounds):
-            for name in names if rnd % 2 == 0 else names[::-1]:
-                run = runs[name]
-                if isinstance(run, str):
-                    cfm.estimator = dit
-                    FlowVariant.parse(run).apply(flow)
-                else:
-                    flow.set_precision("fp32")
-                    cfm.estimator = run
-                try:
-                    if rnd == 0:
-                        flow.inference(*inputs)  # warm
-                    t0 = time.perf_counter()
-                    mel = flow.inference(*inputs)
-                    wall = time.perf_counter() - t0
-                finally:
-                    cfm.estimator = dit
-                err = (mel.float() - ref.float()).abs()
-                row = res["rows"].setdefault(name, {"seconds_per_audio_second": [],
-                                                    "mel_error_mean": round(float(err.mean()), 4),
-                                                    "mel_error_max": round(float(err.max()), 4)})
-                row["seconds_per_audio_second"].append(round(wall / args.output_seconds, 3))
+        for name in rounds(list(runs), args.rounds):
+            run = runs[name]
+            if isinstance(run, str):
+                cfm.estimator = dit
+                FlowVariant.parse(run).apply(flow)
+            else:
+                flow.set_precision("fp32")
+                cfm.estimator = run
+            try:
+                if name not in res["rows"]:
+                    flow.inference(*inputs)  # warm, before its first timed call
+                t0 = time.perf_counter()
+                mel = flow.inference(*inputs)
+                wall = time.perf_counter() - t0
+            finally:
+                cfm.estimator = dit
+            err = (mel.float() - ref.float()).abs()
+            row = res["rows"].setdefault(name, {"seconds_per_audio_second": [],
+                                                "mel_error_mean": round(float(err.mean()), 4),
+                                                "mel_error_max": round(float(err.max()), 4)})
+            row["seconds_per_audio_second"].append(round(wall / args.output_seconds, 3))
         bf16 = min(res["rows"]["bf16"]["seconds_per_audio_second"])
         for name, row in res["rows"].items():
             best = min(row["seconds_per_audio_second"])
