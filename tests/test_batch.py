@@ -191,6 +191,44 @@ def test_interrupted_run_resumes_without_redoing_finished_rows(job, tmp_path, mo
     assert f"{len(GOOD)} ok (1 now, {len(GOOD) - 1} before)" in capsys.readouterr().out
 
 
+def test_a_row_writing_its_file_when_the_run_is_abandoned_publishes_none(tmp_path, monkeypatch):
+    """The race behind the test above, made certain: a row has passed its checks and is encoding its
+    file when the run is abandoned; it must not rename that file into place (nobody records it), and
+    a finished row that was never recorded loses its file."""
+    import threading
+    from types import SimpleNamespace
+
+    from cosyllama.batch import engine as batch_engine
+    from cosyllama.batch import output
+    from cosyllama.batch.manifest import Row
+
+    audio = np.zeros(2400, np.float32)
+    syn = SimpleNamespace(audio=lambda: audio, timings=SimpleNamespace(tokens=[[1]], frontend=0, llm=0, token2wav=0))
+    tts = SimpleNamespace(sample_rate=24000, run=lambda request, cancel: syn)
+    synth = batch_engine.RowSynthesizer(tts, tmp_path, "wav")
+    row = Row(line=1, id="r1", text="hi", mode="cross-lingual", voice="v")
+
+    assert synth.run(Row(line=2, id="done", text="hi", mode="cross-lingual", voice="v"))["status"] == "ok"
+    encoding, go_on = threading.Event(), threading.Event()
+    real_write = output.write_file
+
+    def slow_write(*a, **k):
+        encoding.set()
+        assert go_on.wait(30)
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(output, "write_file", slow_write)
+    got = []
+    th = threading.Thread(target=lambda: got.append(synth.run(row)))
+    th.start()
+    assert encoding.wait(30)
+    synth.abandon(["r1", "done"])  # "done" finished but its record never reached the log
+    go_on.set()
+    th.join(30)
+    assert got == [None]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_keeps_finished_rows_and_leaves_no_partial_file(job, tmp_path, monkeypatch, capsys):
     """A real SIGINT to a running `cosyllama batch`: exit 130, every file on disk complete and
     recorded (resuming is tested above). Deterministic whatever the machine's speed: one row waits

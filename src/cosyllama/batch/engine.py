@@ -10,6 +10,7 @@ one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.b
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -113,10 +114,11 @@ class RowSynthesizer:
         self.tts, self.out_dir, self.fmt = tts, Path(out_dir), fmt
         self._voices: OrderedDict[tuple[str, str | None], Future] = OrderedDict()
         self._lock = threading.Lock()
-        # Set when the run that owns the rows stops without waiting for them (BatchEngine.run): a row
-        # still synthesizing then writes no file, since nobody would record it (a file on disk always
-        # has its result line).
-        self.abandoned = threading.Event()
+        # Set by abandon() when the run that owns the rows stops without waiting for them: a row still
+        # running then publishes no file, since nobody would record it (a file on disk always has its
+        # result line). The check and the rename happen under one lock, so none slips past abandon().
+        self._abandoned = False
+        self._publish_lock = threading.Lock()
 
     def _clip_voice(self, wav: str, text: str | None):
         """Features of a prompt clip, computed once for every row that uses the same clip and transcript."""
@@ -137,6 +139,20 @@ class RowSynthesizer:
                 fut.set_exception(e)
         return fut.result()
 
+    def _publish(self, tmp: Path, final: Path) -> bool:
+        with self._publish_lock:
+            if self._abandoned:
+                return False
+            os.replace(tmp, final)
+            return True
+
+    def abandon(self, row_ids: Iterable[str]) -> None:
+        """Publish no more files, and remove those of ``row_ids`` (rows finished but not recorded)."""
+        with self._publish_lock:
+            self._abandoned = True
+        for row_id in row_ids:
+            (self.out_dir / audio_name(row_id, self.fmt)).unlink(missing_ok=True)
+
     def run(self, row: Row, cancel=None) -> dict | None:
         """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
         from ..llm.scheduler import CancelToken, RequestCancelled
@@ -151,10 +167,10 @@ class RowSynthesizer:
             syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
                                                 options=row.options()), cancel=cancel)
             audio = syn.audio()
-            if self.abandoned.is_set():
-                return None
             t1 = time.perf_counter()
-            nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt)
+            nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt, self._publish)
+            if nbytes is None:
+                return None
             t2 = time.perf_counter()
         except RequestCancelled:
             return None
@@ -266,10 +282,10 @@ class BatchEngine:
                     if not in_flight:
                         return
                     self._take_one(in_flight, on_result)
-            except KeyboardInterrupt:  # raised by another handler: stop the rows, wait for none
-                self.synth.abandoned.set()  # and let none of them write a file nobody records
-                for token in in_flight.values():
+            except KeyboardInterrupt:  # raised by another handler: stop the rows, wait for none,
+                for token in in_flight.values():  # and leave no file that nobody records
                     token.cancel()
+                self.synth.abandon(in_flight)
                 raise
             if on_interrupt is not None:
                 on_interrupt(len(in_flight))

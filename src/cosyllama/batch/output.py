@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +33,13 @@ def audio_name(row_id: str, fmt: str) -> str:
     return f"{row_id}.{fmt}"
 
 
-def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: int, fmt: str) -> int:
+def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: int, fmt: str,
+                publish: Callable[[Path, Path], bool] | None = None) -> int | None:
     """Write 16-bit mono audio atomically (the samples ``cosyllama synth`` writes; encoded by
-    :func:`cosyllama.audio_out.write_file`); returns its size."""
+    :func:`cosyllama.audio_out.write_file`); returns its size.
+
+    ``publish(tmp, final)`` does the rename and says whether it did (default: always); when it
+    declines, the temporary file is removed and the result is ``None``."""
     final = out_dir / audio_name(row_id, fmt)
     tmp = out_dir / part_name(row_id, fmt)
     try:
@@ -43,7 +47,11 @@ def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: in
             write_file(f, samples, sample_rate, fmt)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        if publish is None:
+            os.replace(tmp, final)
+        elif not publish(tmp, final):
+            tmp.unlink(missing_ok=True)
+            return None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
