@@ -96,7 +96,8 @@ def _names(native: bool) -> list[str]:
 
 
 def _times(native: bool, **given: float) -> dict[str, float]:
-    base = {"fp32": 3.0, "bf16": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.2}
+    base = {"fp32": 3.0, "bf16": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.2,
+            "int8/onednn+bf16+static": 1.15}
     base.update({k.replace("__", "/").replace("_bf16", "+bf16"): v for k, v in given.items()})
     return {n: base[n] for n in _names(native)}
 
@@ -108,12 +109,14 @@ def _verdicts(cache) -> dict:
 
 
 @pytest.mark.parametrize("native,times,want,engine", [
-    (True, {"fp32": 3.0, "bf16": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.2},
-     torch.bfloat16, None),
-    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.7}, INT8,
-     "onednn"),
-    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.4}, INT8,
-     "onednn+bf16"),
+    (True, {"fp32": 3.0, "bf16": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.2,
+            "int8/onednn+bf16+static": 1.1}, torch.bfloat16, None),
+    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.7,
+            "int8/onednn+bf16+static": 1.55}, INT8, "onednn"),
+    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.4,
+            "int8/onednn+bf16+static": 1.45}, INT8, "onednn+bf16"),
+    (True, {"fp32": 3.0, "bf16": 1.6, "int8/fbgemm": 2.0, "int8/onednn": 1.5, "int8/onednn+bf16": 1.4,
+            "int8/onednn+bf16+static": 1.25}, INT8, "onednn+bf16+static"),
     (False, {"fp32": 3.0, "int8/fbgemm": 2.0, "int8/onednn": 2.5}, INT8, "fbgemm"),
     (False, {"fp32": 1.0, "int8/fbgemm": 2.0, "int8/onednn": 2.5}, torch.float32, None),
 ])

@@ -471,3 +471,22 @@ def test_tts_warm_voice_by_id():
         tts.token2wav.flow = spy.flow
     assert tts.token2wav.prompt_cache_info()["prompts"] == 1
     assert next(frames for _, cache, frames, _ in spy.calls if cache is not None) > 0
+
+
+def test_static_int8_cached_calls_equal_recomputing(monkeypatch, tmp_path):
+    """With static activation scales no frame's quantization depends on the others (the dynamic path's
+    per-call scale does), so cached streaming calls stay within bf16's tolerance of recomputing."""
+    from cosyllama import precision as prec
+    from cosyllama.flow import check, fast_dit
+    from cosyllama.precision import INT8
+
+    if fast_dit.int8_engine_problem(fast_dit.STATIC_ENGINE, on_cpu=False):
+        pytest.skip("no oneDNN static int8 here")
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
+    flow = Flow.from_dir(MODEL_DIR)
+    check.Candidate(INT8, fast_dit.STATIC_ENGINE).apply(flow)
+    fp, tok, cache = _prompt(), _tokens(), FlowStreamCache()
+    for n in _schedule(N_TOKENS):
+        assert _diff(_call(flow, tok, fp, n, cache), _call(flow, tok, fp, n)) <= TOL["bf16"], n
+    assert cache.calls == 4 and cache.last_start == 450

@@ -180,3 +180,137 @@ def test_mixed_path_is_refused_where_bf16_is_emulated(monkeypatch):
     with pytest.raises(InputError, match="only emulates"):
         flow.decoder.set_compute_dtype(INT8, "onednn+bf16")
     assert "onednn+bf16" not in [c.int8_engine for c in check.candidates(flow)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Static activation scales (onednn+bf16+static): calibrated once on the loaded weights, cached
+
+STATIC = fast_dit.STATIC_ENGINE
+
+
+def _static_flow(model_dir=MODEL_DIR):
+    if fast_dit.int8_engine_problem(STATIC, on_cpu=False):
+        pytest.skip(fast_dit.int8_engine_problem(STATIC, on_cpu=False))
+    flow = Flow.from_dir(model_dir)
+    check.Candidate(INT8, STATIC).apply(flow)
+    return flow
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """bf16 counted native (it may be emulated here: slow, but the arithmetic is the same)."""
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
+
+
+def test_static_int8_stays_within_bound_on_recorded_calls(native_bf16, isolated_cache):
+    flow = _static_flow()
+    solver = flow.decoder._fast_solver()
+    blocks, steps = len(flow.decoder.estimator.transformer_blocks), flow.decoder.n_timesteps
+    assert solver.static and solver.act_dtype is torch.bfloat16
+    assert len(solver.scales) == blocks and all(len(b) == steps - fast_dit.INT8_FP32_LAST_STEPS
+                                                for b in solver.scales)
+    mean, mx = _worst(flow)
+    print(f"flow int8/{STATIC} vs upstream fp32 mel: mean {mean:.2e} max {mx:.2e}")
+    assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)
+
+
+def test_static_scales_are_calibrated_once_per_weight_file(native_bf16, isolated_cache, monkeypatch):
+    from cosyllama.flow.cfm import CFM
+
+    calls = []
+    real = CFM.calibrate_static
+    monkeypatch.setattr(CFM, "calibrate_static", lambda self, solve: calls.append(1) or real(self, solve))
+    flow = _static_flow()
+    first = flow.decoder.static_scales
+    check.Candidate(INT8, STATIC).apply(flow)  # the same flow again: its own scales
+    assert len(calls) == 1
+    monkeypatch.setattr(check, "_memory", {})  # a new process: the cache file answers
+    again = _static_flow()
+    assert len(calls) == 1 and again.decoder.static_scales == first
+    data = (isolated_cache / "precision-checks.json").read_text()
+    assert '"calibration|' in data
+    # the calibration saw other values than the fidelity check's input
+    assert not torch.equal(check.calibration_input(flow)[0][:, :check.CHECK_TOKENS], check.synthetic_input(flow)[0])
+
+
+def test_static_scales_cover_the_calibrated_range():
+    for lo, hi in ((-3.0, 5.0), (0.5, 2.0), (-4.0, -1.0), (0.0, 0.0)):
+        scale, zp = fast_dit.static_scale(lo, hi)
+        lo0, hi0 = min(lo, 0.0), max(hi, 0.0)
+        assert 0 <= zp <= 255
+        x = torch.tensor([lo0, 0.0, hi0])
+        q = fast_dit.quantize_u8(x, scale, zp)
+        assert q[1] == zp  # zero is exact
+        back = (q.float() - zp) * scale
+        assert torch.allclose(back, x, atol=scale / 2 + 1e-6)
+    x = torch.randn(3, 5, 7).transpose(0, 1)  # strided in, row-major out, as int_repr gives
+    q = fast_dit.quantize_u8(x, 0.02, 128)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = torch.quantize_per_tensor(x.float(), 0.02, 128, torch.quint8).int_repr()
+    assert q.dtype == torch.uint8 and q.is_contiguous() and torch.equal(q, want)
+
+
+def test_the_static_chain_matches_float_within_its_quantization_step():
+    """The feed-forward pair with GELU and the requantization in ff-in's epilogue (uint8 between the two
+    products) against float32, and against the dynamic pair; a wrong output scale would not pass."""
+    if fast_dit.int8_engine_problem(STATIC, on_cpu=False):
+        pytest.skip("no oneDNN static int8 here")
+    g = torch.Generator().manual_seed(0)
+    d, f = 64, 128
+    w1, b1 = torch.randn(f, d, generator=g) / d ** 0.5, torch.randn(f, generator=g) * 0.1
+    w2, b2 = torch.randn(d, f, generator=g) / f ** 0.5, torch.randn(d, generator=g) * 0.1
+    x = torch.randn(2, 30, d, generator=g)
+    hid = torch.nn.functional.gelu(x @ w1.T + b1, approximate="tanh")
+    want = hid @ w2.T + b2
+    xq, hq = fast_dit.static_scale(float(x.min()), float(x.max())), fast_dit.static_scale(float(hid.min()),
+                                                                                           float(hid.max()))
+    ff1, ff2 = fast_dit._StaticInt8Linear(w1, b1, gelu=True), fast_dit._StaticInt8Linear(w2, b2)
+    h8 = ff1(fast_dit.quantize_u8(x, *xq), xq, torch.uint8, hq)
+    assert h8.dtype == torch.uint8
+    got = ff2(h8, hq, torch.float32)
+    err = float((got - want).abs().mean() / want.abs().mean())
+    assert err < 0.03, err
+    wrong = ff2(ff1(fast_dit.quantize_u8(x, *xq), xq, torch.uint8, (hq[0] * 2, hq[1])), hq, torch.float32)
+    assert float((wrong - want).abs().mean() / want.abs().mean()) > 0.2
+
+
+def test_miscalibrated_static_scales_fail_the_check(native_bf16, isolated_cache, monkeypatch):
+    """Scales that cover a quarter of the observed range (the rest saturates) miss the bound, and ``auto``
+    leaves the engine out; the calibration as built passes (test above)."""
+    real = fast_dit.static_scale
+    monkeypatch.setattr(fast_dit, "static_scale", lambda lo, hi: real(lo / 4, hi / 4))
+    flow = _static_flow()
+    res = check.check_candidate(flow, check.Candidate(INT8, STATIC))
+    assert not res.passed, res
+
+
+def test_static_engine_needs_its_scales_and_follows_the_step_count(native_bf16, isolated_cache):
+    from cosyllama.errors import InputError
+
+    flow = Flow.from_dir(MODEL_DIR)
+    if fast_dit.int8_engine_problem(STATIC, on_cpu=False):
+        pytest.skip("no oneDNN static int8 here")
+    with pytest.raises(InputError, match="needs static scales"):
+        flow.decoder.set_compute_dtype(INT8, STATIC)
+    check.Candidate(INT8, STATIC).apply(flow)
+    flow.set_n_timesteps(6)  # recalibrated for the new grid
+    assert all(len(b) == 6 - fast_dit.INT8_FP32_LAST_STEPS for b in flow.decoder.static_scales)
+    flow.inference(*_args())
+    with torch.no_grad():
+        flow.decoder.estimator.proj_out.bias.add_(0.0)  # the weights moved on: the scales no longer belong
+    with pytest.raises(InputError, match="calibrated on other weights"):
+        flow.inference(*_args())
+
+
+def test_static_rows_are_solved_together_as_each_alone(native_bf16, isolated_cache):
+    """Static scales depend on no row, so a batch of requests is one solve whose rows equal their own."""
+    flow = _static_flow()
+    a, b = _args(), tuple(t.clone() for t in _args())
+    b = (b[0].flip(1),) + b[1:]
+    one = [flow.inference(*a), flow.inference(*b)]
+    both = flow.inference_batch([a, b])
+    for x, y in zip(both, one):  # (a scale shared by the rows, the dynamic path's, differs by ~6e-3 here)
+        assert torch.allclose(x, y, atol=1e-4), float((x - y).abs().max())

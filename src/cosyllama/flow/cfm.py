@@ -12,7 +12,7 @@ from ..precision import INT8
 from ..weight_copies import WeightCopies, weights_key
 from .cache import LOWP_KV_DTYPE, FlowStreamCache, StepCache
 from .dit import DiT
-from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_engine_problem
+from .fast_dit import INT8_ENGINE, INT8_ENGINES, FastDiT, int8_engine_problem, int8_is_static
 
 NOISE_SEED = 0  # upstream seeds the global RNG with 0 right before drawing the ODE start noise
 NOISE_FRAMES = 15_000  # mel frames in the fixed noise buffer (300 s at 50 frames/s, prompt included)
@@ -51,21 +51,57 @@ class CFM(nn.Module):
         self.compute_dtype = torch.float32
         self.int8_engine = INT8_ENGINE  # PyTorch's int8 kernel library at INT8 (fast_dit.INT8_ENGINES)
         self._fast: WeightCopies[FastDiT] = WeightCopies(FastDiT)  # the fast solver's weight copies
+        # a static int8 engine's calibrated scales, with the weights and step count they were taken on
+        self.static_scales: tuple | None = None
+        self._scales_for: tuple | None = None
+        self._observer: FastDiT | None = None  # set during calibrate_static: the solver that records ranges
+        self._calibrated: tuple | None = None  # ((weights key, steps), scales) of the last calibration
 
-    def set_compute_dtype(self, dtype: torch.dtype, int8_engine: str | None = None) -> None:
+    def set_compute_dtype(self, dtype: torch.dtype, int8_engine: str | None = None,
+                          static_scales: tuple | None = None) -> None:
         """float32: the reference solver; else :class:`FastDiT` in ``dtype`` (at INT8 on ``int8_engine``,
         default :data:`~cosyllama.flow.fast_dit.INT8_ENGINE`), its weight copies made now (not inside the
-        first, timed, request)."""
+        first, timed, request). A static int8 engine needs ``static_scales`` from :meth:`calibrate_static`
+        on these weights and this step count (:func:`cosyllama.flow.check.static_scales` caches them)."""
         engine = int8_engine or INT8_ENGINE
         if engine not in INT8_ENGINES:  # named at any dtype; whether it runs here matters at INT8 only
             raise InputError(int8_engine_problem(engine))
         problem = int8_engine_problem(engine, on_cpu=self.rand_noise.device.type == "cpu") if dtype == INT8 else None
         if problem:
             raise InputError(problem)
+        static = dtype == INT8 and int8_is_static(engine)
+        if static and static_scales is None:
+            raise InputError(f"int8 engine {engine!r} needs static scales calibrated on these weights: "
+                             "cosyllama.flow.check.Candidate(INT8, engine).apply(flow) makes them")
         self.compute_dtype, self.int8_engine = dtype, engine
+        self.static_scales = static_scales if static else None
+        self._scales_for = (self.weights_key(), self.n_timesteps) if static else None
         self._fast.drop()
         if dtype != torch.float32:
-            self._fast.get(self.estimator, dtype, engine)
+            self._fast_solver()
+
+    def calibrate_static(self, solve) -> tuple:
+        """The static int8 scales of these weights: ``solve()`` runs a calibration solve (through the
+        flow, so the DiT sees real encoder output) on the dynamic mixed path while the inputs of every
+        block's products are observed per Euler step; returns :meth:`FastDiT.static_scales`. The solver
+        is left as it was."""
+        if int8_engine_problem("onednn+bf16", on_cpu=self.rand_noise.device.type == "cpu"):
+            raise InputError(int8_engine_problem("onednn+bf16"))
+        observer = FastDiT(self.estimator, INT8, "onednn+bf16", observe=True)
+        saved = self.compute_dtype
+        self.compute_dtype, self._observer = INT8, observer
+        try:
+            solve()
+        finally:
+            self.compute_dtype, self._observer = saved, None
+        scales = observer.static_scales(self.n_timesteps)
+        self._calibrated = ((self.weights_key(), self.n_timesteps), scales)
+        return scales
+
+    def calibrated_scales(self) -> tuple | None:
+        """The scales of the last :meth:`calibrate_static`, if taken on these weights at this step count."""
+        hit = self._calibrated
+        return hit[1] if hit is not None and hit[0] == (self.weights_key(), self.n_timesteps) else None
 
     def weights_key(self) -> tuple:
         """Changes whenever a weight of the estimator changes (see :mod:`cosyllama.weight_copies`)."""
@@ -90,7 +126,12 @@ class CFM(nn.Module):
                              f"{self.rand_noise.shape[2]}-frame noise buffer (300 s)")
 
     def _fast_solver(self) -> FastDiT:
-        return self._fast.get(self.estimator, self.compute_dtype, self.int8_engine)
+        if self._observer is not None:
+            return self._observer
+        if self.static_scales is not None and self._scales_for != (self.weights_key(), self.n_timesteps):
+            raise InputError(f"the int8 engine {self.int8_engine!r} was calibrated on other weights or another "
+                             "step count; set the flow's precision again")
+        return self._fast.get(self.estimator, self.compute_dtype, self.int8_engine, self.static_scales)
 
     def kv_bytes_per_frame(self) -> int:
         """Bytes a streaming cache holds per mel frame: K and V of both CFG rows, every block and step."""
@@ -145,7 +186,8 @@ class CFM(nn.Module):
         noise; the CFG batch is then ``[B conditional rows, B unconditional rows]``. Each row's
         maths is that of a B = 1 call (no operation mixes rows), so a row equals its own solve up
         to float rounding (matrix-product kernels may block a larger batch differently). At int8
-        the rows are solved one after another (its per-call activation scale would mix them).
+        with dynamic scales the rows are solved one after another (its per-call activation scale
+        would mix them); static scales depend on no row, so those rows are solved together.
 
         With ``cache`` (from :meth:`forward_cached`, which checks it belongs to these inputs; B = 1
         only): only frames ``cache.frames..N-1`` are computed and returned, and the cache is
@@ -154,7 +196,8 @@ class CFM(nn.Module):
         self._check_length(n)
         if cache is not None and b != 1:
             raise InputError(f"a flow stream cache serves one request; got a batch of {b}")
-        if b > 1 and self.compute_dtype == INT8:  # its activation scale spans the rows of a call: one at a time
+        if b > 1 and self.compute_dtype == INT8 and self.static_scales is None:
+            # the dynamic activation scale spans the rows of a call: one at a time (static scales do not)
             return torch.cat([self.forward(mu[i:i + 1], spks[i:i + 1], cond[i:i + 1], streaming) for i in range(b)])
         if self.compute_dtype != torch.float32:
             return self._fast_solver().solve_from(self.rand_noise[:, :, :n].float(), mu.float(), spks.float(),

@@ -43,7 +43,7 @@ import torch
 from ..cachedir import cache_dir
 from ..config import FlowConfig
 from ..defaults import AUTO_CPU_SHARE_MIN
-from ..precision import precision_name
+from ..precision import INT8, precision_name
 from ..timing import rounds, timed
 from .cfm import CFM
 
@@ -67,6 +67,10 @@ CHECK_PROMPT_TOKENS = 5
 CHECK_SEED = 1234
 CHECK_VERSION = 2  # bump when a path's arithmetic changes: older cached outcomes are then ignored
 
+CALIBRATION_TOKENS = 50  # the static int8 path's calibration solve (see calibration_input)
+CALIBRATION_PROMPT_TOKENS = 25
+CALIBRATION_SEED = CHECK_SEED + 2
+CALIBRATION_VERSION = 1  # bump when the calibration's rule changes: older cached scales are then ignored
 TIME_TOKENS = 50  # the timed solve: 2 s after a 1 s prompt (150 frames: attention's share is not negligible)
 TIME_PROMPT_TOKENS = 25
 TIME_ROUNDS = 2  # A B C, C B A: every candidate timed twice, beside the others; its best round counts
@@ -112,7 +116,12 @@ class Candidate:
         return f"{n}/{self.int8_engine}" if self.int8_engine else n
 
     def apply(self, flow: Flow) -> None:
-        flow.decoder.set_compute_dtype(self.dtype, self.int8_engine)
+        from .fast_dit import int8_is_static
+
+        if self.int8_engine and int8_is_static(self.int8_engine) and self.dtype == INT8:
+            flow.decoder.set_compute_dtype(self.dtype, self.int8_engine, static_scales(flow, self.int8_engine))
+        else:
+            flow.decoder.set_compute_dtype(self.dtype, self.int8_engine)
 
 
 def _file_key(flow: Flow, candidate: torch.dtype | Candidate, what: str = "check") -> str | None:
@@ -132,8 +141,10 @@ def _file_key(flow: Flow, candidate: torch.dtype | Candidate, what: str = "check
     name = precision_name(cand.dtype)
     scheme = (cand.int8_engine or fast_dit.INT8_ENGINE, fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX,
               fast_dit.INT8_FP32_LAST_STEPS)
+    if cand.int8_engine and fast_dit.int8_is_static(cand.int8_engine):
+        scheme += (f"calibration{CALIBRATION_VERSION}",)  # its check depends on the scales too
     if dev == "cpu":
-        where = cpu_class() if what == "check" else cpu_model()
+        where = cpu_class() if what in ("check", "calibration") else cpu_model()
     else:
         where = torch.cuda.get_device_name(flow.device)
     parts = (Path(path).resolve(), st.st_size, st.st_mtime_ns, name, scheme if name == "int8" else "", dev, where,
@@ -172,6 +183,46 @@ def synthetic_input(flow: Flow) -> tuple[torch.Tensor, ...]:
     prompt = torch.randint(0, c.vocab_size, (1, CHECK_PROMPT_TOKENS), generator=g)
     feat = torch.randn(1, c.token_mel_ratio * CHECK_PROMPT_TOKENS, c.output_size, generator=g) - 5
     return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
+
+
+def calibration_input(flow: Flow) -> tuple[torch.Tensor, ...]:
+    """The static int8 path's calibration solve: :data:`CALIBRATION_PROMPT_TOKENS` + :data:`CALIBRATION_TOKENS`
+    random tokens, drawn apart from the fidelity check's input (which then tests the scales on other values)."""
+    c = flow.cfg
+    g = torch.Generator().manual_seed(CALIBRATION_SEED)
+    token = torch.randint(0, c.vocab_size, (1, CALIBRATION_TOKENS), generator=g)
+    prompt = torch.randint(0, c.vocab_size, (1, CALIBRATION_PROMPT_TOKENS), generator=g)
+    feat = torch.randn(1, c.token_mel_ratio * CALIBRATION_PROMPT_TOKENS, c.output_size, generator=g) - 5
+    return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
+
+
+def static_scales(flow: Flow, engine: str) -> tuple:
+    """The static int8 engine's activation scales on this flow's weights and step count: from the cache
+    beside the fidelity checks (same key, plus ``calibration``), else calibrated now
+    (:meth:`~cosyllama.flow.cfm.CFM.calibrate_static` on :func:`calibration_input`: one solve, about a
+    second at full size on 2 cores) and cached. The flow's solver is left as it was."""
+    mine = flow.decoder.calibrated_scales()  # this solver's own, e.g. of a flow built without a file
+    if mine is not None:
+        return mine
+    key = _file_key(flow, Candidate(INT8, engine), what="calibration")
+    hit = _cached(key)
+    if hit is not None:
+        try:
+            return _scales_from_json(hit["scales"])
+        except (KeyError, TypeError, ValueError):
+            pass  # another shape: calibrate again
+    inp = calibration_input(flow)
+    with torch.inference_mode():
+        scales = flow.decoder.calibrate_static(lambda: flow.inference(*inp))
+    if key is not None:
+        value = json.loads(json.dumps({"scales": scales}))  # tuples as lists, as the disk holds them
+        _memory[key] = value
+        _save_disk(key, value)
+    return scales
+
+
+def _scales_from_json(blocks) -> tuple:
+    return tuple(tuple(tuple((float(s), int(z)) for s, z in step) for step in steps) for steps in blocks)
 
 
 def _cached(key: str | None) -> dict | None:

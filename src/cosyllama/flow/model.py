@@ -18,7 +18,7 @@ from ..errors import InputError
 from ..precision import is_auto, precision_name, resolve_precision
 from .cache import FlowStreamCache
 from .cfm import CFM
-from .check import AUTO_ENV, AutoChoice, CheckResult, check_candidate, choose_fastest
+from .check import AUTO_ENV, AutoChoice, Candidate, CheckResult, check_candidate, choose_fastest
 from .dit import PreLookaheadLayer
 
 log = logging.getLogger("cosyllama.flow")
@@ -78,9 +78,9 @@ class Flow(nn.Module):
         flow = flow.to(dev).eval()
         flow.weights_file = Path(config.model_dir) / "flow.pt"
         flow.weights_file_key = flow.decoder.weights_key()
-        flow.set_precision(precision)
-        if n_timesteps is not None:
+        if n_timesteps is not None:  # first: the precision's check (and calibration) runs at this step count
             flow.set_n_timesteps(n_timesteps)
+        flow.set_precision(precision)
         return flow
 
     @classmethod
@@ -170,6 +170,8 @@ class Flow(nn.Module):
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 100:
             raise InputError(f"flow n_timesteps must be an integer from 1 to 100, got {n!r}")
         self.decoder.n_timesteps = n
+        if self.decoder.static_scales is not None:  # static int8 scales are per step: take this grid's
+            Candidate(self.precision, self.decoder.int8_engine).apply(self)
 
     @on_true_fp32
     def prepare(self, token: torch.Tensor, prompt_token: torch.Tensor, prompt_feat: torch.Tensor,
@@ -235,7 +237,8 @@ class Flow(nn.Module):
         takes them, all of equal length in mel frames (prompt + tokens; the split between them
         may differ). Returns each request's mel, in order. The batch rows share no arithmetic (see
         :meth:`CFM.forward`): each mel equals the request's own :meth:`inference` up to float
-        rounding of differently blocked matrix products (int8: its rows are solved one by one).
+        rounding of differently blocked matrix products (int8 with dynamic scales: its rows are
+        solved one by one).
         Whether a batch is faster than the calls one after another depends on the device:
         ``cosyllama bench --parts flow-batch`` measures it."""
         if not requests:

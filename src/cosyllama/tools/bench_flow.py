@@ -39,7 +39,8 @@ from .bench_setup import TOKEN_RATE
 
 FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # the default on the CPU; a GPU has no int8 path
 # Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).
-ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm", "int8-onednn+bf16": "onednn+bf16"}
+ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm", "int8-onednn+bf16": "onednn+bf16",
+                   "int8-onednn+bf16+static": "onednn+bf16+static"}
 RESEARCH_VARIANTS = ("fp32-autocast", "bf16-res16", "<precision>-steps<N>")
 VOCODER_VARIANTS = ("fp32", "bf16", "fp32-ref", "bf16-ref")
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -96,11 +97,12 @@ class FlowVariant:
 
     def apply(self, flow) -> None:
         """Switch ``flow`` to this variant (a switch re-packs the weight copies: keep it out of a timing)."""
+        from ..flow.check import Candidate
         from ..precision import INT8
 
         flow.set_precision(self.precision)
-        if self.engine:
-            flow.decoder.set_compute_dtype(INT8, self.engine)
+        if self.engine:  # a static engine calibrates (or takes its cached scales) here
+            Candidate(INT8, self.engine).apply(flow)
         flow.set_n_timesteps(self.steps or flow.cfg.n_timesteps)
 
     @contextmanager
