@@ -7,7 +7,8 @@ per kernel and precision, and where one flow call's time goes per precision vari
   rows of one non-streaming call (CFG pair x prompt + output frames): bf16 on oneDNN (the bf16 path),
   PyTorch's dynamic int8 linear on fbgemm and oneDNN (the int8 paths: activation range and
   quantization inside the kernel), and static activation scales on oneDNN's ``qlinear_pointwise``
-  (products alone, then with the separate quantization pass a static scale needs); then the feed-forward
+  (products alone, then with the separate quantization pass a static scale needs, the engine's own
+  :func:`~cosyllama.flow.fast_dit.quantize_u8`); then the feed-forward
   pair as a chain, the one place in a DiT block where a product's output feeds the next product with
   nothing but GELU between them: bf16, dynamic int8, and static int8 whose first product requantizes in
   its epilogue (GELU and the second product's input scale as oneDNN post-ops, uint8 out), so only the
@@ -15,7 +16,8 @@ per kernel and precision, and where one flow call's time goes per precision vari
 * ``attention``: the DiT's attention at that length, PyTorch's CPU flash kernel in fp32 and bf16,
   explicit bf16 ``matmul`` + ``softmax`` + ``matmul``, and the flash kernel under ``torch.compile``
   (``--no-compile``: not that one);
-* ``profile``: one flow call per variant (``--variants``, default bf16, int8-onednn, int8-onednn+bf16),
+* ``profile``: one flow call per variant (``--variants``, default bf16, int8-onednn, int8-onednn+bf16,
+  int8-onednn+bf16+static),
   self CPU time by kind of op (torch.profiler).
 
 Numbers are for the machine it runs on; docs/benchmarks.md has them per CPU class.
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 from cosyllama.timing import best_of
 
 PARTS = ("products", "attention", "profile")
-OP_KINDS = [("int8 products", ("quantized::linear",)),
+OP_KINDS = [("int8 products", ("quantized::linear", "qlinear_pointwise")),
+            ("quantization passes", ("quantize_per_tensor", "int_repr")),
             ("bf16/fp32 products", ("linear_pointwise", "addmm", "aten::mm", "aten::bmm", "aten::linear")),
             ("attention", ("scaled_dot_product", "flash_attention")),
             ("dtype conversions", ("aten::to", "aten::_to_copy", "aten::copy_")),
@@ -49,7 +52,7 @@ def _ms(fn, n: int) -> float:
 
 
 def products(cfg, rows: int, n: int) -> list[dict]:
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+    from cosyllama.flow.fast_dit import quantize_u8
 
     d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
     shapes = [("qkv", d, 3 * d, False), ("attention out", d, d, False), ("ff in + GELU", d, ff, True),
@@ -78,14 +81,13 @@ def products(cfg, rows: int, n: int) -> list[dict]:
         w8 = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         qwp = torch.ops.onednn.qlinear_prepack(w8, [rows, k])
         ws, wz = scale.float(), torch.zeros(m, dtype=torch.int32)
-        quant = torch.ops.quantized_decomposed.quantize_per_tensor.default
-        qx = quant(x, xs, zp, 0, 255, torch.uint8)
+        qx = quantize_u8(x, xs, zp)
 
         def static(qx_of, dtype):
             return lambda: torch.ops.onednn.qlinear_pointwise(qx_of(), xs, zp, qwp, ws, wz, b, 1.0, 0, dtype, *post)
 
         row["static_products_only_ms"] = _ms(static(lambda: qx, torch.bfloat16), n)
-        row["static_with_quantize_ms"] = _ms(static(lambda: quant(x, xs, zp, 0, 255, torch.uint8), torch.float32), n)
+        row["static_with_quantize_ms"] = _ms(static(lambda: quantize_u8(x, xs, zp), torch.float32), n)
         out.append(row)
         if name == "ff in + GELU":
             first = (w, b, x, qw, qwp, scale, xs)
@@ -95,7 +97,8 @@ def products(cfg, rows: int, n: int) -> list[dict]:
 
 def _ff_chain(cfg, rows: int, n: int, first, g) -> dict:
     """The feed-forward pair timed as one chain (see the module's doc)."""
-    quant = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    from cosyllama.flow.fast_dit import quantize_u8
+
     qlinear = torch.ops.onednn.qlinear_pointwise
     d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
     w1, b1, x, qw1, qwp1, scale1, xs = first
@@ -125,7 +128,7 @@ def _ff_chain(cfg, rows: int, n: int, first, g) -> dict:
         return torch.ops.quantized.linear_dynamic(y, d2, False)
 
     def static():
-        q = qlinear(quant(x, xs, zp, 0, 255, torch.uint8), xs, zp, qwp1, scale1.float(), z1, b1, hs, zp,
+        q = qlinear(quantize_u8(x, xs, zp), xs, zp, qwp1, scale1.float(), z1, b1, hs, zp,
                     torch.uint8, "gelu", [], "tanh")
         return qlinear(q, hs, zp, qwp2, scale2.float(), z2, b2, 1.0, 0, torch.bfloat16, "none", [], "")
 
@@ -197,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--parts", default=",".join(PARTS))
-    p.add_argument("--variants", default="bf16,int8-onednn,int8-onednn+bf16")
+    p.add_argument("--variants", default="bf16,int8-onednn,int8-onednn+bf16,int8-onednn+bf16+static")
     p.add_argument("--prompt-seconds", type=float, default=3.0)
     p.add_argument("--output-seconds", type=float, default=10.0)
     p.add_argument("--calls", type=int, default=20, help="calls per timing round of a product or an attention")

@@ -170,17 +170,19 @@ def format_auto(a: dict) -> list[str]:
     m = Measurement.from_record(a["measurement"])
     n = max(len(rs) for rs in m.rounds.values())
     order = " ".join(m.order[:len(m.rounds)])
+    w = max([len("candidate")] + [len(x) for x in m.rounds] + [len(x) for x in a["checks"]]) + 2
     lines = ["", f"auto: the flow candidates timed again ({TIME_PROMPT_TOKENS}+{TIME_TOKENS} tokens, {n} interleaved "
              f"rounds: {order}, then back; {m.threads} threads)",
-             f"{'candidate':<18}" + "".join(f"{f'round {i + 1} s':>11}" for i in range(n)) + f"{'best s':>9}"
+             f"{'candidate':<{w}}" + "".join(f"{f'round {i + 1} s':>11}" for i in range(n)) + f"{'best s':>9}"
              f"{'mel vs fp32 mean / max':>25}"]
     for name, rs in sorted(m.rounds.items(), key=lambda kv: min(kv[1])):
         ck = a["checks"].get(name)
         fid = f"{ck['mean_abs']:.4f} / {ck['max_abs']:.4f}" if ck else "-"
-        lines.append(f"{name:<18}" + "".join(f"{r:>11.3f}" for r in rs) + f"{min(rs):>9.3f}{fid:>25}")
+        lines.append(f"{name:<{w}}" + "".join(f"{r:>11.3f}" for r in rs) + f"{min(rs):>9.3f}{fid:>25}")
     for name, ck in a["checks"].items():
         if not ck["passed"]:
-            lines.append(f"{name:<18}failed the fidelity check ({ck['mean_abs']:.4f} / {ck['max_abs']:.4f}): not timed")
+            fid = f"{ck['mean_abs']:.4f} / {ck['max_abs']:.4f}"
+            lines.append(f"{name:<{w}}failed the fidelity check ({fid}): not timed")
     best = min(m.seconds, key=m.seconds.get)
     share = f"CPU {m.cpu_share:.0%} of {m.threads} threads (trusted from {CPU_SHARE_MIN:.0%})"
     load = f", load {m.load_before[0]:.1f} -> {m.load_after[0]:.1f}" if m.load_before and m.load_after else ""
