@@ -314,3 +314,18 @@ def test_static_rows_are_solved_together_as_each_alone(native_bf16, isolated_cac
     both = flow.inference_batch([a, b])
     for x, y in zip(both, one):  # (a scale shared by the rows, the dynamic path's, differs by ~6e-3 here)
         assert torch.allclose(x, y, atol=1e-4), float((x - y).abs().max())
+
+
+def test_a_cached_calibration_of_another_shape_is_taken_again(native_bf16, isolated_cache, monkeypatch):
+    import json
+
+    flow = _static_flow()
+    good = flow.decoder.static_scales
+    path = isolated_cache / "precision-checks.json"
+    data = json.loads(path.read_text())
+    key = next(k for k in data if k.startswith("calibration|"))
+    data[key]["scales"] = data[key]["scales"][:1]  # one block short
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(check, "_memory", {})
+    again = _static_flow()
+    assert again.decoder.static_scales == good

@@ -207,10 +207,17 @@ def static_scales(flow: Flow, engine: str) -> tuple:
     key = _file_key(flow, Candidate(INT8, engine), what="calibration")
     hit = _cached(key)
     if hit is not None:
+        from .fast_dit import INT8_FP32_LAST_STEPS
+
+        blocks = len(flow.decoder.estimator.transformer_blocks)
+        steps = max(0, flow.decoder.n_timesteps - INT8_FP32_LAST_STEPS)
         try:
-            return _scales_from_json(hit["scales"])
+            scales = _scales_from_json(hit["scales"])
+            if len(scales) == blocks and all(len(b) == steps and all(len(st) == 4 for st in b) for b in scales):
+                return scales
         except (KeyError, TypeError, ValueError):
-            pass  # another shape: calibrate again
+            pass
+        # another shape (an edited or foreign cache entry): calibrate again
     inp = calibration_input(flow)
     with torch.inference_mode():
         scales = flow.decoder.calibrate_static(lambda: flow.inference(*inp))
