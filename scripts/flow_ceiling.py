@@ -52,7 +52,7 @@ def _ms(fn, n: int) -> float:
 
 
 def products(cfg, rows: int, n: int) -> list[dict]:
-    from cosyllama.flow.fast_dit import quantize_u8
+    from cosyllama.flow.fast_dit import _StaticInt8Linear, quantize_u8
 
     d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
     shapes = [("qkv", d, 3 * d, False), ("attention out", d, d, False), ("ff in + GELU", d, ff, True),
@@ -77,60 +77,42 @@ def products(cfg, rows: int, n: int) -> list[dict]:
                 torch.backends.quantized.engine = engine
                 packed = torch.ops.quantized.linear_prepack(qw, b)
                 row[f"dynamic_{engine}_ms"] = _ms(lambda: torch.ops.quantized.linear_dynamic(x, packed, False), n)
-        xs, zp = float(x.abs().max() / 127.0), 128
-        w8 = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        qwp = torch.ops.onednn.qlinear_prepack(w8, [rows, k])
-        ws, wz = scale.float(), torch.zeros(m, dtype=torch.int32)
-        qx = quantize_u8(x, xs, zp)
-
-        def static(qx_of, dtype):
-            return lambda: torch.ops.onednn.qlinear_pointwise(qx_of(), xs, zp, qwp, ws, wz, b, 1.0, 0, dtype, *post)
-
-        row["static_products_only_ms"] = _ms(static(lambda: qx, torch.bfloat16), n)
-        row["static_with_quantize_ms"] = _ms(static(lambda: quantize_u8(x, xs, zp), torch.float32), n)
+        xq = (float(x.abs().max() / 127.0), 128)
+        lin = _StaticInt8Linear(w, b, gelu)  # the static engine's product (epilogue GELU included)
+        qx = quantize_u8(x, *xq)
+        row["static_products_only_ms"] = _ms(lambda: lin(qx, xq, torch.bfloat16), n)
+        row["static_with_quantize_ms"] = _ms(lambda: lin(quantize_u8(x, *xq), xq, torch.float32), n)
         out.append(row)
         if name == "ff in + GELU":
-            first = (w, b, x, qw, qwp, scale, xs)
+            first = (w, b, x, xq)
     out.append(_ff_chain(cfg, rows, n, first, g))
     return out
 
 
 def _ff_chain(cfg, rows: int, n: int, first, g) -> dict:
-    """The feed-forward pair timed as one chain (see the module's doc)."""
-    from cosyllama.flow.fast_dit import quantize_u8
+    """The feed-forward pair timed as one chain (see the module's doc), on the int8 engines' own products."""
+    from cosyllama.flow.fast_dit import _Int8Linear, _StaticInt8Linear, quantize_u8
 
-    qlinear = torch.ops.onednn.qlinear_pointwise
     d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
-    w1, b1, x, qw1, qwp1, scale1, xs = first
+    w1, b1, x, xq = first
     w2, b2 = torch.randn(d, ff, generator=g) * 0.05, torch.randn(d, generator=g) * 0.01
-    scale2 = (w2.abs().amax(1) / 127).double()
-    qwp2 = torch.ops.onednn.qlinear_prepack(torch.round(w2 / scale2.float()[:, None]).clamp(-127, 127)
-                                            .to(torch.int8), [rows, ff])
     h = F.gelu(x @ w1.T + b1, approximate="tanh")
-    hs, zp = float(h.abs().max() / 127.0), 128  # the second product's static input scale, calibrated on h
-    z1, z2 = torch.zeros(ff, dtype=torch.int32), torch.zeros(d, dtype=torch.int32)
+    hq = (float(h.abs().max() / 127.0), 128)  # the second product's static input scale, calibrated on h
     xb = x.bfloat16()
     p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in (w1, w2))
     bf1, bf2 = b1.bfloat16(), b2.bfloat16()
     pw = torch.ops.mkldnn._linear_pointwise
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.backends.quantized.engine = "onednn"
-        d1 = torch.ops.quantized.linear_prepack(qw1, b1)
-        d2 = torch.ops.quantized.linear_prepack(
-            torch.quantize_per_channel(w2, scale2, torch.zeros(d, dtype=torch.long), 0, torch.qint8), b2)
+    d1, d2 = _Int8Linear(w1, b1, gelu=True, engine="onednn"), _Int8Linear(w2, b2, engine="onednn")
+    s1, s2 = _StaticInt8Linear(w1, b1, gelu=True), _StaticInt8Linear(w2, b2)
 
     def bf16():
         return pw(pw(xb, p1, bf1, "gelu", [], "tanh"), p2, bf2, "none", [], "")
 
     def dynamic():
-        y = torch.ops.aten.gelu_(torch.ops.quantized.linear_dynamic(x, d1, False), approximate="tanh")
-        return torch.ops.quantized.linear_dynamic(y, d2, False)
+        return d2(d1(x))
 
     def static():
-        q = qlinear(quantize_u8(x, xs, zp), xs, zp, qwp1, scale1.float(), z1, b1, hs, zp,
-                    torch.uint8, "gelu", [], "tanh")
-        return qlinear(q, hs, zp, qwp2, scale2.float(), z2, b2, 1.0, 0, torch.bfloat16, "none", [], "")
+        return s2(s1(quantize_u8(x, *xq), xq, torch.uint8, hq), hq, torch.bfloat16)
 
     row = {"product": "ff chain", "rows": rows, "k": d, "n": d}
     for key, fn in (("bf16_ms", bf16), ("dynamic_onednn_ms", dynamic), ("static_int8_epilogue_ms", static)):

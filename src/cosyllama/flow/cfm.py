@@ -85,8 +85,9 @@ class CFM(nn.Module):
         flow, so the DiT sees real encoder output) on the dynamic mixed path while the inputs of every
         block's products are observed per Euler step; returns :meth:`FastDiT.static_scales`. The solver
         is left as it was."""
-        if int8_engine_problem("onednn+bf16", on_cpu=self.rand_noise.device.type == "cpu"):
-            raise InputError(int8_engine_problem("onednn+bf16"))
+        problem = int8_engine_problem("onednn+bf16", on_cpu=self.rand_noise.device.type == "cpu")
+        if problem:
+            raise InputError(problem)
         observer = FastDiT(self.estimator, INT8, "onednn+bf16", observe=True)
         saved = self.compute_dtype
         self.compute_dtype, self._observer = INT8, observer

@@ -174,26 +174,27 @@ def _save_disk(key: str, value: dict) -> None:
         pass  # a read-only cache only costs the check again next time
 
 
-def synthetic_input(flow: Flow) -> tuple[torch.Tensor, ...]:
-    """The check's deterministic input: random speech tokens, a random prompt mel around -5 and a
-    random speaker embedding (token, prompt_token, prompt_feat, embedding)."""
+def _random_input(flow: Flow, seed: int, prompt_tokens: int, tokens: int) -> tuple[torch.Tensor, ...]:
+    """Deterministic flow input from ``seed``: ``tokens`` random speech tokens after a prompt of
+    ``prompt_tokens``, a random prompt mel around -5 and a random speaker embedding (token,
+    prompt_token, prompt_feat, embedding)."""
     c = flow.cfg
-    g = torch.Generator().manual_seed(CHECK_SEED)
-    token = torch.randint(0, c.vocab_size, (1, CHECK_TOKENS), generator=g)
-    prompt = torch.randint(0, c.vocab_size, (1, CHECK_PROMPT_TOKENS), generator=g)
-    feat = torch.randn(1, c.token_mel_ratio * CHECK_PROMPT_TOKENS, c.output_size, generator=g) - 5
+    g = torch.Generator().manual_seed(seed)
+    token = torch.randint(0, c.vocab_size, (1, tokens), generator=g)
+    prompt = torch.randint(0, c.vocab_size, (1, prompt_tokens), generator=g)
+    feat = torch.randn(1, c.token_mel_ratio * prompt_tokens, c.output_size, generator=g) - 5
     return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
+
+
+def synthetic_input(flow: Flow) -> tuple[torch.Tensor, ...]:
+    """The check's input: :data:`CHECK_PROMPT_TOKENS` + :data:`CHECK_TOKENS` (see :func:`_random_input`)."""
+    return _random_input(flow, CHECK_SEED, CHECK_PROMPT_TOKENS, CHECK_TOKENS)
 
 
 def calibration_input(flow: Flow) -> tuple[torch.Tensor, ...]:
     """The static int8 path's calibration solve: :data:`CALIBRATION_PROMPT_TOKENS` + :data:`CALIBRATION_TOKENS`
     random tokens, drawn apart from the fidelity check's input (which then tests the scales on other values)."""
-    c = flow.cfg
-    g = torch.Generator().manual_seed(CALIBRATION_SEED)
-    token = torch.randint(0, c.vocab_size, (1, CALIBRATION_TOKENS), generator=g)
-    prompt = torch.randint(0, c.vocab_size, (1, CALIBRATION_PROMPT_TOKENS), generator=g)
-    feat = torch.randn(1, c.token_mel_ratio * CALIBRATION_PROMPT_TOKENS, c.output_size, generator=g) - 5
-    return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
+    return _random_input(flow, CALIBRATION_SEED, CALIBRATION_PROMPT_TOKENS, CALIBRATION_TOKENS)
 
 
 def static_scales(flow: Flow, engine: str) -> tuple:
@@ -207,10 +208,10 @@ def static_scales(flow: Flow, engine: str) -> tuple:
     key = _file_key(flow, Candidate(INT8, engine), what="calibration")
     hit = _cached(key)
     if hit is not None:
-        from .fast_dit import INT8_FP32_LAST_STEPS
+        from .fast_dit import static_steps
 
         blocks = len(flow.decoder.estimator.transformer_blocks)
-        steps = max(0, flow.decoder.n_timesteps - INT8_FP32_LAST_STEPS)
+        steps = static_steps(flow.decoder.n_timesteps)
         try:
             scales = _scales_from_json(hit["scales"])
             if len(scales) == blocks and all(len(b) == steps and all(len(st) == 4 for st in b) for b in scales):
@@ -291,12 +292,7 @@ def candidates(flow: Flow) -> list[Candidate]:
 
 def timing_input(flow: Flow) -> tuple[torch.Tensor, ...]:
     """The timed solve's input: like :func:`synthetic_input`, :data:`TIME_PROMPT_TOKENS` + :data:`TIME_TOKENS`."""
-    c = flow.cfg
-    g = torch.Generator().manual_seed(CHECK_SEED + 1)
-    token = torch.randint(0, c.vocab_size, (1, TIME_TOKENS), generator=g)
-    prompt = torch.randint(0, c.vocab_size, (1, TIME_PROMPT_TOKENS), generator=g)
-    feat = torch.randn(1, c.token_mel_ratio * TIME_PROMPT_TOKENS, c.output_size, generator=g) - 5
-    return token, prompt, feat, torch.randn(1, c.spk_embed_dim, generator=g)
+    return _random_input(flow, CHECK_SEED + 1, TIME_PROMPT_TOKENS, TIME_TOKENS)
 
 
 # The seams of the measurement (tests replace them: a mocked clock, load and CPU-time gap, no real races).

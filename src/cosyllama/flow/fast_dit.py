@@ -179,6 +179,11 @@ def quantize_u8(x: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
 
 
+def static_steps(n_timesteps: int) -> int:
+    """The Euler steps that have static scales: all but the bf16 tail (:data:`INT8_FP32_LAST_STEPS`)."""
+    return max(0, n_timesteps - INT8_FP32_LAST_STEPS)
+
+
 def static_scale(lo: float, hi: float) -> tuple[float, int]:
     """The uint8 scale and zero point that cover ``lo..hi`` (0 included: exact zeros stay exact)."""
     lo, hi = min(lo, 0.0), max(hi, 0.0)
@@ -333,7 +338,7 @@ class FastDiT:
         per Euler step before the tail, the four (scale, zero point) pairs :class:`_StaticInt8Linear` takes."""
         if self.ranges is None:
             raise ValueError("static_scales needs an observing solver")
-        n = steps - INT8_FP32_LAST_STEPS
+        n = static_steps(steps)
         if any(set(r) != set(range(n)) for r in self.ranges):
             raise ValueError(f"the calibration solve did not see every block at all {n} int8 steps")
         return tuple(tuple(tuple(static_scale(lo, hi) for lo, hi in r[s]) for s in range(n)) for r in self.ranges)
