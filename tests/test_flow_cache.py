@@ -270,10 +270,11 @@ def test_engine_stream_with_cache_equals_without(flows, hift, precision):
     plain, mel0, spy0 = _stream(flows[precision], hift, 0, tokens, fp)
     cached, mel1, spy1 = _stream(flows[precision], hift, 2048, tokens, fp)
     assert all(c[1] is None for c in spy0.calls)
-    caches = {id(c[1]) for c in spy1.calls if c[1] is not None}
-    assert len(caches) == 1
-    cache = next(c[1] for c in spy1.calls if c[1] is not None)
-    assert cache.reused_frames == 150 + 250 + 450 and cache.rebuilds == 0
+    # The prompt's shared block in a call of its own (see the next section), then the request's calls.
+    caches = [c[1] for c in spy1.calls if c[1] is not None]
+    assert len({id(c) for c in caches}) == 2 and spy1.calls[0][1] is caches[0]
+    cache = caches[-1]
+    assert cache.reused_frames == 50 + 150 + 250 + 450 and cache.rebuilds == 0
     assert [c.samples.size for c in cached] == [c.samples.size for c in plain]
     assert [c.is_final for c in cached] == [c.is_final for c in plain]
     # The mel the vocoder got last (all chunks): earlier chunks from cached calls.
@@ -365,7 +366,9 @@ def test_requests_with_one_prompt_share_its_blocks(flows, hift, precision):
     (_, _), (chunks_b, mel_b) = _streams(t2w, [(ta, fp), (tb, fp)])
     firsts = [c for c in spy.calls if c[1] is not None and torch.equal(c[0], torch.tensor(ta[:8]))][:1]
     firsts += [c for c in spy.calls if c[1] is not None and torch.equal(c[0], torch.tensor(tb[:8]))][:1]
-    assert [frames for _, _, frames, _ in firsts] == [0, 50]  # B's first chunk started after the shared block
+    assert [frames for _, _, frames, _ in firsts] == [50, 50]  # both first chunks started after the shared block
+    prompt_calls = [c for c in spy.calls if torch.equal(c[0], torch.zeros(4, dtype=c[0].dtype))]
+    assert len(prompt_calls) == 1  # solved once, in a call of its own, before A's first chunk
     info = t2w.prompt_cache_info()
     assert info["prompts"] == 1 and 0 < info["bytes"] <= 512 * 2**20
     # B equals B on an engine that shares nothing, up to the rounding the cache is allowed.
@@ -490,3 +493,30 @@ def test_static_int8_cached_calls_equal_recomputing(monkeypatch, tmp_path):
     for n in _schedule(N_TOKENS):
         assert _diff(_call(flow, tok, fp, n, cache), _call(flow, tok, fp, n)) <= TOL["bf16"], n
     assert cache.calls == 4 and cache.last_start == 450
+
+
+def _pcm(chunks) -> bytes:
+    return b"".join((np.clip(c.samples, -1, 1) * 32767).astype("<i2").tobytes() for c in chunks)
+
+
+def test_a_streams_audio_does_not_depend_on_what_the_prompt_cache_held(hift):
+    """int8 with dynamic activation scales: one scale per product call, from all of the call's rows, so
+    the shared block solved together with a request's first tokens would differ in its last bits from the
+    block solved alone. A request's audio is the same bytes whether the block was kept by an earlier
+    request, warmed, evicted or never kept (the prompt cache off), as every door's request must be."""
+    flow = Flow.from_dir(MODEL_DIR, precision="int8")
+    fp, ta, tb = _prompt(), _tokens(seed=1)[0].tolist(), _tokens(seed=2)[0].tolist()
+
+    def stream(t2w, tokens):
+        return _pcm(t2w.stream(iter(tokens), fp, 0))
+
+    t2w = Token2Wav(flow, hift, 24000)  # both caches on by default at int8
+    cold = stream(t2w, tb)  # B first: the block is solved for it
+    assert t2w.prompt_cache_info()["prompts"] == 1
+    stream(t2w, ta)
+    assert stream(t2w, tb) == cold  # B again, from the kept block
+    t2w.clear_prompt_cache()  # evicted
+    assert stream(t2w, tb) == cold
+    warmed = Token2Wav(flow, hift, 24000)
+    assert warmed.warm_prompt(fp) and stream(warmed, tb) == cold
+    assert stream(Token2Wav(flow, hift, 24000, prompt_cache_mb=0), tb) == cold

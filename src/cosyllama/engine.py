@@ -118,8 +118,9 @@ class Token2Wav:
     prompt (voice). The flow's first chunk is solved over the prompt's frames too, and the attention
     blocks that end before frame ``2 * (P - 3)`` (P prompt tokens; later frames read the first new
     tokens through the look-ahead) are the same in every request of that prompt. The first request
-    of a prompt keeps them after its first chunk; later ones start their first chunk after them.
-    3 s of prompt shares 100 of its 150 frames; least recently used prompts go first. None
+    of a prompt solves them in a call of their own before its first chunk and keeps them; every
+    request's first chunk starts after them, so a request's audio does not depend on what the cache
+    held (``_prompt_prefix``). 3 s of prompt shares 100 of its 150 frames; least recently used prompts go first. None
     (default): ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0
     turns it off."""
 
@@ -208,22 +209,39 @@ class Token2Wav:
                 self._prompt_frames.move_to_end(key)
             return frames
 
-    def warm_prompt(self, prompt: FlowPrompt) -> bool:
-        """Solve the prompt's shared blocks now and keep them, as a first streaming request of this
-        prompt would (it then starts after them too). Returns whether they are kept."""
-        p = prompt.tokens.shape[1]
-        shared = self.shared_prompt_frames(p)
-        cache = self.new_stream_cache()
-        if cache is None or not shared or self._prompt_cache_bytes() <= 0:
-            return False
+    def _prompt_prefix(self, prompt: FlowPrompt, shared: int) -> FlowStreamCache | None:
+        """The prompt's ``shared`` leading frames as every streaming request of it starts from: kept
+        from an earlier request, or solved now in a call of their own (and kept if the bound allows).
+
+        Always that call, never the first chunk's: a solver whose rows share arithmetic (int8 with
+        dynamic activation scales: one scale per product call, chosen from all of the call's rows)
+        would give the shared frames other values in a call that also holds a request's first
+        tokens, so the first request of a voice (or one after the frames were evicted) would sound
+        different in its last bits from the ones after it. Solved alone, the frames are the same
+        bits in every request of the prompt, whatever the cache held before, through every door."""
         key = self._prompt_key(prompt)
-        if self._prompt_frames_for(key) is None:
+        frames = self._prompt_frames_for(key)
+        if frames is None:
+            cache = self.new_stream_cache()
+            if cache is None:
+                return None
             cache.mark_prefix(shared)
             # One token after the prompt plus the look-ahead: the shared frames read none of them.
             self._mel([0] * (1 + self.lookahead), prompt, 0, streaming=True, finalize=False, cache=cache)
-            self._keep_prompt_frames(key, cache.prefix(p, shared))
+            frames = cache.prefix(prompt.tokens.shape[1], shared)
             cache.clear()
-        return self._prompt_frames_for(key) is not None
+            if frames is not None and self._prompt_cache_bytes() > 0:
+                self._keep_prompt_frames(key, frames)
+        return frames
+
+    def warm_prompt(self, prompt: FlowPrompt) -> bool:
+        """Solve the prompt's shared blocks now and keep them, as a first streaming request of this
+        prompt would. Returns whether they are kept."""
+        shared = self.shared_prompt_frames(prompt.tokens.shape[1])
+        if not shared or self._prompt_cache_bytes() <= 0 or self._stream_cache_mb() <= 0:
+            return False
+        self._prompt_prefix(prompt, shared)
+        return self._prompt_frames_for(self._prompt_key(prompt)) is not None
 
     def prompt_cache_info(self) -> dict:
         """Prompts whose shared frames are kept, and the bytes they hold."""
@@ -261,15 +279,9 @@ class Token2Wav:
         st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
         st.flow_cache = self.new_stream_cache()
         st.vocoder = self.hift.new_stream()
-        shared, keep_key = self.shared_prompt_frames(p), None
-        if st.flow_cache is not None and shared and self._prompt_cache_bytes() > 0:
-            key = self._prompt_key(prompt)
-            frames = self._prompt_frames_for(key)
-            if frames is not None:
-                st.flow_cache.load(frames)  # the first chunk starts after the prompt's shared blocks
-            else:  # the first chunk also keeps what a cache of just those blocks needs
-                keep_key = key
-                st.flow_cache.mark_prefix(shared)
+        # The prompt's shared blocks are loaded before the first chunk (solved then if not kept), so that
+        # the first chunk starts after them in every request of the prompt (see _prompt_prefix).
+        shared = self.shared_prompt_frames(p) if st.flow_cache is not None else 0
         try:
             for tok in token_iter:
                 st.tokens.append(tok)
@@ -277,12 +289,13 @@ class Token2Wav:
                     hop = st.next_hop()
                     end = st.token_offset + hop + self.lookahead
                     with pause(not st.emitted):
+                        if shared:
+                            frames = self._prompt_prefix(prompt, shared)
+                            if frames is not None:
+                                st.flow_cache.load(frames)
+                            shared = 0
                         mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
                                         cache=st.flow_cache)
-                        if keep_key is not None:
-                            self._keep_prompt_frames(keep_key, st.flow_cache.prefix(p, shared))
-                            st.flow_cache.unmark_prefix()
-                            keep_key = None
                         samples = self._vocode_new(st, mel, finalize=False)
                     st.token_offset += hop
                     st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
