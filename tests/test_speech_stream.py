@@ -126,6 +126,18 @@ def test_each_sentence_is_spoken_before_the_next_piece_is_sent(server, tts):
         assert got and got == _http(server, text, response_format="pcm", stream_format="audio"), text
 
 
+def test_the_python_api_gives_the_doors_bytes(server, tts):
+    """The Python API's synthesis of a request, streamed or not, is the HTTP door's body, byte for byte
+    (docs/usage.md, determinism), before and after the voice's prompt block is kept."""
+    from cosyllama.audio_out import pcm16
+
+    tts.token2wav.clear_prompt_cache()
+    for stream in (True, False):
+        api = pcm16(tts.synthesize("Nice to meet you.", voice="en", greedy=True, seed=0, stream=stream).audio())
+        fields = {"stream_format": "audio"} if stream else {}
+        assert api == _http(server, "Nice to meet you.", response_format="pcm", **fields), stream
+
+
 def test_a_whole_file_per_sentence_and_the_whole_text_at_once(server):
     """Without stream_audio each sentence is one frame, /v1/audio/speech's whole file (here with a
     speed); with split_granularity none the utterance is one request. A new config between
