@@ -20,7 +20,8 @@ keys: type (F16/Q8_0/Q4_0: a GGUF of `cosyllama bench`'s cache, or gguf=PATH), t
 auto), repack (1/0: llama.cpp's CPU_REPACK buffers), load (mmap/none/mlock/mmap_mlock), batch
 (sequences per step), hog (N busy processes beside the decode: a loaded machine), caller (main / worker:
 llama_decode from a second Python thread, as the
-scheduler does), env.NAME=VALUE.
+scheduler does), adapt (1: threads lowered while other processes hold the cores, as the backend does
+(cosyllama.llm.load_threads); 0: always ``threads``), env.NAME=VALUE.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cosyllama.tools.bench_setup import full_model_dir
 from cosyllama.tools.bench_setup import gguf_path as bench_gguf_path
 
 BASE = {"type": "Q8_0", "torch": "matmul", "threads": "2", "kv": "f16", "fa": "auto", "repack": "1",
-        "load": "mmap", "batch": "1", "caller": "main", "hog": "0"}
+        "load": "mmap", "batch": "1", "caller": "main", "hog": "0", "adapt": "1"}
 PRESETS = {
     "default": "",  # what `cosyllama bench` does: torch loaded and used first, Q8_0, F16 KV, 2 threads
     "no-torch": "torch=none",
@@ -56,6 +57,8 @@ PRESETS = {
     "hog-passive": "hog=1,env.OMP_WAIT_POLICY=PASSIVE",
     "hog-spin10k": "hog=1,env.GOMP_SPINCOUNT=10000",
     "hog-threads1": "hog=1,threads=1",
+    "fixed": "adapt=0",
+    "hog-fixed": "hog=1,adapt=0",
     "bind": "env.OMP_PROC_BIND=true,env.OMP_PLACES=cores",
     "threads1": "threads=1",
     "kv-f32": "kv=f32",
@@ -209,6 +212,10 @@ def child_decode(v: dict, tokens: int, prompt: int, repeat: int) -> dict:
     speech_vocab = min(n_vocab, 6761)
 
     batch = lc.llama_batch_init(max(prompt, nb), 0, 1)
+    from cosyllama.llm.load_threads import LoadThreads
+
+    governor = LoadThreads(n_threads, enabled=v["adapt"] == "1")
+    used = [n_threads]
 
     def decode(tok, pos, seq, logits):
         n = len(tok)
@@ -217,6 +224,10 @@ def child_decode(v: dict, tokens: int, prompt: int, repeat: int) -> dict:
         for i in range(n):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tok[i]), int(pos[i]), 1, int(logits[i])
             b.seq_id[i][0] = int(seq[i])
+        n = governor.current()
+        if n != used[0]:
+            lc.llama_set_n_threads(ctx, n, n)
+            used[0] = n
         rc = lc.llama_decode(ctx, b)
         assert rc == 0, rc
 
@@ -258,7 +269,7 @@ def child_decode(v: dict, tokens: int, prompt: int, repeat: int) -> dict:
     keep = [ln.strip() for ln in log if "REPACK" in ln or "buffer size" in ln or "repack" in ln]
     return {"tok_s": nb * tokens / best, "prefill_s": min(p for p, _ in result["runs"]), "load_s": load_s,
             "omp_libs": omp_libs(), "system_info": info.decode() if isinstance(info, bytes) else str(info),
-            "log": keep[:12], "gguf": str(path)}
+            "log": keep[:12], "gguf": str(path), "threads_at_end": used[0], "thread_changes": governor.changes}
 
 
 def run_child(kind: str, payload: dict, env_extra: dict) -> dict:

@@ -33,6 +33,7 @@ from ..weights import load_llm_weights
 from .backend import Prefill, check_max_seq_tokens
 from .gguf_read import inspect_gguf, llm_fingerprint
 from .llamacpp_lib import INSTALL_HINT, import_llama_cpp, llama_log_handler, openmp_serving_hint, set_llama_verbose
+from .load_threads import LoadThreads
 
 DEFAULT_N_SEQ_MAX = N_SEQ_MAX  # concurrent sequences one context holds
 DEFAULT_N_BATCH = 512  # positions per llama_decode call (longer prefills are split)
@@ -142,6 +143,10 @@ class LlamaCppLLM:
             raise InputError(f"unknown kv_type {kv_type!r}; allowed: {', '.join(KV_TYPES)}")
         self.kv_type = kv
         self.n_threads = int(n_threads) if n_threads else len(os.sched_getaffinity(0))
+        # The threads each decode runs with: n_threads, fewer while other processes hold this process's cores
+        # (load_threads.py says why a busy core stalls a multi-threaded decode).
+        self.load_threads = LoadThreads(self.n_threads)
+        self._ctx_threads = self.n_threads
         self.n_seq_max = int(n_seq_max)
         self.n_batch = max(int(n_batch), self.n_seq_max)
         self._fixed_n_ctx = n_ctx
@@ -191,7 +196,7 @@ class LlamaCppLLM:
         p.n_ctx = n_ctx
         p.n_batch = p.n_ubatch = self.n_batch
         p.n_seq_max = self.n_seq_max
-        p.n_threads = p.n_threads_batch = self.n_threads
+        p.n_threads = p.n_threads_batch = self._ctx_threads = self.load_threads.threads
         p.kv_unified = True  # one cell pool: a long request may use what short ones leave free
         p.type_k = p.type_v = getattr(lc, f"GGML_TYPE_{self.kv_type.upper()}")
         p.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -259,6 +264,10 @@ class LlamaCppLLM:
         return None, torch.cat(parts).to(torch.float32).numpy()
 
     def _decode(self, batch: _Batch) -> None:
+        n = self.load_threads.current()
+        if n != self._ctx_threads:
+            self._lc.llama_set_n_threads(self._ctx, n, n)
+            self._ctx_threads = n
         rc = self._lc.llama_decode(self._ctx, batch.struct)
         if rc != 0:
             why = {1: "no free KV cells", 2: "aborted"}.get(rc, "invalid batch or internal error")
