@@ -246,33 +246,37 @@ def test_long_input_beside_a_short_request(tts):
 
 
 def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
-    """A 1,300-position prompt prefilled at 2 ms per position (2.6 s in 128-position pieces of
-    0.26 s): the client leaves after 0.8 s and its sequence is free within 1 s."""
+    """A 1,300-position prompt prefilled at 2 ms per position (11 pieces of 128 positions, 0.26 s
+    each): the client leaves once its first piece has run and its sequence is freed before the
+    prompt is all in. Counted in pieces, not timed: the client leaves when the prefill has begun,
+    whatever the machine's speed, and a busy machine makes the pieces slower, not more."""
+    import json
+
     app = create_app(tts, limits=RequestLimits(instructions_chars=8000, instructions_tokens=2000))
     srv = LoopbackServer(app)
+
+    def pieces() -> int:
+        return app.state.scheduler.stats()["prefill_pieces"]
+
+    body = json.dumps({"input": "Hi.", "voice": "en", "greedy": True,
+                       "instructions": "1" * 1280 + " Speak slowly."}).encode()
     try:
         _register(srv.url)
         backend.position_delay = 0.002
-        with httpx.Client(base_url=srv.url, timeout=0.8) as c:
-            with pytest.raises(httpx.ReadTimeout):
-                _speech(c, "Hi.", instructions="1" * 1280 + " Speak slowly.")
-        left = time.monotonic()
-        with httpx.Client(base_url=srv.url, timeout=10) as c:
-            deadline = left + 5
-            while True:
-                h = c.get("/health").json()
-                if h["active_sequences"] == 0 and h["llm"]["active_sequences"] == 0 and not backend.prefilling:
-                    break
-                assert time.monotonic() < deadline, f"the sequence was not freed: {h}"
-                time.sleep(0.01)
-        freed = time.monotonic() - left
-        pieces = app.state.scheduler.stats()["prefill_pieces"]
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            wait_until(lambda: pieces() >= 1, "the prompt is not being prefilled")
+        # the socket is closed: the client left during the prefill
+        with httpx.Client(base_url=srv.url, timeout=WAIT_S) as c:
+            h = _wait_idle(c, timeout=WAIT_S, llm=True)  # only a hang reaches the timeout
+        assert not backend.prefilling, h
+        ran = pieces()
     finally:
         backend.position_delay = 0.0
         srv.stop()
-    print(f"sequence freed {freed:.3f} s after the client left; {pieces} prefill pieces ran")
-    assert freed < 1.0
-    assert 1 <= pieces < 10  # it was prefilling in pieces and stopped before the 11th
+    print(f"{ran} prefill pieces ran")
+    assert 1 <= ran < 10  # it was prefilling in pieces and stopped before the 11th
 
 
 # ----------------------------------------------------------------------------------------------
