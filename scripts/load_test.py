@@ -7,6 +7,13 @@ the script always ends by itself.
 
     python scripts/load_test.py --model-dir tests/fixtures/cosyvoice3-tiny/model --gguf /tmp/tiny-f32.gguf
     python scripts/load_test.py --url http://127.0.0.1:8000 --voice en --concurrency 1,4,16
+
+``--beside-chars N`` runs each level beside one streamed request of N characters (started just
+before the level, dropped after it): the latency of short requests beside a long input, against the
+same level without it (the number tests/test_server_limits.py used to bound, a benchmark now):
+
+    python scripts/load_test.py --model-dir tests/fixtures/cosyvoice3-tiny/model --gguf /tmp/tiny-f32.gguf \
+        --concurrency 1 --requests 3 --beside-chars 4000
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ SAMPLE_RATE = 24_000  # Hz, the server's pcm format
 PCM_BYTES = 2
 TEXTS = ["Hello there, how are you today?", "The weather is lovely this morning.",
          "Please leave a message after the tone.", "Thank you for calling, goodbye."]
+PROSE = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs away into the "
+         "forest. ")
 
 
 def free_port() -> int:
@@ -81,6 +90,20 @@ def one_request(url: str, body: dict, timeout: float) -> dict:
             n += len(part)
     return {"status": 200, "latency": time.perf_counter() - t0, "first_chunk": first,
             "audio_s": n / PCM_BYTES / SAMPLE_RATE}
+
+
+def long_request(url: str, voice: str, chars: int, stop: threading.Event, timeout: float) -> None:
+    """Stream ``chars`` characters of prose until ``stop`` is set (then drop the connection: the server
+    cancels it) or the audio ends."""
+    body = {"input": (PROSE * (chars // len(PROSE) + 1))[:chars], "voice": voice, "stream": True,
+            "response_format": "pcm"}
+    with httpx.Client(timeout=timeout) as c, c.stream("POST", f"{url}/v1/audio/speech", json=body) as r:
+        if r.status_code != 200:
+            print(f"the long request beside the level got {r.status_code}: {r.read()[:300]!r}", file=sys.stderr)
+            return
+        for _ in r.iter_bytes():
+            if stop.is_set():
+                return
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -144,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=60.0, help="no new request after this many s per level")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout, s")
     p.add_argument("--start-timeout", type=float, default=120.0)
+    p.add_argument("--beside-chars", type=int, default=0,
+                   help="run each level beside one streamed request of this many characters (default 0: none)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -172,7 +197,18 @@ def main(argv=None) -> int:
         print(f"{'streams':>7} {'reqs':>5} {'err':>4} {'req/s':>7} {'audio s/s':>9} {'p50 s':>7} {'p95 s':>7} "
               f"{'ttfc p50':>8} {'ttfc p95':>8}")
         for c in levels:
-            row = run_level(url, voice, c, args.requests, args.time_limit, args.timeout)
+            stop = threading.Event()
+            beside = threading.Thread(target=long_request, args=(url, voice, args.beside_chars, stop, args.timeout),
+                                      daemon=True)
+            if args.beside_chars:
+                beside.start()
+            try:
+                row = run_level(url, voice, c, args.requests, args.time_limit, args.timeout)
+            finally:
+                stop.set()
+                if args.beside_chars:
+                    beside.join(args.timeout)
+            row["beside_chars"] = args.beside_chars
             rows.append(row)
             print(f"{c:>7} {row['requests']:>5} {row['requests'] - row['ok']:>4} {row['requests_per_s']:>7.2f} "
                   f"{row['audio_s_per_s']:>9.2f} {row['latency_p50'] or 0:>7.3f} {row['latency_p95'] or 0:>7.3f} "

@@ -62,9 +62,10 @@ def test_load_test_against_a_server_it_starts(tmp_path):
     out = tmp_path / "load.json"
     main = runpy.run_path(str(SCRIPTS / "load_test.py"))["main"]
     assert main(["--model-dir", str(MODEL_DIR), "--threads", "1", "--parallel", "2", "--concurrency", "1,2",
-                 "--requests", "2", "--time-limit", "30", "--json", str(out)]) == 0
+                 "--requests", "2", "--time-limit", "30", "--beside-chars", "400", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 2]
+    assert all(lv["beside_chars"] == 400 for lv in res["levels"])
     for lv in res["levels"]:
         assert lv["ok"] == lv["requests"] >= 1 and not lv["errors"] and lv["first_chunk_p50"] > 0
     assert res["health"]["status"] == "ok"

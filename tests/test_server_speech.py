@@ -150,22 +150,22 @@ def test_concurrent_requests_equal_alone(client):
 def test_disconnect_frees_sequence(client, server, tts):
     text = "This is a long sentence that keeps the model busy for a good while, word after word after word."
     body = {"input": text, "voice": "en", "stream": True, "response_format": "pcm", "greedy": True}
-    t0 = client.get("/health").json()["decoded_tokens"]
     tts.llm.step_delay = 0.01  # ~500 tokens to decode: about 5 s
     try:
         with httpx.Client(base_url=server.url, timeout=60) as c:
             with c.stream("POST", "/v1/audio/speech", json=body) as r:
                 assert r.status_code == 200
                 next(_chunks := r.iter_bytes())  # keep it: a dropped iterator closes the connection
-                assert client.get("/health").json()["active_sequences"] == 1
+                at_first = client.get("/health").json()
+                assert at_first["active_sequences"] == 1
             # leaving the block closes the connection mid-stream
-            cut = time.monotonic()
-        h = _wait_idle(client, timeout=5)
-        assert time.monotonic() - cut < 1.0
+        h = _wait_idle(client, timeout=60)  # only a hang reaches this
     finally:
         tts.llm.step_delay = 0.0
     assert h["active_sequences"] == 0 and h["llm"]["active_sequences"] == 0
-    assert h["decoded_tokens"] - t0 < 250, "the cancelled request decoded on"
+    # counted, not timed: the whole answer is ~500 tokens, 10 ms a step at least (a slow machine decodes fewer,
+    # not more); 250 more after the client had its first audio would be 2.5 s of not seeing it leave
+    assert h["decoded_tokens"] - at_first["decoded_tokens"] < 250, "the cancelled request decoded on"
     assert _speech(client, "After the disconnect.").status_code == 200
 
 

@@ -246,18 +246,21 @@ def test_bounds_on_what_a_client_sends(tts):
 def test_an_idle_session_is_closed_and_a_long_one_outlives_the_header_timeout(tts):
     """--idle-timeout closes a session with nothing to do; the HTTP header timeout (which runs from
     a connection's first byte) does not apply to a WebSocket once it is open."""
-    app = create_app(tts, connection_limits=ConnectionLimits(idle_timeout=1.0))
-    srv = _serve(app, **uvicorn_options(ConnectionLimits(header_timeout=0.2)))
+    # the sleep below must outlast the header timeout and not the idle one: 2.4 s to spare, so that only a
+    # stalled test thread (not a busy machine) could wake up past the idle timeout
+    idle_s, header_s, pause_s = 3.0, 0.2, 0.6
+    app = create_app(tts, connection_limits=ConnectionLimits(idle_timeout=idle_s))
+    srv = _serve(app, **uvicorn_options(ConnectionLimits(header_timeout=header_s)))
     try:
         with _ws(srv) as ws:
             _send(ws, **CONFIG, response_format="pcm")
             t0 = time.monotonic()
             err, close = _refused(ws)
-            assert time.monotonic() - t0 >= 0.9
+            assert time.monotonic() - t0 >= 0.9 * idle_s  # not earlier (a slow machine only makes it later)
         assert (err["code"], close) == ("idle_timeout", 1008) and "--idle-timeout" in err["message"]
         with _ws(srv) as ws:
             _send(ws, **CONFIG, response_format="pcm")
-            time.sleep(0.6)  # past the header timeout, within the idle timeout
+            time.sleep(pause_s)  # past the header timeout (3 times it), within the idle timeout
             _send(ws, type="input.text", text="Hi.")
             _send(ws, type="input.done")
             _, audio, _ = _sentence(ws)
