@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu import has_native_bf16
+from .cpu import has_native_bf16, has_vnni
 from .defaults import PRECISIONS
 from .errors import InputError
 from .options import precision_key
@@ -34,6 +34,12 @@ def cpu_has_native_bf16() -> bool:
     """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16). Linux only;
     elsewhere (no ``/proc/cpuinfo``) False, so ``auto`` does not pick bf16."""
     return has_native_bf16()
+
+
+def cpu_has_int8_vnni() -> bool:
+    """True when this CPU's int8 products add u8 x s8 pairs without int16 saturation (VNNI), as oneDNN computes
+    them here (:func:`cosyllama.cpu.has_vnni`). Tests stand in for it as for :func:`cpu_has_native_bf16`."""
+    return has_vnni()
 
 
 def int8_available() -> bool:
