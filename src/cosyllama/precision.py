@@ -11,8 +11,9 @@ activations quantized on every call; int32 accumulation; everything between the 
 
 ``auto`` picks a candidate per CPU class and keeps it only if it passes a fidelity check on the
 weights actually loaded (:mod:`cosyllama.flow.check`): ``bf16`` where the hardware computes it
-natively — a CPU with AVX512-BF16 or AMX (Linux ``/proc/cpuinfo``), or a CUDA device that reports
-bf16 support — ``int8`` on other x86 CPUs (AVX2), ``fp32`` elsewhere or when the check fails.
+natively — a CPU with AVX512-BF16 or AMX (as PyTorch's kernels see it, :func:`cosyllama.cpu.kernel_flags`),
+or a CUDA device that reports bf16 support — ``int8`` on other x86 CPUs (AVX2), ``fp32`` elsewhere or when the
+check fails.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", INT8: "int8"}
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16). Linux only;
-    elsewhere (no ``/proc/cpuinfo``) False, so ``auto`` does not pick bf16."""
+    """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16) as the kernels see them
+    (:func:`cosyllama.cpu.has_native_bf16`); False where neither PyTorch nor /proc/cpuinfo says so, so ``auto``
+    does not pick bf16."""
     return has_native_bf16()
 
 
