@@ -20,6 +20,12 @@ per kernel and precision, and where one flow call's time goes per precision vari
   int8-onednn+bf16+static),
   self CPU time by kind of op (torch.profiler).
 
+The bf16 rows (oneDNN's packed bf16 linear) run where oneDNN has bf16 kernels
+(:func:`cosyllama.cpu.onednn_bf16_reorder_ok`: AVX-NE-CONVERT, or AVX-512 BW + VL + DQ); elsewhere the script
+says it left them out (``left_out`` in the JSON) and runs the rest. Without VNNI the static int8 rows time the
+kernel that runs there, whose u8 x s8 pair sums saturate (:func:`cosyllama.cpu.has_vnni`): their errors are not
+the static engine's (which refuses such a CPU).
+
 Numbers are for the machine it runs on; docs/benchmarks.md has them per CPU class.
 """
 
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cosyllama.cpu import onednn_bf16_reorder_ok
 from cosyllama.timing import best_of
 
 PARTS = ("products", "attention", "profile")
@@ -51,8 +58,14 @@ def _ms(fn, n: int) -> float:
     return best_of(lambda: [fn() for _ in range(n)], 3) / n * 1e3
 
 
+BF16_LEFT_OUT = ("bf16 rows (oneDNN's packed bf16 linear): left out, oneDNN has no bf16 kernels on this CPU "
+                 "(it needs AVX-NE-CONVERT, or AVX-512 BW + VL + DQ)")
+
+
 def products(cfg, rows: int, n: int) -> list[dict]:
     from cosyllama.flow.fast_dit import _StaticInt8Linear, quantize_u8
+
+    bf16 = onednn_bf16_reorder_ok()
 
     d, ff = cfg.dit_dim, cfg.dit_dim * cfg.dit_ff_mult
     shapes = [("qkv", d, 3 * d, False), ("attention out", d, d, False), ("ff in + GELU", d, ff, True),
@@ -64,9 +77,10 @@ def products(cfg, rows: int, n: int) -> list[dict]:
         x = torch.randn(rows, k, generator=g)
         xb = x.bfloat16()
         post = ("gelu", [], "tanh") if gelu else ("none", [], "")
-        wp, bb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None), b.bfloat16()
-        row = {"product": name, "rows": rows, "k": k, "n": m,
-               "bf16_ms": _ms(lambda: torch.ops.mkldnn._linear_pointwise(xb, wp, bb, *post), n)}
+        row = {"product": name, "rows": rows, "k": k, "n": m}
+        if bf16:
+            wp, bb = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None), b.bfloat16()
+            row["bf16_ms"] = _ms(lambda: torch.ops.mkldnn._linear_pointwise(xb, wp, bb, *post), n)
         scale = (w.abs().amax(1) / 127).double()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -98,10 +112,12 @@ def _ff_chain(cfg, rows: int, n: int, first, g) -> dict:
     w2, b2 = torch.randn(d, ff, generator=g) * 0.05, torch.randn(d, generator=g) * 0.01
     h = F.gelu(x @ w1.T + b1, approximate="tanh")
     hq = (float(h.abs().max() / 127.0), 128)  # the second product's static input scale, calibrated on h
-    xb = x.bfloat16()
-    p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in (w1, w2))
-    bf1, bf2 = b1.bfloat16(), b2.bfloat16()
-    pw = torch.ops.mkldnn._linear_pointwise
+    with_bf16 = onednn_bf16_reorder_ok()
+    if with_bf16:
+        xb = x.bfloat16()
+        p1, p2 = (torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in (w1, w2))
+        bf1, bf2 = b1.bfloat16(), b2.bfloat16()
+        pw = torch.ops.mkldnn._linear_pointwise
     d1, d2 = _Int8Linear(w1, b1, gelu=True, engine="onednn"), _Int8Linear(w2, b2, engine="onednn")
     s1, s2 = _StaticInt8Linear(w1, b1, gelu=True), _StaticInt8Linear(w2, b2)
 
@@ -115,10 +131,12 @@ def _ff_chain(cfg, rows: int, n: int, first, g) -> dict:
         return s2(s1(quantize_u8(x, *xq), xq, torch.uint8, hq), hq, torch.bfloat16)
 
     row = {"product": "ff chain", "rows": rows, "k": d, "n": d}
-    for key, fn in (("bf16_ms", bf16), ("dynamic_onednn_ms", dynamic), ("static_int8_epilogue_ms", static)):
-        row[key] = _ms(fn, n)
+    runs = [("bf16", bf16)] if with_bf16 else []
+    runs += [("dynamic_onednn", dynamic), ("static_int8_epilogue", static)]
+    for key, fn in runs:
+        row[f"{key}_ms"] = _ms(fn, n)
     ref = h @ w2.T + b2
-    for key, fn in (("bf16", bf16), ("dynamic_onednn", dynamic), ("static_int8_epilogue", static)):
+    for key, fn in runs:
         row[f"{key}_max_error"] = float((fn().float() - ref).abs().max())
     return row
 
@@ -199,13 +217,17 @@ def main(argv=None) -> int:
     model = Path(args.model_dir or ensure_full_model(print))
     cfg = load_config(model).flow
     frames = round((args.prompt_seconds + args.output_seconds) * 50)  # mel frames, 50 Hz
-    res = {"machine": machine_info(args.threads), "frames": frames}
+    res = {"machine": machine_info(args.threads), "frames": frames, "left_out": []}
     if "products" in parts:
+        if not onednn_bf16_reorder_ok():
+            res["left_out"].append(BF16_LEFT_OUT)
+            print(BF16_LEFT_OUT)
         res["products"] = products(cfg, 2 * frames, args.calls)
         for r in res["products"]:
-            print(f"{r['product']:14s} {r['rows']}x{r['k']}->{r['n']}: bf16 {r['bf16_ms']:.2f} ms; " + ", ".join(
-                f"{k.removesuffix('_ms')} {r[k]:.2f} ms ({r['bf16_ms'] / r[k]:.2f}x)" for k in r
-                if k.endswith("_ms") and k != "bf16_ms"))
+            ref = r.get("bf16_ms")  # the ratios are against bf16 where it ran
+            print(f"{r['product']:14s} {r['rows']}x{r['k']}->{r['n']}: " + ", ".join(
+                f"{k.removesuffix('_ms')} {r[k]:.2f} ms" + (f" ({ref / r[k]:.2f}x)" if ref and k != "bf16_ms" else "")
+                for k in r if k.endswith("_ms")))
     if "attention" in parts:
         res["attention"] = attention(cfg, frames, args.calls, not args.no_compile)
         for r in res["attention"]:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from cosyllama.cpu import has_native_bf16
+from cosyllama.cpu import has_native_bf16, onednn_bf16_reorder_ok
 from cosyllama.timing import best_of
 from cosyllama.tools.synthetic import SIZES
 
@@ -68,6 +68,8 @@ def gemm_gflops(dtype: torch.dtype, rows: int, threads: int, repeats: int) -> tu
         shapes.append((torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype), torch.zeros(n, dtype=dtype)))
         flops += 2 * rows * k * n
     try:
+        if dtype == torch.bfloat16 and not onednn_bf16_reorder_ok():
+            raise RuntimeError("oneDNN has no bf16 kernels on this CPU (AVX-NE-CONVERT, or AVX-512 BW + VL + DQ)")
         ops = [(x, torch.ops.mkldnn._reorder_linear_weight(w, None), b) for x, w, b in shapes]
         torch.ops.mkldnn._linear_pointwise(*ops[0], "none", [], "")
         kernel = "oneDNN packed linear"

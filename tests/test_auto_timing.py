@@ -59,12 +59,21 @@ def check_outcomes(tmp_path_factory) -> dict:
         mp.setenv("COSYLLAMA_CACHE", str(cache))
         mp.setattr(check, "_memory", {})
         mp.setattr(prec, "cpu_has_native_bf16", lambda: True)
+        mp.setattr(prec, "cpu_has_int8_vnni", lambda: True)  # see vnni below
         flow = Flow.from_dir(MODEL_DIR)
         ref: dict = {}
         for cand in check.candidates(flow):
             if cand.dtype != torch.float32:
                 assert check.check_candidate(flow, cand, ref).passed
         return json.loads((cache / "precision-checks.json").read_text())
+
+
+@pytest.fixture(autouse=True)
+def vnni(monkeypatch):
+    """VNNI counted present, so the static engine is among the candidates as on a CPU with it: the timings here are
+    the Machine's and the choices are the subject (without VNNI the engine's products saturate: its fidelity is
+    tested in test_flow_int8.py where the CPU has VNNI)."""
+    monkeypatch.setattr(prec, "cpu_has_int8_vnni", lambda: True)
 
 
 @pytest.fixture

@@ -100,20 +100,29 @@ def test_llm_fidelity_on_the_tiny_model(tmp_path, monkeypatch, capsys):
 
 def test_flow_ceiling(tmp_path, capsys):
     out = tmp_path / "ceiling.json"
-    main = runpy.run_path(str(SCRIPTS / "flow_ceiling.py"))["main"]
+    from cosyllama.cpu import onednn_bf16_reorder_ok
+
+    flow_ceiling = runpy.run_path(str(SCRIPTS / "flow_ceiling.py"))
+    main = flow_ceiling["main"]
     assert main(["--model-dir", str(MODEL_DIR), "--threads", "1", "--calls", "1", "--prompt-seconds", "0.4",
                  "--output-seconds", "0.4", "--no-compile", "--variants", "fp32,bf16", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
+    printed = capsys.readouterr().out
     assert [r["product"] for r in res["products"]] == ["qkv", "attention out", "ff in + GELU", "ff out", "ff chain"]
-    assert all(r["bf16_ms"] > 0 and r["static_products_only_ms"] > 0 for r in res["products"][:4])
+    assert all(r["static_products_only_ms"] > 0 for r in res["products"][:4])
     chain = res["products"][4]
     assert chain["static_int8_epilogue_ms"] > 0 and chain["dynamic_onednn_ms"] > 0
-    # int8 errs more than bf16, and neither is garbage (the chain's outputs are O(1))
-    assert chain["bf16_max_error"] < chain["static_int8_epilogue_max_error"] < 1.0
+    assert chain["static_int8_epilogue_max_error"] < 1.0  # not garbage: the chain's outputs are O(1)
+    if onednn_bf16_reorder_ok():  # oneDNN's bf16 kernels: AVX-NE-CONVERT or AVX-512 BW + VL + DQ
+        assert all(r["bf16_ms"] > 0 for r in res["products"][:4]) and res["left_out"] == []
+        assert chain["bf16_max_error"] < chain["static_int8_epilogue_max_error"]  # int8 errs more than bf16
+    else:  # the bf16 rows are left out, and the script says why; the rest ran
+        assert not any("bf16_ms" in r for r in res["products"])
+        assert res["left_out"] == [flow_ceiling["BF16_LEFT_OUT"]] and flow_ceiling["BF16_LEFT_OUT"] in printed
     assert [r["dtype"] for r in res["attention"]] == ["float32", "bfloat16"]
     assert [r["variant"] for r in res["profile"]] == ["fp32", "bf16"]
     assert all(r["self_cpu_seconds_per_audio_second"] for r in res["profile"])
-    assert "attention bfloat16" in capsys.readouterr().out
+    assert "attention bfloat16" in printed
 
 
 def test_flow_pt2e_without_torchao_says_how_to_install(monkeypatch, capsys):

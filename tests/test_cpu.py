@@ -22,8 +22,60 @@ def test_cpu_class_from_flags(flags, cls):
     assert cpu.has_native_bf16(frozenset(flags)) == (cls in ("AVX512-BF16", "AMX"))
 
 
+@pytest.mark.parametrize("flags,vnni,reorder", [
+    ({"avx2", "fma"}, False, False), ({"avx2", "avx_vnni"}, True, False), ({"avx2", "avx_ne_convert"}, False, True),
+    ({"avx512f", "avx512bw", "avx512vl"}, False, False), ({"avx512f", "avx512bw", "avx512vl", "avx512dq"}, False, True),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, True, True),
+])
+def test_kernel_needs_from_flags(flags, vnni, reorder):
+    """VNNI (int8 pairs added in int32, the static engine) and oneDNN's bf16 reorder (AVX-NE-CONVERT or
+    AVX-512 BW + VL + DQ) from a stood-in CPU's flags."""
+    assert cpu.has_vnni(frozenset(flags)) == vnni
+    assert cpu.onednn_bf16_reorder_ok(frozenset(flags)) == reorder
+
+
+def test_the_kernels_view_wins_over_proc_cpuinfo(monkeypatch):
+    """Under QEMU's user mode /proc/cpuinfo is the host's while the kernels see the emulated CPU's CPUID: the
+    decisions follow PyTorch's CPUID queries (here standing in a Haswell on an AVX512-BF16 host)."""
+    import torch
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
+                                                               "avx512_bf16", "hypervisor"}))
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {
+        "avx2": True, "fma3": True, "avx512_f": False, "avx512_bw": False, "avx512_vnni": False, "avx512_bf16": False,
+        "amx_bf16": False, "avx_vnni": False, "num_sockets": 1, "cpu_name": "Intel Core Processor (Haswell)"})
+    cpu.kernel_flags.cache_clear()
+    try:
+        assert cpu.kernel_flags() == {"avx2", "fma", "hypervisor"}
+        assert cpu.cpu_class() == "AVX2" and cpu.isa_names() == ["AVX2", "FMA"] and not cpu.has_native_bf16()
+    finally:
+        monkeypatch.undo()
+        cpu.kernel_flags.cache_clear()
+
+
+def test_the_kernel_checks_agree_with_the_library():
+    """The answers for this process are the libraries': PyTorch's CPUID queries, oneDNN's bf16 check and oneDNN's
+    int8 product (where oneDNN is capped, by ONEDNN_MAX_CPU_ISA too)."""
+    import torch
+
+    caps = torch.cpu.get_capabilities()
+    assert all((flag in cpu.kernel_flags()) == caps[name] for name, flag in (
+        ("avx2", "avx2"), ("avx512_f", "avx512f"), ("avx512_vnni", "avx512_vnni"), ("avx512_bf16", "avx512_bf16"),
+        ("avx_vnni", "avx_vnni"), ("amx_int8", "amx_int8")))
+    if not os.environ.get("ONEDNN_MAX_CPU_ISA") and (caps["avx512_vnni"] or caps["avx_vnni"]):
+        assert cpu.has_vnni()
+    if not caps["avx512_vnni"] and not caps["avx_vnni"]:
+        assert not cpu.has_vnni()
+    assert cpu.onednn_bf16_reorder_ok() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if cpu.onednn_bf16_reorder_ok():
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), None)
+    else:
+        with pytest.raises(RuntimeError, match="bf16 path needs"):
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), None)
+
+
 def test_a_onednn_cap_below_bf16_turns_native_bf16_off(monkeypatch):
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu, "kernel_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     assert cpu.has_native_bf16()

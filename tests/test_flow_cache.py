@@ -483,9 +483,12 @@ def test_static_int8_cached_calls_equal_recomputing(monkeypatch, tmp_path):
     from cosyllama.flow import check, fast_dit
     from cosyllama.precision import INT8
 
-    if fast_dit.int8_engine_problem(fast_dit.STATIC_ENGINE, on_cpu=False):
-        pytest.skip("no oneDNN static int8 here")
+    # bf16 and VNNI counted present: cache and recomputation run the same products, whatever they compute here
+    # (without VNNI their int16 pair sums saturate: cosyllama.cpu.has_vnni)
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(prec, "cpu_has_int8_vnni", lambda: True)
+    if fast_dit.int8_engine_problem(fast_dit.STATIC_ENGINE, on_cpu=False):
+        pytest.skip(fast_dit.int8_engine_problem(fast_dit.STATIC_ENGINE, on_cpu=False))
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
     flow = Flow.from_dir(MODEL_DIR)
     check.Candidate(INT8, fast_dit.STATIC_ENGINE).apply(flow)

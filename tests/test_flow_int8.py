@@ -202,6 +202,15 @@ def native_bf16(monkeypatch):
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
 
 
+@pytest.fixture
+def vnni(monkeypatch):
+    """VNNI counted present. Unlike bf16's stand-in the arithmetic may differ here: without VNNI the int8 products
+    saturate their int16 pair sums (cosyllama.cpu.has_vnni). So only tests whose assertions hold whatever the
+    products compute use it (the static engine's calibration and its cache); its fidelity and its batching are
+    tested where the CPU has VNNI, and skipped elsewhere with int8_engine_problem's reason."""
+    monkeypatch.setattr(prec, "cpu_has_int8_vnni", lambda: True)
+
+
 def test_static_int8_stays_within_bound_on_recorded_calls(native_bf16, isolated_cache):
     flow = _static_flow()
     solver = flow.decoder._fast_solver()
@@ -214,7 +223,7 @@ def test_static_int8_stays_within_bound_on_recorded_calls(native_bf16, isolated_
     assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)
 
 
-def test_static_scales_are_calibrated_once_per_weight_file(native_bf16, isolated_cache, monkeypatch):
+def test_static_scales_are_calibrated_once_per_weight_file(native_bf16, vnni, isolated_cache, monkeypatch):
     from cosyllama.flow.cfm import CFM
 
     calls = []
@@ -255,9 +264,12 @@ def test_static_scales_cover_the_calibrated_range():
 
 def test_the_static_chain_matches_float_within_its_quantization_step():
     """The feed-forward pair with GELU and the requantization in ff-in's epilogue (uint8 between the two
-    products) against float32, and against the dynamic pair; a wrong output scale would not pass."""
-    if fast_dit.int8_engine_problem(STATIC, on_cpu=False):
-        pytest.skip("no oneDNN static int8 here")
+    products) against float32; a wrong output scale would not pass. Without VNNI the engine is refused
+    (int8_engine_problem) and the test skips with that reason, after asserting that the refusal is real: the
+    products saturate there, past the bound."""
+    problem = fast_dit.int8_engine_problem(STATIC, on_cpu=False)
+    if problem and not fast_dit._static_ops_available():
+        pytest.skip(problem)
     g = torch.Generator().manual_seed(0)
     d, f = 64, 128
     w1, b1 = torch.randn(f, d, generator=g) / d ** 0.5, torch.randn(f, generator=g) * 0.1
@@ -272,6 +284,9 @@ def test_the_static_chain_matches_float_within_its_quantization_step():
     assert h8.dtype == torch.uint8
     got = ff2(h8, hq, torch.float32)
     err = float((got - want).abs().mean() / want.abs().mean())
+    if not prec.cpu_has_int8_vnni():  # int16 pair sums saturate (2 x 255 x 127 > 32767): measured 0.060 on AVX2
+        assert err > 0.03, err
+        pytest.skip(problem)
     assert err < 0.03, err
     wrong = ff2(ff1(fast_dit.quantize_u8(x, *xq), xq, torch.uint8, (hq[0] * 2, hq[1])), hq, torch.float32)
     assert float((wrong - want).abs().mean() / want.abs().mean()) > 0.2
@@ -287,12 +302,12 @@ def test_miscalibrated_static_scales_fail_the_check(native_bf16, isolated_cache,
     assert not res.passed, res
 
 
-def test_static_engine_needs_its_scales_and_follows_the_step_count(native_bf16, isolated_cache):
+def test_static_engine_needs_its_scales_and_follows_the_step_count(native_bf16, vnni, isolated_cache):
     from cosyllama.errors import InputError
 
     flow = Flow.from_dir(MODEL_DIR)
     if fast_dit.int8_engine_problem(STATIC, on_cpu=False):
-        pytest.skip("no oneDNN static int8 here")
+        pytest.skip(fast_dit.int8_engine_problem(STATIC, on_cpu=False))
     with pytest.raises(InputError, match="needs static scales"):
         flow.decoder.set_compute_dtype(INT8, STATIC)
     check.Candidate(INT8, STATIC).apply(flow)
@@ -306,7 +321,9 @@ def test_static_engine_needs_its_scales_and_follows_the_step_count(native_bf16, 
 
 
 def test_static_rows_are_solved_together_as_each_alone(native_bf16, isolated_cache):
-    """Static scales depend on no row, so a batch of requests is one solve whose rows equal their own."""
+    """Static scales depend on no row, so a batch of requests is one solve whose rows equal their own. Not with
+    VNNI stood in: without it the rows' int16 pair sums saturate, and how much depends on the kernel oneDNN picks
+    for the row count (an emulated Haswell's batch differed from its rows alone; this AMD AVX2 CPU's did not)."""
     flow = _static_flow()
     a, b = _args(), tuple(t.clone() for t in _args())
     b = (b[0].flip(1),) + b[1:]
@@ -316,7 +333,7 @@ def test_static_rows_are_solved_together_as_each_alone(native_bf16, isolated_cac
         assert torch.allclose(x, y, atol=1e-4), float((x - y).abs().max())
 
 
-def test_a_cached_calibration_of_another_shape_is_taken_again(native_bf16, isolated_cache, monkeypatch):
+def test_a_cached_calibration_of_another_shape_is_taken_again(native_bf16, vnni, isolated_cache, monkeypatch):
     import json
 
     flow = _static_flow()

@@ -40,8 +40,37 @@ def _cpuinfo_field(name: str) -> str | None:
 
 
 def cpu_flags() -> frozenset[str]:
-    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty where there is none, e.g. macOS)."""
+    """The ``flags`` of the first CPU in ``/proc/cpuinfo`` (empty where there is none, e.g. macOS).
+
+    What the kernel reports, not what the kernels see: PyTorch, oneDNN, fbgemm and ggml choose from CPUID, and the
+    two differ under an emulator (QEMU's user mode passes the host's file through while the emulated process's
+    CPUID is the emulated CPU's) or where a hypervisor masks CPUID. Decisions that depend on a kernel read
+    :func:`kernel_flags`, :func:`has_vnni` or :func:`onednn_bf16_reorder_ok` instead."""
     return frozenset((_cpuinfo_field("flags") or "").split())
+
+
+# PyTorch's names for the features (torch.cpu.get_capabilities) that /proc/cpuinfo spells otherwise.
+_TORCH_FEATURE_NAMES = {"fma3": "fma", "avx512_f": "avx512f", "avx512_bw": "avx512bw", "avx512_vl": "avx512vl",
+                        "avx512_dq": "avx512dq", "avx512_cd": "avx512cd"}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_flags() -> frozenset[str]:
+    """The instruction sets as the kernels see them, in /proc/cpuinfo's names: :func:`cpu_flags` with every
+    feature PyTorch reports (``torch.cpu.get_capabilities``: CPUID through its cpuinfo library, which for AVX-512
+    and AMX also checks that the OS enabled their registers) set to PyTorch's answer. /proc/cpuinfo alone where
+    torch is not importable or has no such report."""
+    flags = set(cpu_flags())
+    try:
+        import torch
+
+        caps = torch.cpu.get_capabilities()
+    except (ImportError, AttributeError, RuntimeError):
+        return frozenset(flags)
+    for name, value in caps.items():
+        if isinstance(value, bool):
+            (flags.add if value else flags.discard)(_TORCH_FEATURE_NAMES.get(name, name))
+    return frozenset(flags)
 
 
 def cpu_model() -> str:
@@ -51,15 +80,16 @@ def cpu_model() -> str:
 
 
 def isa_names(flags: frozenset[str] | None = None) -> list[str]:
-    """The vector/matrix instruction sets found, e.g. ``['AVX2', 'FMA', 'AVX-512', 'AVX512-BF16']``."""
-    flags = cpu_flags() if flags is None else flags
+    """The vector/matrix instruction sets the kernels see (:func:`kernel_flags`), e.g. ``['AVX2', 'FMA', 'AVX-512',
+    'AVX512-BF16']``."""
+    flags = kernel_flags() if flags is None else flags
     return [name for flag, name in ISA_FLAGS if flag in flags]
 
 
 def cpu_class(flags: frozenset[str] | None = None) -> str:
     """The benchmark class of this CPU: ``AMX``, ``AVX512-BF16``, ``AVX-512``, ``AVX2`` or ``baseline``
-    (the rows of docs/benchmarks.md)."""
-    flags = cpu_flags() if flags is None else flags
+    (the rows of docs/benchmarks.md), by the instruction sets the kernels see (:func:`kernel_flags`)."""
+    flags = kernel_flags() if flags is None else flags
     if "amx_bf16" in flags:
         return "AMX"
     if "avx512_bf16" in flags:
@@ -78,14 +108,73 @@ _ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", 
 
 def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
     """True when the CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16). For this
-    process (``flags`` None), also False when ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps oneDNN below
-    them: such a run computes bf16 by emulation, as an older CPU would."""
+    process (``flags`` None), as the kernels see them (:func:`kernel_flags`), and also False when
+    ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA caps oneDNN below them: such a run computes bf16 by emulation,
+    as an older CPU would."""
     if flags is None:
-        cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
-        if cap and cap not in _ONEDNN_BF16_ISAS:
+        if _onednn_cap() not in ("",) + _ONEDNN_BF16_ISAS:
             return False
-        flags = cpu_flags()
+        flags = kernel_flags()
     return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def _onednn_cap() -> str:
+    """The oneDNN ISA cap this process runs under (``""``: none)."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+
+
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+
+
+def has_vnni(flags: frozenset[str] | None = None) -> bool:
+    """True when the int8 dot product adds u8 x s8 products straight into int32 (AVX512-VNNI or AVX-VNNI).
+    Without VNNI, oneDNN's and fbgemm's int8 kernels multiply with ``vpmaddubsw``, which adds each pair of
+    adjacent products in int16 with saturation: two full 8-bit activations against large weights
+    (2 x 255 x 127 > 32767) lose the excess. The static int8 engine quantizes to the full 8 bits, so it needs
+    VNNI (:func:`cosyllama.flow.fast_dit.int8_engine_problem`).
+
+    For this process (``flags`` None) the answer is oneDNN's own: one small static int8 product whose every pair
+    overflows int16, exact with VNNI and saturated without, so it holds under an emulator, a hypervisor's CPUID
+    mask and ONEDNN_MAX_CPU_ISA alike. Where PyTorch lacks oneDNN's quantized linear: :func:`kernel_flags`."""
+    if flags is not None:
+        return any(f in flags for f in VNNI_FLAGS)
+    seen = _onednn_int8_pairs_exact()
+    return any(f in kernel_flags() for f in VNNI_FLAGS) if seen is None else seen
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_int8_pairs_exact() -> bool | None:
+    """oneDNN's static u8 x s8 product on all-255 activations and all-127 weights: True if exact (VNNI), False if
+    the pair sums saturated at 32767, None where PyTorch has no such product. Cached: the CPU does not change."""
+    try:
+        import torch
+
+        ops = torch.ops.onednn
+        rows, k, n = 32, 256, 64  # a block of the DiT's kind, large enough for oneDNN's real (JIT) kernels
+        packed = ops.qlinear_prepack(torch.full((n, k), 127, dtype=torch.int8), None)
+        y = ops.qlinear_pointwise(torch.full((rows, k), 255, dtype=torch.uint8), 1.0, 0, packed,
+                                  torch.ones(n), torch.zeros(n, dtype=torch.int32), None, 1.0, 0, torch.float32,
+                                  "none", [], "")
+    except (AttributeError, RuntimeError):
+        return None
+    exact = float(k * 255 * 127)
+    return bool(torch.all(y == exact))
+
+
+def onednn_bf16_reorder_ok(flags: frozenset[str] | None = None) -> bool:
+    """True when oneDNN's bf16 linear can pack its weight (``torch.ops.mkldnn._reorder_linear_weight`` on bf16,
+    the bf16 flow's fused products): oneDNN has bf16 kernels only with AVX-NE-CONVERT or with AVX-512's
+    BW + VL + DQ subsets, and elsewhere the reorder raises. For this process (``flags`` None), oneDNN's own
+    check, the one the reorder raises from (``torch.ops.mkldnn._is_mkldnn_bf16_supported``: CPUID, capped by
+    ONEDNN_MAX_CPU_ISA)."""
+    if flags is None:
+        try:
+            import torch
+
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (ImportError, AttributeError, RuntimeError):
+            flags = kernel_flags()
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= flags
 
 
 def torch_kernels() -> str:
@@ -121,7 +210,7 @@ def llama_extra_buffer_types(features: str | None = None, flags: frozenset[str] 
         return True, f"extra buffer types on ({LLAMA_EXTRA_BUFTS_ENV}={forced})"
     if forced in ("0", "off", "false", "no"):
         return False, f"extra buffer types off ({LLAMA_EXTRA_BUFTS_ENV}={forced})"
-    flags = cpu_flags() if flags is None else flags
+    flags = kernel_flags() if flags is None else flags  # ggml reads CPUID
     features = llama_cpp_features() if features is None else features
     built = {f.strip() for f in (features or "").split(",")}
     if "amx_int8" in flags and "AMX_INT8" in built:
@@ -193,7 +282,7 @@ def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: st
         return "auto: the GPU computes bf16 natively" if chosen == "bf16" else "auto: this GPU has no bf16"
     if chosen == "bf16":
         return "auto: this CPU computes bf16 natively (" + "/".join(
-            n for f, n in ISA_FLAGS if f in NATIVE_BF16_FLAGS and f in cpu_flags()) + ")"
+            n for f, n in ISA_FLAGS if f in NATIVE_BF16_FLAGS and f in kernel_flags()) + ")"
     if chosen == "int8":
         return ("auto: int8 matrix products (no native bf16 on this CPU, where bf16 is emulated and several times "
                 "slower)")

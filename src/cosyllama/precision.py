@@ -11,15 +11,16 @@ activations quantized on every call; int32 accumulation; everything between the 
 
 ``auto`` picks a candidate per CPU class and keeps it only if it passes a fidelity check on the
 weights actually loaded (:mod:`cosyllama.flow.check`): ``bf16`` where the hardware computes it
-natively — a CPU with AVX512-BF16 or AMX (Linux ``/proc/cpuinfo``), or a CUDA device that reports
-bf16 support — ``int8`` on other x86 CPUs (AVX2), ``fp32`` elsewhere or when the check fails.
+natively — a CPU with AVX512-BF16 or AMX (as PyTorch's kernels see it, :func:`cosyllama.cpu.kernel_flags`),
+or a CUDA device that reports bf16 support — ``int8`` on other x86 CPUs (AVX2), ``fp32`` elsewhere or when the
+check fails.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .cpu import has_native_bf16
+from .cpu import has_native_bf16, has_vnni
 from .defaults import PRECISIONS
 from .errors import InputError
 from .options import precision_key
@@ -31,9 +32,16 @@ _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", INT8: "int8"}
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16). Linux only;
-    elsewhere (no ``/proc/cpuinfo``) False, so ``auto`` does not pick bf16."""
+    """True when this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16) as the kernels see them
+    (:func:`cosyllama.cpu.has_native_bf16`); False where neither PyTorch nor /proc/cpuinfo says so, so ``auto``
+    does not pick bf16."""
     return has_native_bf16()
+
+
+def cpu_has_int8_vnni() -> bool:
+    """True when this CPU's int8 products add u8 x s8 pairs without int16 saturation (VNNI), as oneDNN computes
+    them here (:func:`cosyllama.cpu.has_vnni`). Tests stand in for it as for :func:`cpu_has_native_bf16`."""
+    return has_vnni()
 
 
 def int8_available() -> bool:

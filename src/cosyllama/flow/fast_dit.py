@@ -15,12 +15,15 @@ from .dit import LN_EPS, DiT, chunk_attention_mask
 
 
 def _onednn_linear_available(dtype: torch.dtype) -> bool:
-    """oneDNN's fused linear (pre-packed weights, bias and GELU in the kernel) is usable on this CPU."""
+    """oneDNN's fused linear (pre-packed weights, bias and GELU in the kernel) is usable on this CPU (for bf16:
+    :func:`cosyllama.cpu.onednn_bf16_reorder_ok`)."""
+    from ..cpu import onednn_bf16_reorder_ok
+
     try:
         ops = torch.ops.mkldnn
         return (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
                 and hasattr(ops, "_reorder_linear_weight")
-                and (dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())))
+                and (dtype != torch.bfloat16 or onednn_bf16_reorder_ok()))
     except (AttributeError, RuntimeError):
         return False
 
@@ -89,9 +92,10 @@ def _static_ops_available() -> bool:
 
 
 def int8_engine_problem(engine: str, on_cpu: bool = True) -> str | None:
-    """Why the int8 ``engine`` cannot run here (None: it can): unknown, not in this PyTorch build, or
-    (``on_cpu``) mixed with bfloat16 on a CPU that only emulates it. The one rule for ``CFM`` (which
-    refuses with it), ``auto``'s candidates and ``bench``'s variants (which leave such engines out)."""
+    """Why the int8 ``engine`` cannot run here (None: it can): unknown, not in this PyTorch build, static
+    where the int8 products lack VNNI (whatever the device: see :data:`STATIC_NEEDS_VNNI`), or (``on_cpu``)
+    mixed with bfloat16 on a CPU that only emulates it. The one rule for ``CFM`` (which refuses with it),
+    ``auto``'s candidates, ``bench``'s variants (which leave such engines out) and the tests (which skip)."""
     from .. import precision  # looked up at call time: tests stand in for the CPU's bf16
 
     if engine not in INT8_ENGINES:
@@ -101,10 +105,17 @@ def int8_engine_problem(engine: str, on_cpu: bool = True) -> str | None:
         return f"int8 engine {engine!r} is not in this PyTorch build (engines: {', '.join(built)})"
     if int8_is_static(engine) and not _static_ops_available():
         return f"int8 engine {engine!r} needs oneDNN's quantized linear, which this PyTorch build lacks"
+    if int8_is_static(engine) and not precision.cpu_has_int8_vnni():
+        return f"int8 engine {engine!r}: {STATIC_NEEDS_VNNI}"
     if on_cpu and int8_is_mixed(engine) and not precision.cpu_has_native_bf16():
         return (f"int8 engine {engine!r} computes in bfloat16, which this CPU only emulates; "
                 f"use {', '.join(e for e in INT8_ENGINES if not int8_is_mixed(e))}")
     return None
+
+# Why the static engine needs VNNI (int8_engine_problem): its activations use the full 8 bits at a scale fixed in
+# advance, and its weights +-127, so a pair of adjacent products reaches 2 x 255 x 127 = 64770.
+STATIC_NEEDS_VNNI = ("this CPU's int8 products lack VNNI: without it oneDNN adds each pair of u8 x s8 products "
+                     "in int16, which saturates with full 8-bit activations (cosyllama.cpu.has_vnni)")
 
 # Activations are quantized to 8 bits (u8), weights to 8 (+-127). On CPUs without VNNI the 8-bit
 # dot product (vpmaddubsw) adds pairs of u8 x s8 products in int16, which can saturate (2 * 255 *
