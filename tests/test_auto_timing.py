@@ -148,6 +148,26 @@ def test_auto_keeps_the_fastest_candidate(native, times, want, engine, monkeypat
     assert f"flow {c.chosen} (auto: fastest here, measured now" in line
 
 
+@pytest.mark.parametrize("times,want", [
+    ({"fp32": 3.0, "int8/fbgemm": 2.6, "int8/onednn": 2.9}, "fp32"),  # 1.15x: the exact path stays
+    ({"fp32": 3.0, "int8/fbgemm": 2.5, "int8/onednn": 2.9}, "int8/fbgemm"),  # exactly 1.2x
+    ({"fp32": 3.0, "int8/fbgemm": 2.45, "int8/onednn": 2.3}, "int8/onednn"),  # both past it: the fastest
+])
+def test_a_lossy_path_must_beat_fp32_by_the_margin(times, want, monkeypatch, machine):
+    assert check.LOSSY_MIN_GAIN == 1.2
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
+    machine.seconds = times
+    c = Flow.from_dir(MODEL_DIR, precision="auto").precision_choice
+    assert c.auto.chosen.name == want
+    (rec,) = _verdicts(check.cache_dir()).values()
+    assert rec["verdict"] == want
+    if want == "fp32":
+        assert c.reason.startswith("auto: fp32 kept, no lossy path is 1.2x faster here, measured now")
+        assert "int8/fbgemm 2.60 s" in c.reason
+    else:
+        assert c.reason.startswith("auto: fastest here, measured now")
+
+
 def test_candidates_are_timed_in_interleaved_rounds(monkeypatch, machine):
     """Each candidate is warmed once, then the rounds run A B C, C B A: a machine that slows down during
     the measurement slows every candidate alike, and each candidate's best round counts."""
