@@ -149,12 +149,12 @@ def test_auto_keeps_the_fastest_candidate(native, times, want, engine, monkeypat
 
 
 @pytest.mark.parametrize("times,want", [
-    ({"fp32": 3.0, "int8/fbgemm": 2.6, "int8/onednn": 2.9}, "fp32"),  # 1.15x: the exact path stays
-    ({"fp32": 3.0, "int8/fbgemm": 2.5, "int8/onednn": 2.9}, "int8/fbgemm"),  # exactly 1.2x
-    ({"fp32": 3.0, "int8/fbgemm": 2.45, "int8/onednn": 2.3}, "int8/onednn"),  # both past it: the fastest
+    ({"fp32": 3.9, "int8/fbgemm": 3.05, "int8/onednn": 3.8}, "fp32"),  # 1.28x (Zen 1's timing): the exact path stays
+    ({"fp32": 3.9, "int8/fbgemm": 2.99, "int8/onednn": 3.8}, "int8/fbgemm"),  # just past 1.3x
+    ({"fp32": 3.9, "int8/fbgemm": 2.9, "int8/onednn": 2.6}, "int8/onednn"),  # both past it: the fastest
 ])
 def test_a_lossy_path_must_beat_fp32_by_the_margin(times, want, monkeypatch, machine):
-    assert check.LOSSY_MIN_GAIN == 1.2
+    assert check.LOSSY_MIN_GAIN == 1.3
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
     machine.seconds = times
     c = Flow.from_dir(MODEL_DIR, precision="auto").precision_choice
@@ -162,8 +162,8 @@ def test_a_lossy_path_must_beat_fp32_by_the_margin(times, want, monkeypatch, mac
     (rec,) = _verdicts(check.cache_dir()).values()
     assert rec["verdict"] == want
     if want == "fp32":
-        assert c.reason.startswith("auto: fp32 kept, no lossy path is 1.2x faster here, measured now")
-        assert "int8/fbgemm 2.60 s" in c.reason
+        assert c.reason.startswith("auto: fp32 kept, no lossy path is 1.3x faster here, measured now")
+        assert "int8/fbgemm 3.05 s" in c.reason
     else:
         assert c.reason.startswith("auto: fastest here, measured now")
 
