@@ -170,3 +170,12 @@ def test_demo_says_what_its_rtf_means_here():
     assert "split into 2 segments" in text and 'section "Per CPU class"' in text
     one = rtf_meaning(cpu.CpuPath(threads=2, flow="bf16", vocoder="fp32", llm="torch"), segments=1)
     assert "segments" not in one and "not a broken install" not in one  # bf16 ran: nothing to excuse
+
+
+def test_the_cpu_line_names_an_openmp_llama_build(monkeypatch):
+    """An OpenMP build decodes slower beside the flow (docs/benchmarks.md#decoding-on-a-busy-machine): the CPU
+    line that demo, bench and synth print says so; a build without OpenMP gets no note."""
+    for features, note in (("AVX2, FMA, OPENMP, REPACK", True), ("AVX2, FMA, REPACK", False)):
+        monkeypatch.setattr(cpu, "llama_cpp_features", lambda f=features: f)
+        line = cpu.CpuPath(threads=2, llm="llamacpp").lines()[-1]
+        assert line.startswith("llama.cpp build: ") and ("an OpenMP build" in line) is note, line

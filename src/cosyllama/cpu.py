@@ -329,7 +329,9 @@ class CpuPath:
             out.append(f"precision on {self.device}: " + "; ".join(parts))
         if "llama_cpp" in d:
             out.append(f"llama.cpp build: {d['llama_cpp'] or 'llama-cpp-python not installed'}"
-                       + (f" | {d['llama_cpp_buffers']}" if d["llama_cpp"] else ""))
+                       + (f" | {d['llama_cpp_buffers']}" if d["llama_cpp"] else "")
+                       + (" | an OpenMP build: decodes slower beside the flow; rebuild without (docs/server.md)"
+                          if "OPENMP" in (d["llama_cpp"] or "").split(", ") else ""))
         return out
 
 
