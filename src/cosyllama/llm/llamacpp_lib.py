@@ -83,6 +83,6 @@ def openmp_serving_hint() -> str | None:
     if "OPENMP = 1" not in info:
         return None
     return ("llama-cpp-python was built with OpenMP, which shares its threads with PyTorch's: with flow work "
-            "running beside it, LLM decoding measured 21-38 % slower (none to 8 % without OpenMP). Rebuild it "
+            "running beside it, LLM decoding measured 21-38 % slower (0-14 % without OpenMP). Rebuild it "
             "without, as the README's install does: "
             'CMAKE_ARGS="-DGGML_OPENMP=OFF" pip install --force-reinstall --no-cache-dir --no-deps llama-cpp-python')
