@@ -257,6 +257,11 @@ class _VocoderSpy:
         return self.hift.stream_step(state, mel, finalize)
 
 
+def _prompt_call(head: torch.Tensor) -> bool:
+    """A spied call is a prompt's shared block solved alone (``Token2Wav._prompt_prefix``: 1 + 3 zero tokens)."""
+    return head.numel() == 4 and not bool(head.any())
+
+
 def _stream(flow, hift, mb, tokens, fp):
     voc = _VocoderSpy(hift)
     spy = _FlowSpy(flow)
@@ -309,9 +314,9 @@ def test_interleaved_requests_have_their_own_caches(flows, hift):
         assert len(got[k]) == len(alone[k])
         for g, w in zip(got[k], alone[k]):
             np.testing.assert_array_equal(g, w)
-    used = [(head, cache) for head, cache, _, _ in spy.calls if cache is not None]
+    used = [(head, cache) for head, cache, _, _ in spy.calls if cache is not None and not _prompt_call(head)]
     caches = {id(c): c for _, c in used}
-    assert len(caches) == 2  # one per request
+    assert len(caches) == 2  # one per request (besides each prompt's call of its own)
     for c in caches.values():  # each saw one request's tokens only, reused its frames, never rebuilt
         heads = [h for h, cc in used if cc is c]
         assert all(torch.equal(h, heads[0]) for h in heads)
@@ -384,12 +389,15 @@ def test_other_prompts_and_voices_do_not_reuse_the_blocks(flows, hift):
     spy = _FlowSpy(flows["bf16"])
     t2w = Token2Wav(spy, hift, 24000)  # defaults: both caches on at bf16
     _streams(t2w, [(tok, fp), (tok, _prompt("instruct2_stream")), (tok, other_voice), (tok, fp)])
-    calls = [(frames, cache) for _, cache, frames, _ in spy.calls if cache is not None]
+    calls = [(frames, cache, _prompt_call(head)) for head, cache, frames, _ in spy.calls if cache is not None]
     first_of_each = []
-    for frames, cache in calls:
+    for frames, cache, alone in calls:
         if not first_of_each or first_of_each[-1][1] is not cache:
-            first_of_each.append((frames, cache))
-    assert [f for f, _ in first_of_each] == [0, 0, 0, 50]  # only the same prompt and voice again reuses
+            first_of_each.append((frames, cache, alone))
+    # each new prompt or voice has its block solved alone, then its request starts after it; only the same
+    # prompt and voice again reuses the kept block
+    assert [(f, alone) for f, _, alone in first_of_each] == [(0, True), (50, False), (0, True), (100, False),
+                                                              (0, True), (50, False), (50, False)]
     assert t2w.prompt_cache_info()["prompts"] == 3
 
 
