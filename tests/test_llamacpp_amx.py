@@ -42,7 +42,7 @@ def test_the_environment_overrides_the_choice(value, keep, monkeypatch):
 
 def test_the_cpu_line_says_what_was_chosen(monkeypatch):
     monkeypatch.setattr(cpu, "llama_cpp_features", lambda: NATIVE_AMX_BUILD)
-    monkeypatch.setattr(cpu, "cpu_flags", lambda: AMX_CPU)
+    monkeypatch.setattr(cpu, "kernel_flags", lambda: AMX_CPU)  # the CPU as its kernels see it
     monkeypatch.delenv(cpu.LLAMA_EXTRA_BUFTS_ENV, raising=False)
     line = cpu.CpuPath(threads=2, llm="llamacpp").lines()[-1]
     assert line.startswith("llama.cpp build: ") and "AMX_INT8" in line
