@@ -198,8 +198,16 @@ def test_load_wav_refuses_low_rate(tmp_path):
                     reason="only with MKL_CBWR=COMPATIBLE (.ci/run's third pass)")
 @pytest.mark.parametrize("k", range(len(WAVS)), ids=[w["name"] for w in WAVS])
 def test_mkl_compatible_branch_gives_the_recordings_fbank(k):
-    """The recording was made on AMD, where MKL runs its vendor-neutral FFT code. MKL's COMPATIBLE branch runs
-    that code on any CPU: with it, Intel's Kaldi fbank (6.2e-4 from the recording in its weakest bands on its own
-    AVX-512 branch) is the recording's to float32 rounding, so the vendor difference is MKL's branch choice."""
+    """The recording was made on an AVX-512 AMD CPU, where MKL runs its vendor-neutral FFT code. MKL's COMPATIBLE
+    branch runs that code on any AVX-512 CPU: with it, Intel's Kaldi fbank (6.2e-4 from the recording in its weakest
+    bands on its own AVX-512 branch) is the recording's to float32 rounding, so the vendor difference is MKL's
+    branch choice. Without AVX-512 (as the kernels see the CPU) COMPATIBLE's FFT is other code: on an AVX2 AMD
+    EPYC it gave up to 3.9e-5 from the recording, so there it is held to the log-spectrum error model as on the
+    default branch (test_features; its deliberate error fails both)."""
+    from cosyllama.cpu import kernel_flags
+
     w16 = torch.from_numpy(ARR[f"w{k}_speech_16k"])
-    _close(f"w{k}_kaldi_fbank", A.kaldi_fbank(w16), ARR[f"w{k}_kaldi_fbank"], atol=1e-5)
+    if "avx512f" in kernel_flags():
+        _close(f"w{k}_kaldi_fbank", A.kaldi_fbank(w16), ARR[f"w{k}_kaldi_fbank"], atol=1e-5)
+    else:
+        _check_fbank(k, A.kaldi_fbank(w16))
