@@ -95,10 +95,6 @@ class FlowStreamCache:
         give away the first ``frames`` frames later."""
         self.mark = frames
 
-    def unmark_prefix(self) -> None:
-        """Stop keeping (and free) the conv context at the mark."""
-        self.mark, self.conv_mark = 0, {}
-
     @property
     def nbytes(self) -> int:
         """Bytes held now."""
