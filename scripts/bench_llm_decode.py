@@ -224,10 +224,7 @@ def child_decode(v: dict, tokens: int, prompt: int, repeat: int) -> dict:
         for i in range(n):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tok[i]), int(pos[i]), 1, int(logits[i])
             b.seq_id[i][0] = int(seq[i])
-        n = governor.current()
-        if n != used[0]:
-            lc.llama_set_n_threads(ctx, n, n)
-            used[0] = n
+        used[0] = governor.apply(lc, ctx, used[0])
         rc = lc.llama_decode(ctx, b)
         assert rc == 0, rc
 

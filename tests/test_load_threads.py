@@ -86,3 +86,18 @@ def test_real_readings():
         x += i
     assert load_threads.read_own_cpu() > own
     assert load_threads.read_cpu_busy(frozenset()) == 0.0  # no CPU of ours: nothing counted
+
+
+def test_apply_sets_the_context_only_when_the_count_changes():
+    m = FakeMachine()
+    g = m.governor()
+    calls = []
+
+    class Lib:
+        def llama_set_n_threads(self, ctx, n, n_batch):
+            calls.append((ctx, n, n_batch))
+
+    assert g.apply(Lib(), "ctx", 2) == 2 and calls == []
+    m.run(0.6, own_cores=1.0, other_cores=1.0)
+    assert g.apply(Lib(), "ctx", 2) == 1 and calls == [("ctx", 1, 1)]
+    assert g.apply(Lib(), "ctx", 1) == 1 and calls == [("ctx", 1, 1)]

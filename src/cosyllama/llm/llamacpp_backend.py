@@ -264,10 +264,7 @@ class LlamaCppLLM:
         return None, torch.cat(parts).to(torch.float32).numpy()
 
     def _decode(self, batch: _Batch) -> None:
-        n = self.load_threads.current()
-        if n != self._ctx_threads:
-            self._lc.llama_set_n_threads(self._ctx, n, n)
-            self._ctx_threads = n
+        self._ctx_threads = self.load_threads.apply(self._lc, self._ctx, self._ctx_threads)
         rc = self._lc.llama_decode(self._ctx, batch.struct)
         if rc != 0:
             why = {1: "no free KV cells", 2: "aborted"}.get(rc, "invalid batch or internal error")

@@ -101,6 +101,14 @@ class LoadThreads:
             return None
         return self._clock(), busy, own
 
+    def apply(self, lc, ctx, applied: int) -> int:
+        """Set llama.cpp context ``ctx`` (module ``lc``) to :meth:`current` threads where it runs ``applied`` now;
+        returns the count it runs now. Called before each ``llama_decode``."""
+        n = self.current()
+        if n != applied:
+            lc.llama_set_n_threads(ctx, n, n)
+        return n
+
     def current(self) -> int:
         """Threads for the next decode; reads the load when the last reading is ``interval`` old."""
         if not self.enabled or self._last is None:
