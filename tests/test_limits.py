@@ -13,7 +13,7 @@ import torch
 from cosyllama.config import load_config
 from cosyllama.errors import InputError
 from cosyllama.limits import LIMIT_HELP, LimitExceeded, RequestLimits, limit_flag
-from cosyllama.llm.backend import PiecewisePrefill, Prefill
+from cosyllama.llm.backend import LLMBackend, Prefill
 from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled
 from cosyllama.llm.torch_backend import TorchLLM
@@ -148,7 +148,7 @@ def _pieces(backend, p, n_new, size):
 
 def test_torch_prefill_in_pieces_equals_one_pass(torch_llm, prefill):
     p, _ = prefill
-    assert isinstance(torch_llm, PiecewisePrefill)
+    assert isinstance(torch_llm, LLMBackend)  # begin and prefill_step are the protocol's
     h1, whole = torch_llm.start(p, 30)
     h2, pieced, n = _pieces(torch_llm, p, 30, 7)
     assert n == -(-len(p) // 7)
@@ -188,7 +188,6 @@ def test_scheduler_pieces_equal_alone(torch_llm, prefill):
     opts = DecodeOptions(greedy=True, max_len=60)
     alone = list(generate(torch_llm, p, n_text, opts))
     with BatchScheduler(torch_llm, prefill_chunk=9) as sched:
-        assert sched.piecewise
         got = [list(sched.generate(p, n_text, opts)) for _ in range(2)]
         pieces = sched.stats()["prefill_pieces"]
     assert got == [alone, alone]
@@ -220,7 +219,7 @@ def test_long_prefill_interleaves_with_decoding(torch_llm, prefill):
     p, n_text = prefill
     long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
     pieces = -(-len(long) // 32)
-    backend = slow_backend(torch_llm, piecewise=True, step_delay=0.005, name="slow")
+    backend = slow_backend(torch_llm, step_delay=0.005, name="slow")
     log: list = []
     _logging_steps(backend, log)
     with BatchScheduler(backend, prefill_chunk=32) as sched:
@@ -249,7 +248,7 @@ def test_cancel_between_pieces(torch_llm, prefill):
     """A request cancelled during its prefill is released after at most one more piece."""
     p, n_text = prefill
     long = Prefill(p.text_ids * 6, p.prompt_speech_tokens)
-    backend = slow_backend(torch_llm, piecewise=True, piece_delay=0.1, chunk=16, name="slow")
+    backend = slow_backend(torch_llm, piece_delay=0.1, chunk=16, name="slow")
     with BatchScheduler(backend, prefill_chunk=16) as sched:
         token = CancelToken()
         it = sched.generate(long, n_text, DecodeOptions(greedy=True), cancel=token)

@@ -31,15 +31,24 @@ class Watched:
         self.fail_step = False
         self.lock = threading.Lock()
 
-    def start(self, prefill, max_new_tokens):
+    def begin(self, prefill, max_new_tokens):
         if prefill.text_ids in self.fail_start:
             raise ValueError("bad prefill")
         with self.lock:
             if self.n_slots is not None and len(self.live) >= self.n_slots:
                 raise BackendBusyError("full")
-        h, logp = self.inner.start(prefill, max_new_tokens)
+        h = self.inner.begin(prefill, max_new_tokens)
         with self.lock:
             self.live.add(id(h))
+        return h
+
+    def prefill_step(self, h, max_positions):
+        return self.inner.prefill_step(h, max_positions)
+
+    def start(self, prefill, max_new_tokens):  # a request decoding alone
+        h = self.begin(prefill, max_new_tokens)
+        while (logp := self.prefill_step(h, 1 << 30)) is None:
+            pass
         return h, logp
 
     def step(self, batch):
@@ -307,7 +316,7 @@ def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeyp
 
     import cosyllama
     from cosyllama import cpu
-    from cosyllama.server import serving
+    from server_helpers import serving_of
 
     assert cpu.interleave_stages(2, 2, cores=2)[0] == "first" and cpu.interleave_stages(2, 2, cores=4)[0] == "off"
     assert cpu.interleave_stages(1, 1, cores=2)[0] == "off"
@@ -318,11 +327,11 @@ def test_servers_interleave_where_the_stages_threads_outnumber_the_cores(monkeyp
     tts = cosyllama.load(MODEL_DIR, precision="fp32")
     for cores, want in ((1, "first"), (64, "off")):
         monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
-        s = serving.prepare(tts)
+        s = serving_of(tts)
         try:
             assert s.scheduler.interleave == want and s.scheduler.stats()["interleave"] == want  # /health shows it
         finally:
             s.close()
-    s = serving.prepare(tts, interleave="all")
+    s = serving_of(tts, interleave="all")
     assert s.scheduler.interleave == "all"
     s.close()

@@ -137,9 +137,9 @@ def test_prefill_in_pieces_equals_one_pass_even_when_compaction_moves_it(static,
     """begin + prefill_step (the scheduler's pieces) give the logp of one pass; a sequence still in
     its prefill may be moved to a lower slot by compaction and goes on from there; stepping it
     before its prompt is in is refused."""
-    from cosyllama.llm.backend import PiecewisePrefill
+    from cosyllama.llm.backend import LLMBackend
 
-    assert isinstance(static, PiecewisePrefill)
+    assert isinstance(static, LLMBackend)  # begin and prefill_step are the protocol's
     a, _ = load_fixture("llm_teacher_forced")
     pf = fixture_prefill(a)
     ref = _teacher_forced(dynamic, a)

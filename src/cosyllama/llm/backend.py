@@ -5,10 +5,10 @@ backend never samples: it returns the log-probabilities over the 6761 speech ids
 sampler (:mod:`cosyllama.llm.sampling`) picks the token. Decode steps of several sequences can be
 advanced together in one call (:meth:`LLMBackend.step`), which is what the server batches.
 
-A backend that also implements :class:`PiecewisePrefill` lets its prompt be run in pieces
-(``begin`` then ``prefill_step`` until it returns the log-probs): the server's scheduler puts
-one piece between two decode steps of the other sequences, so a long prompt neither stalls them
-nor runs on after its client has gone.
+Every backend runs its prompt in pieces too (``begin`` then ``prefill_step`` until it returns the
+log-probs): the batching scheduler puts one piece between two decode steps of the other sequences,
+so a long prompt neither stalls them nor runs on after its client has gone; ``start`` runs it whole
+(a request decoding alone).
 """
 
 from __future__ import annotations
@@ -84,10 +84,7 @@ class LLMBackend(Protocol):
         """Free the sequence's KV memory at once. Idempotent."""
         ...
 
-
-@runtime_checkable
-class PiecewisePrefill(Protocol):
-    """A backend whose prefill can run in pieces; ``start`` equals ``begin`` + ``prefill_step`` until done."""
+    # The prefill in pieces: ``start`` equals ``begin`` + ``prefill_step`` until it returns the logp.
 
     def begin(self, prefill: Prefill, max_new_tokens: int) -> object:
         """Create a sequence and reserve its memory for ``len(prefill) + max_new_tokens`` positions;
@@ -99,3 +96,4 @@ class PiecewisePrefill(Protocol):
         """Run up to ``max_positions`` more prompt positions of the sequence; return the logp
         (vocab_size,) of its first token once the whole prompt is in, else None."""
         ...
+

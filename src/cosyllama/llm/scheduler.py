@@ -9,14 +9,12 @@ Per-request rules (min/max length, stop ids, RAS or greedy, seeds) come from
 :class:`~cosyllama.llm.decode.TokenDecoder`, the same object :func:`~cosyllama.llm.decode.generate`
 uses, so a greedy request gives the same tokens batched as alone.
 
-Prefill in pieces: with a backend that implements
-:class:`~cosyllama.llm.backend.PiecewisePrefill`, a new request only reserves its sequence when it
-is admitted; its prompt then runs ``prefill_chunk`` positions at a time, one piece (of one
-prefilling request, in turn) between two decode steps of the others. A long prompt therefore
+Prefill in pieces (every backend's ``begin`` and ``prefill_step``): a new request only reserves its
+sequence when it is admitted; its prompt then runs ``prefill_chunk`` positions at a time, one piece
+(of one prefilling request, in turn) between two decode steps of the others. A long prompt therefore
 delays the others' steps by one piece at most, and a cancelled request stops between two pieces.
-Other backends prefill in one ``start`` call.
 
-Failure isolation: an error in one request's prefill (``backend.start`` / ``begin`` /
+Failure isolation: an error in one request's prefill (``backend.begin`` /
 ``prefill_step``) or token choice fails only that request. An error raised by ``backend.step``
 fails the requests of that step (the backend cannot say which sequence caused it, and may have
 advanced some of them); the worker keeps serving the others.
@@ -41,7 +39,7 @@ import torch
 
 from ..defaults import INTERLEAVE_MODES, PREFILL_CHUNK
 from ..errors import BackendBusyError, CosyllamaError
-from .backend import LLMBackend, PiecewisePrefill, Prefill
+from .backend import LLMBackend, Prefill
 from .decode import CancelToken, DecodeOptions, RequestCancelled, TokenDecoder
 
 DEFAULT_MAX_ACTIVE = 8  # sequences decoded together when the backend has no slot count of its own
@@ -80,7 +78,7 @@ class BatchScheduler:
     else :data:`DEFAULT_MAX_ACTIVE`). ``max_waiting``: requests that may wait for a free sequence;
     one more raises :class:`SchedulerBusyError`. A backend that refuses a start with
     ``BackendBusyError`` (KV memory full) makes the request wait until another one finishes.
-    ``prefill_chunk``: prompt positions run between two decode steps (piecewise backends only).
+    ``prefill_chunk``: prompt positions run between two decode steps .
     """
 
     def __init__(self, backend: LLMBackend, *, max_active: int | None = None,
@@ -94,7 +92,6 @@ class BatchScheduler:
             raise ValueError(f"max_active and prefill_chunk must be >= 1 and max_waiting >= 0, got {max_active}, "
                              f"{prefill_chunk}, {max_waiting}")
         self.backend = backend
-        self.piecewise = isinstance(backend, PiecewisePrefill)
         self.prefill_chunk = prefill_chunk
         self._turn = 0  # which prefilling request runs the next piece
         self.cfg = backend.cfg
@@ -297,17 +294,14 @@ class BatchScheduler:
         return True
 
     def _start(self, req: _Request) -> bool:
-        """Begin one request (piecewise backends) or prefill it whole. False when the backend is
-        full (the request waits again)."""
+        """Begin one request: its sequence reserved, its prompt to run in pieces. False when the
+        backend is full (the request waits again)."""
         if req.cancelled:
             self._finish(req, RequestCancelled("the request was cancelled"))
             req.released.set()
             return True
         try:
-            if self.piecewise:
-                handle, logp = self.backend.begin(req.prefill, req.decoder.max_len), None
-            else:
-                handle, logp = self.backend.start(req.prefill, req.decoder.max_len)
+            handle = self.backend.begin(req.prefill, req.decoder.max_len)
         except BackendBusyError as e:
             with self._cond:
                 if self._active:  # room comes back when one of them finishes
@@ -322,12 +316,10 @@ class BatchScheduler:
             req.released.set()
             return True
         req.handle = handle
-        req.prefilling = logp is None
+        req.prefilling = True
         with self._cond:
             self._active.append(req)
             self._n_active = len(self._active)
-        if logp is not None:
-            self._advance(req, logp)
         return True
 
     def _prefill_piece(self, req: _Request) -> None:
