@@ -123,7 +123,7 @@ def main() -> int:
         conc, slots = (int(x) for x in cfg.split(":"))
         d = work / f"batch-{conc}-{slots}"
         d.mkdir()
-        engine = BatchEngine(replace(opts, concurrency=conc, flow_slots=slots), d, tts=tts)
+        engine = BatchEngine(replace(opts, concurrency=conc, flow_slots=slots), d, models=tts.models, voices=tts.voices)
         engine.synth.run(rows[0])
         recs = []
         t0 = time.perf_counter()

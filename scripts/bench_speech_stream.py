@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from cosyllama.options import LoadOptions
     from cosyllama.precision import precision_name
     from cosyllama.server.app import create_app
-    from cosyllama.server.serving import load_tts
+    from cosyllama.server.startup import load_models
     from cosyllama.timing import rounds
     from cosyllama.tools.bench_setup import BENCH_TEXT, ensure_full_model, ensure_gguf, machine_info, prompt_wav
 
@@ -111,8 +111,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
-    tts = load_tts(LoadOptions(model, llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
-                                parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
+    models = load_models(LoadOptions(model, llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
+                                     parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
+    tts = cosyllama.TTS.from_models(models)
     tts.add_voice(VOICE, prompt_wav(args.prompt_seconds))
     kept = tts.warm_voice(VOICE)
     text = f"{BENCH_TEXT} {SECOND}"

@@ -53,7 +53,9 @@ def main(argv=None) -> int:
     from cosyllama.defaults import MAX_SEQ_TOKENS, SERVE_PARALLEL
     from cosyllama.options import LoadOptions
     from cosyllama.precision import precision_name
-    from cosyllama.server.serving import load_tts, prepare
+    from cosyllama.server.options import ServingOptions
+    from cosyllama.server.serving import prepare
+    from cosyllama.server.startup import load_models
     from cosyllama.server.wyoming import start_wyoming
     from cosyllama.timing import rounds
     from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_wav
@@ -75,8 +77,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", args.type, print) if args.llm == "llamacpp" else None
-    tts = load_tts(LoadOptions(model, llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
-                                parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
+    models = load_models(LoadOptions(model, llm=None, gguf=gguf, threads=args.threads, precision=args.precision,
+                                     parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
+    tts = cosyllama.TTS.from_models(models)
     tts.add_voice(VOICE, prompt_wav(args.prompt_seconds))
     t0 = time.perf_counter()
     kept = tts.warm_voice(VOICE)
@@ -88,9 +91,11 @@ def main(argv=None) -> int:
         p.error(f"--interleave {args.interleave!r}: a comma list of auto, off, first, all")
 
     async def one(setting: str) -> tuple[float, str]:
-        serving = prepare(tts, interleave=modes[setting])  # a scheduler of its own, closed after the request
+        # a scheduler of its own, closed after the request
+        serving = prepare(models, ServingOptions(models.options, interleave=modes[setting], defaults=options),
+                          voices=tts.voices)
         try:
-            server = await start_wyoming("tcp://127.0.0.1:0", serving, options=options)
+            server = await start_wyoming("tcp://127.0.0.1:0", serving)
             try:
                 return await first_audio_s(server.address[1], args.timeout), serving.scheduler.interleave
             finally:

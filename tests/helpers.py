@@ -190,8 +190,7 @@ class SlowBackend:
     request where it wants it: ``step_delay`` seconds per decode step, ``position_delay`` per prompt
     position and ``piece_delay`` per prefill piece of ``chunk`` positions (a whole ``start`` sleeps as
     long as its positions and pieces would). ``prefilling`` is true inside a prefill call; ``pieces``
-    counts prefill pieces. Offers no piecewise prefill (``begin``/``prefill_step``): the scheduler
-    prefills each prompt whole; :func:`slow_backend` with ``piecewise=True`` gives one that does."""
+    counts prefill pieces."""
 
     def __init__(self, inner, *, step_delay: float = 0.0, position_delay: float = 0.0, piece_delay: float = 0.0,
                  chunk: int = 1, name: str | None = None):
@@ -202,7 +201,7 @@ class SlowBackend:
         self.pieces = 0
 
     def __getattr__(self, attr):  # cfg, n_seq_max, max_seq_tokens, release, stats, ...
-        if attr in ("inner", "begin", "prefill_step"):
+        if attr == "inner":
             raise AttributeError(attr)
         return getattr(self.inner, attr)
 
@@ -219,10 +218,6 @@ class SlowBackend:
         finally:
             self.prefilling = False
 
-
-class _SlowPiecewiseBackend(SlowBackend):
-    """:class:`SlowBackend` over a backend that prefills in pieces, offering them too."""
-
     def begin(self, prefill, max_new_tokens):
         return self.inner.begin(prefill, max_new_tokens)
 
@@ -237,9 +232,9 @@ class _SlowPiecewiseBackend(SlowBackend):
             self.prefilling = False
 
 
-def slow_backend(inner, *, piecewise: bool = False, **delays) -> SlowBackend:
-    """A :class:`SlowBackend` over ``inner``; ``piecewise``: offer ``inner``'s piecewise prefill."""
-    return (_SlowPiecewiseBackend if piecewise else SlowBackend)(inner, **delays)
+def slow_backend(inner, **delays) -> SlowBackend:
+    """A :class:`SlowBackend` over ``inner``."""
+    return SlowBackend(inner, **delays)
 
 
 class Gated:
@@ -263,6 +258,12 @@ class Gated:
 
     def start(self, prefill, max_new_tokens):
         return self.inner.start(prefill, max_new_tokens)
+
+    def begin(self, prefill, max_new_tokens):
+        return self.inner.begin(prefill, max_new_tokens)
+
+    def prefill_step(self, handle, max_positions):
+        return self.inner.prefill_step(handle, max_positions)
 
     def step(self, batch):
         with self._cond:

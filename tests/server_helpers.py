@@ -93,3 +93,13 @@ def broken_voice_dir(path: Path, voice) -> Path:
     (path / "aaa.pt").write_bytes(b"")
     (path / "trunc.pt").write_bytes(good[: len(good) // 3])
     return path
+
+
+def serving_of(tts, voices=None, **options):
+    """A :class:`~cosyllama.server.serving.Serving` over ``tts``'s models (left as they are), speaking with
+    ``voices`` (default ``tts.voices``); ``options``: fields of :class:`~cosyllama.server.options.ServingOptions`
+    besides the load options. Close it."""
+    from cosyllama.server.options import ServingOptions
+    from cosyllama.server.serving import prepare
+
+    return prepare(tts.models, ServingOptions(tts.options, **options), voices=tts.voices if voices is None else voices)

@@ -413,10 +413,10 @@ def test_bench_help_documents_the_auto_part(capsys):
 def test_serve_logs_the_cpu_line(monkeypatch, machine, caplog):
 
     from cosyllama.options import LoadOptions
-    from cosyllama.server.serving import load_tts
+    from cosyllama.server.startup import load_models
 
     caplog.set_level("WARNING", logger="cosyllama")
-    load_tts(LoadOptions(MODEL_DIR, precision="fp32"))
+    load_models(LoadOptions(MODEL_DIR, precision="fp32"))
     said = [r.getMessage() for r in caplog.records]
     assert any(s.startswith("cpu: ") for s in said)
     assert "precision on cpu: flow fp32 (fixed by --precision); vocoder fp32 (fixed by --precision)" in said

@@ -147,25 +147,30 @@ class _Stop(Exception):
 def start_up_log(monkeypatch):
     """Every step of a server's start-up, recorded; the model is never loaded, nothing listens."""
     from cosyllama import memory
-    from cosyllama.server import serving
+    from cosyllama.server import serving, startup
     from cosyllama.voices import VoiceStore
 
     log = []
     monkeypatch.setattr(memory, "bound_onednn_cache", lambda: log.append("bound_onednn_cache"))
-    monkeypatch.setattr(serving, "check_can_listen", lambda *a: log.append("check_address"))
+    monkeypatch.setattr(startup, "check_can_listen", lambda *a: log.append("check_address"))
 
     def open_voice_store(path):
         log.append("voices")
         return VoiceStore()
 
-    def load_tts(options):
+    def load_models(options):
         log.append(("load", options.parallel, options.max_seq_tokens, options.precision))
-        return SimpleNamespace(llm=SimpleNamespace(name="torch"), voices=None)
+        return SimpleNamespace(llm=SimpleNamespace(name="torch"))
 
-    monkeypatch.setattr(serving, "open_voice_store", open_voice_store)
-    monkeypatch.setattr(serving, "load_tts", load_tts)
-    monkeypatch.setattr(serving, "warm_voices", lambda tts, voices=None: log.append("warm"))
-    monkeypatch.setattr(serving, "openmp_hint", lambda tts: log.append("openmp_hint"))
+    def prepare(models, options, voices=None):
+        log.append("prepare")
+        return SimpleNamespace(models=models, tts=None, close=lambda: None)
+
+    monkeypatch.setattr(startup, "open_voice_store", open_voice_store)
+    monkeypatch.setattr(startup, "load_models", load_models)
+    monkeypatch.setattr(startup, "warm_voices", lambda tts, voices=None: log.append("warm"))
+    monkeypatch.setattr(startup, "openmp_hint", lambda llm: log.append("openmp_hint"))
+    monkeypatch.setattr(serving, "prepare", prepare)
     return log
 
 
@@ -178,21 +183,17 @@ def test_both_servers_share_one_start_up_and_bound_the_onednn_cache_once(start_u
     from cosyllama.server import app, serving, wyoming
 
     monkeypatch.setattr(app, "check_can_listen", lambda *a: start_up_log.append("check_address"))
-    monkeypatch.setattr(app, "create_app", lambda tts, **kw: start_up_log.append("prepare") or object())
+    monkeypatch.setattr(app, "prepare", serving.prepare)  # the fixture's
+    monkeypatch.setattr(app, "create_app", lambda serving, options: object())
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: start_up_log.append("run"))
     assert main(["serve", "--model-dir", str(MODEL_DIR), "--precision", "fp32"]) == 0
     served = list(start_up_log)
 
     start_up_log.clear()
 
-    def prepare(tts, **kw):
-        start_up_log.append("prepare")
-        return SimpleNamespace(close=lambda: None)
-
     async def start_wyoming(*a, **kw):
         raise _Stop
 
-    monkeypatch.setattr(serving, "prepare", prepare)
     monkeypatch.setattr(wyoming, "start_wyoming", start_wyoming)
     with pytest.raises(_Stop):
         main(["wyoming", "--model-dir", str(MODEL_DIR), "--precision", "fp32", "--uri", "tcp://127.0.0.1:0"])

@@ -42,10 +42,19 @@ class _Counting:
         self.lock = threading.Lock()
         self.steps, self.after, self.stepping = 0, after, threading.Event()
 
-    def start(self, prefill, max_new_tokens):
-        h, logp = self.inner.start(prefill, max_new_tokens)
+    def begin(self, prefill, max_new_tokens):
+        h = self.inner.begin(prefill, max_new_tokens)
         with self.lock:
             self.live.add(id(h))
+        return h
+
+    def prefill_step(self, h, max_positions):
+        return self.inner.prefill_step(h, max_positions)
+
+    def start(self, prefill, max_new_tokens):  # a request decoding alone
+        h = self.begin(prefill, max_new_tokens)
+        while (logp := self.prefill_step(h, 1 << 30)) is None:
+            pass
         return h, logp
 
     def step(self, batch):
@@ -95,8 +104,8 @@ def test_two_pipelines_over_one_models_share_the_models_and_differ_in_policy(tts
 
 def test_the_pipeline_methods_that_copied_are_gone_and_nothing_copies(tts, monkeypatch):
     from cosyllama.limits import RequestLimits
-    from cosyllama.server.serving import prepare
     from cosyllama.tts import TTS
+    from server_helpers import serving_of
 
     for name in ("with_token_source", "with_text_worker", "with_limits"):
         assert not hasattr(TTS, name)
@@ -105,7 +114,7 @@ def test_the_pipeline_methods_that_copied_are_gone_and_nothing_copies(tts, monke
         raise AssertionError(f"copy.copy({type(x).__name__}) was called")
 
     monkeypatch.setattr(copy, "copy", no_copy)
-    served = prepare(tts, limits=RequestLimits(), interleave="off")
+    served = serving_of(tts, limits=RequestLimits(), interleave="off")
     try:
         assert served.tts.models is tts.models and served.tts.token_source is served.scheduler
         assert tts.token_source is not served.scheduler and tts.limits is None  # the given TTS is left as it is
@@ -133,12 +142,12 @@ def test_the_text_worker_is_a_part_of_the_pipeline_not_a_copied_frontend(tts):
 
 def test_the_servers_pipeline_gets_the_voices_passed_in(tts, voice):
     from cosyllama.limits import RequestLimits
-    from cosyllama.server.serving import prepare
     from cosyllama.voices import VoiceStore
+    from server_helpers import serving_of
 
     store = VoiceStore()
     store.add("anna", voice)
-    served = prepare(tts, limits=RequestLimits(), interleave="off", voices=store)
+    served = serving_of(tts, store, limits=RequestLimits(), interleave="off")
     try:
         assert served.tts.voices is store and "anna" not in tts.voices
     finally:
@@ -151,7 +160,8 @@ def test_batch_builds_its_own_pipeline_and_leaves_the_given_tts_alone(tts, tmp_p
     from cosyllama.options import LoadOptions
 
     before = (tts.token_source, tts.token2wav, tts.llm)
-    engine = BatchEngine(EngineOptions(LoadOptions(MODEL_DIR), concurrency=2, flow_slots=1), tmp_path, tts=tts)
+    engine = BatchEngine(EngineOptions(LoadOptions(MODEL_DIR), concurrency=2, flow_slots=1), tmp_path,
+                         models=tts.models, voices=tts.voices)
     try:
         assert isinstance(engine.tts.token_source, BatchScheduler) and engine.scheduler is engine.tts.token_source
         assert engine.scheduler.max_active == 2 and engine.tts.flow_slots == 1
@@ -341,7 +351,7 @@ def _backends(tts, tiny_gguf):
     config = load_config(MODEL_DIR)
     static = StaticTorchLLM(config.llm, load_llm_weights(MODEL_DIR / "llm.pt", config.llm), "cpu", slots=2, ctx=64)
     out = {"TorchLLM": tts.llm, "StaticTorchLLM": static, "SlowBackend": slow_backend(tts.llm),
-           "SlowBackend(piecewise)": slow_backend(tts.llm, piecewise=True), "Gated": Gated(tts.llm),
+           "Gated": Gated(tts.llm),
            "_Counting": _Counting(tts.llm)}
     from test_scheduler import Watched
 

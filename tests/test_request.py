@@ -194,7 +194,7 @@ def server(tts):
 
     app = create_app(tts, wyoming="tcp://127.0.0.1:0")
     srv = LoopbackServer(app)
-    srv.wyoming_port = app.state.wyoming.address[1]
+    srv.wyoming_port = app.state.server.wyoming.address[1]
     yield srv
     srv.stop()
 

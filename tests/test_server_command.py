@@ -33,14 +33,18 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     from cosyllama.llm import llamacpp_lib as LB
     from cosyllama.options import LoadOptions
     from cosyllama.server import app as server
-    from cosyllama.server import serving
-    from cosyllama.server.startup import ServeOptions, ServingOptions
+    from cosyllama.server import startup
+    from cosyllama.server.options import ServeOptions, ServingOptions
 
     fake_lc = SimpleNamespace(llama_print_system_info=lambda: info)
     monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)
-    monkeypatch.setattr(serving, "load_tts", lambda options: SimpleNamespace(llm=SimpleNamespace(name="llamacpp")))
+    models = SimpleNamespace(llm=SimpleNamespace(name="llamacpp"))
+    monkeypatch.setattr(startup, "load_models", lambda options: models)
+    monkeypatch.setattr(startup, "warm_voices", lambda tts: None)
+    monkeypatch.setattr(server, "prepare", lambda models, options, voices: SimpleNamespace(
+        models=models, tts=None, close=lambda: None))
     monkeypatch.setattr(server, "check_can_listen", lambda *a: None)  # the port need not be free
-    monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
+    monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     ran = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
     options = ServeOptions(ServingOptions(LoadOptions(MODEL_DIR)), host="127.0.0.1", port=8000)
@@ -56,13 +60,13 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
 def test_serve_passes_the_cache_bounds_and_refuses_bad_ones(capsys):
     from cosyllama.cli import build_parser, main
     from cosyllama.commands.options import serving_options
-    from cosyllama.server.serving import load_tts
+    from cosyllama.server.startup import load_models
 
     base = ["serve", "--model-dir", str(MODEL_DIR), "--precision", "bf16"]
     args = build_parser().parse_args([*base, "--stream-cache-mb", "64", "--prompt-cache-mb", "0"])
-    t2w = load_tts(serving_options(args).load).token2wav
+    t2w = load_models(serving_options(args).load).token2wav
     assert t2w.new_stream_cache().max_mb == 64 and t2w._prompt_cache_bytes() == 0
-    t2w = load_tts(serving_options(build_parser().parse_args(base)).load).token2wav
+    t2w = load_models(serving_options(build_parser().parse_args(base)).load).token2wav
     assert t2w.new_stream_cache().max_mb == 2048 and t2w._prompt_cache_bytes() == 512 * 2**20
     assert main(["serve", "--model-dir", str(MODEL_DIR), "--prompt-cache-mb", "-1"]) == 2
     assert "--prompt-cache-mb must be >= 0" in capsys.readouterr().err
@@ -77,20 +81,24 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
 
     from cosyllama.cli import build_parser, main
     from cosyllama.server import app as server
-    from cosyllama.server import serving
+    from cosyllama.server import startup
     from helpers import MODEL_DIR
 
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     for flag in ("--header-timeout S", "--body-timeout S", "--max-connections N", "--max-voices N"):
         assert flag in text
-    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(startup, "load_models", lambda options: pytest.fail("the model was loaded"))
     base = ["serve", "--model-dir", str(MODEL_DIR)]
     assert main([*base, "--header-timeout", "0"]) == 2
     assert "--header-timeout must be a number > 0" in capsys.readouterr().err
     assert main([*base, "--max-voices", "0"]) == 2
     assert "--max-voices must be >= 1" in capsys.readouterr().err
-    monkeypatch.setattr(serving, "load_tts", lambda options: SimpleNamespace(llm=SimpleNamespace(name="torch")))
-    monkeypatch.setattr(server, "create_app", lambda tts, **kw: object())
+    models = SimpleNamespace(llm=SimpleNamespace(name="torch"))
+    monkeypatch.setattr(startup, "load_models", lambda options: models)
+    monkeypatch.setattr(startup, "warm_voices", lambda tts: None)
+    monkeypatch.setattr(server, "prepare", lambda models, options, voices: SimpleNamespace(
+        models=models, tts=None, close=lambda: None))
+    monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     ran = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
     assert main([*base, "--body-timeout", "7", "--max-connections", "9"]) == 0
@@ -103,9 +111,9 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
 
 def test_serve_refuses_bad_options_before_loading_the_model(capsys, monkeypatch, tmp_path):
     from cosyllama.cli import main
-    from cosyllama.server import serving
+    from cosyllama.server import startup
 
-    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(startup, "load_models", lambda options: pytest.fail("the model was loaded"))
     base = ["serve", "--model-dir", str(MODEL_DIR)]
     assert main([*base, "--voices", str(tmp_path / "missing.pt")]) == 2
     assert "missing.pt' does not exist" in capsys.readouterr().err
@@ -144,9 +152,9 @@ def test_serve_checks_the_voice_flags_before_loading(capsys):
 @needs_wyoming
 def test_wyoming_command_refuses_bad_options_before_loading(capsys, monkeypatch, tmp_path):
     from cosyllama.cli import main
-    from cosyllama.server import serving
+    from cosyllama.server import startup
 
-    monkeypatch.setattr(serving, "load_tts", lambda options: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(startup, "load_models", lambda options: pytest.fail("the model was loaded"))
     base = ["wyoming", "--model-dir", str(MODEL_DIR)]
     assert main([*base, "--uri", "tcp://127.0.0.1"]) == 2
     assert "needs a host and a port" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def backend(tiny_gguf):
     # what `cosyllama serve` makes: the context sized once for PARALLEL sequences of SEQ_TOKENS
     inner = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=PARALLEL,
                         max_seq_tokens=SEQ_TOKENS, n_ctx=PARALLEL * SEQ_TOKENS)
-    yield slow_backend(inner, piecewise=True)
+    yield slow_backend(inner)
     inner.close()
 
 
@@ -186,7 +186,7 @@ def test_long_input_beside_a_short_request(tts):
       before the long input ends; a long input run to completion first starts all of its
       remaining segments meanwhile."""
     app = create_app(tts, max_prompt_bytes=1_000_000)
-    served = app.state.tts
+    served = app.state.server.tts
     events: list = []  # appended by the server's threads and the test's, in the order they happened
     served.normalizer = _Normalizing(served.normalizer, events)
     served.token_source = _Segments(served.token_source, events)
@@ -256,7 +256,7 @@ def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
     srv = LoopbackServer(app)
 
     def pieces() -> int:
-        return app.state.scheduler.stats()["prefill_pieces"]
+        return app.state.server.serving.scheduler.stats()["prefill_pieces"]
 
     body = json.dumps({"input": "Hi.", "voice": "en", "greedy": True,
                        "instructions": "1" * 1280 + " Speak slowly."}).encode()

@@ -292,7 +292,7 @@ def test_the_voice_as_an_object_and_by_openais_names(client, reference):
 def test_voice_names_resolve_in_order():
     """Alias first, then a registered id, then (OpenAI's names only) the default voice; a 404 says
     how to register one, and names no file or library."""
-    from cosyllama.server.common import ApiError
+    from cosyllama.server.errors import ApiError
     from cosyllama.server.speech import VoiceNames, _voice_id
 
     class Store(set):

@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
-from cosyllama.server.serving import open_voice_store  # noqa: E402
+from cosyllama.server.startup import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402

@@ -28,7 +28,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
-from cosyllama.server.serving import open_voice_store  # noqa: E402
+from cosyllama.server.startup import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
@@ -267,7 +267,7 @@ def test_a_voice_file_is_served_read_only(tts, tmp_path):
     """`--voices FILE`: its voices speak; POST and DELETE get 403 pointing at --voices DIR."""
     from fastapi.testclient import TestClient
 
-    from cosyllama.server.serving import open_voice_store
+    from cosyllama.server.startup import open_voice_store
 
     bundle = VoiceStore()
     bundle.add("en", tts.make_voice(PROMPT_WAV, "Hello, this is my voice."))
@@ -297,7 +297,7 @@ def test_every_voice_the_frontend_makes_is_finite(tts):
 def test_a_bad_voice_file_is_skipped_at_start_and_reported(tts, voice, tmp_path, caplog):
     from fastapi.testclient import TestClient
 
-    from cosyllama.server.serving import open_voice_store
+    from cosyllama.server.startup import open_voice_store
 
     VoiceDirectory(tmp_path).add("good", voice)
     good = (tmp_path / "good.pt").read_bytes()
@@ -339,8 +339,8 @@ def test_unknown_voice_names_a_few_and_counts_the_rest(tts, voice):
 
 def test_skipped_files_are_no_voices(tts, voice, tmp_path, caplog):
     """The store and the start-up line: skipped files are not counted, never the default."""
-    from cosyllama.server.serving import prepare
     from cosyllama.server.wyoming import WyomingService
+    from server_helpers import serving_of
 
     _broken_dir(tmp_path, voice)
     with caplog.at_level(logging.WARNING, logger="cosyllama.voices"):
@@ -353,17 +353,16 @@ def test_skipped_files_are_no_voices(tts, voice, tmp_path, caplog):
     assert "aaa" not in store and "trunc" not in store
     view = TTS.from_models(tts.models, voices=store)
     with caplog.at_level(logging.WARNING, logger="cosyllama.server"):
-        serving = prepare(view)
+        serving = serving_of(view)
     try:
         lines = [r.getMessage() for r in caplog.records
                  if r.name == "cosyllama.server" and r.getMessage().startswith("voices:")]
         assert lines == [f"voices: 1 in the directory {tmp_path}, where registrations are kept; "
                          "2 skipped: aaa.pt, trunc.pt"]
         # Wyoming's default voice (a request naming none) is the first voice that can be served
-        service = WyomingService(serving, gate=None)
+        service = WyomingService(serving)
         name, features = service.voice(None)
         assert name == "anna" and features is not None
         assert [v.name for v in service.info().tts[0].voices] == ["default", "anna"]
-        service.executor.shutdown()
     finally:
         serving.close()

@@ -212,7 +212,7 @@ def test_bad_messages_get_the_protocols_error_and_a_clean_close(server, messages
         err, close = _refused(ws)
     assert (err["code"], err["param"], close) == (code, param, 1008), err
     assert words in err["message"] and "Traceback" not in err["message"]
-    _wait(lambda: server.app.state.gate.running == 0, "a refused session kept a slot")
+    _wait(lambda: server.app.state.server.serving.gate.running == 0, "a refused session kept a slot")
 
 
 def test_bounds_on_what_a_client_sends(tts):
@@ -281,21 +281,21 @@ def test_a_client_that_stops_reading_frees_its_slot(tts):
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", srv.port))
-    scheduler = app.state.scheduler
+    scheduler = app.state.server.serving.scheduler
     try:
         with connect(f"ws://127.0.0.1:{srv.port}{PATH}", sock=sock, open_timeout=TIMEOUT, max_size=None,
                      max_queue=1) as ws:
             _send(ws, **CONFIG, response_format="pcm", stream_audio=True)
             _send(ws, type="input.text", text=LONG + " " + LONG + " And")
-            _wait(lambda: app.state.gate.running == 1, "the session took no slot")
-            _wait(lambda: app.state.gate.running == 0 and scheduler.stats()["active_sequences"] == 0,
+            _wait(lambda: app.state.server.serving.gate.running == 1, "the session took no slot")
+            _wait(lambda: app.state.server.serving.gate.running == 0 and scheduler.stats()["active_sequences"] == 0,
                   "a client that reads nothing kept its slot")
     finally:
         srv.stop()
 
 
 def test_disconnect_mid_stream_frees_the_sequence(server, tts):
-    scheduler = server.app.state.scheduler
+    scheduler = server.app.state.server.serving.scheduler
     tokens_before = scheduler.stats()["tokens"]
     tts.llm.hold_after(60)  # the first chunk needs ~28 tokens; the sentence decodes hundreds
     try:
@@ -325,7 +325,7 @@ def test_a_busy_server_says_so(tts):
         with _ws(srv) as first, _ws(srv) as second:
             _send(first, **CONFIG, response_format="pcm", stream_audio=True)
             _send(first, type="input.text", text="Hello there. ")
-            _wait(lambda: srv.app.state.gate.running == 1, "the first session took no slot")
+            _wait(lambda: srv.app.state.server.serving.gate.running == 1, "the first session took no slot")
             _send(second, **CONFIG)
             _send(second, type="input.text", text="Me too. ")
             err, close = _refused(second)
@@ -392,7 +392,7 @@ def test_take_sentences_resumes_where_it_left_off():
 
 def test_sentence_stream_bounds():
     from cosyllama.limits import LimitExceeded
-    from cosyllama.server.serving import SentenceStream
+    from cosyllama.server.sentences import SentenceStream
 
     st = SentenceStream(RequestLimits(input_chars=10, session_chars=30))
     assert st.add("Hi. Ho") == ["Hi."] and st.add("! ") == ["Ho!"] and st.add("...") == []

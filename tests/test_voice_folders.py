@@ -213,7 +213,7 @@ def test_serve_routes_and_wyoming_serve_folders(tts, tmp_path):
     from fastapi.testclient import TestClient
 
     from cosyllama.server.app import create_app
-    from cosyllama.server.serving import open_voice_store
+    from cosyllama.server.startup import open_voice_store
     from cosyllama.server.wyoming import WyomingService
 
     root = _layout(tmp_path / "voices")
@@ -236,19 +236,10 @@ def test_serve_routes_and_wyoming_serve_folders(tts, tmp_path):
         # dropped in while the server runs: found on the next lookup
         _folder(root, "zoe", ref="Hi, I am Zoe.")
         assert "zoe" in [v["id"] for v in c.get("/v1/voices").json()["voices"]]
-        serving = SimpleServing(app.state.tts)
-        service = WyomingService(serving, gate=None)
+        service = WyomingService(app.state.server.serving)
         names = [v.name for v in service.info().tts[0].voices]
         assert names == ["default", "anna", "bob", "carl", "zoe"]
         assert service.voice(None)[0] == "anna"
-        service.executor.shutdown()
-
-
-class SimpleServing:
-    def __init__(self, tts):
-        from cosyllama.limits import RequestLimits
-
-        self.tts, self.max_concurrent, self.limits = tts, 1, RequestLimits()
 
 
 def test_batch_reads_voice_folders(tmp_path, capsys):

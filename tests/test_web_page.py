@@ -56,7 +56,7 @@ def tts():
 
     t = TTS(MODEL_DIR, threads=1, precision="fp32")
     # create_app makes its scheduler over tts.llm
-    return TTS.from_models(dataclasses.replace(t.models, llm=slow_backend(t.llm, piecewise=True)))
+    return TTS.from_models(dataclasses.replace(t.models, llm=slow_backend(t.llm)))
 
 
 def _serve(tts, **kw) -> LoopbackServer:

@@ -35,12 +35,10 @@ def tts():
 @pytest.fixture(scope="module")
 def server(tts):
     """``serve --wyoming``: the HTTP app with a Wyoming server on a free port, greedy, seed 0."""
-    from cosyllama.tts import SynthesisOptions
 
-    app = create_app(tts, wyoming="tcp://127.0.0.1:0",
-                     wyoming_options={"options": SynthesisOptions(greedy=True, seed=0)})
+    app = create_app(tts, wyoming="tcp://127.0.0.1:0", speech_defaults={"greedy": True, "seed": 0})
     srv = LoopbackServer(app)
-    srv.app, srv.port = app, app.state.wyoming.address[1]
+    srv.app, srv.port = app, app.state.server.wyoming.address[1]
     yield srv
     srv.stop()
 
@@ -177,7 +175,7 @@ def test_two_clients_at_once(server):
 
 
 def test_disconnect_mid_stream_frees_the_sequence(server, tts):
-    scheduler = server.app.state.scheduler
+    scheduler = server.app.state.server.serving.scheduler
     tokens_before = scheduler.stats()["tokens"]
     tts.llm.hold_after(60)  # the first chunk needs ~28 tokens; the sentence decodes hundreds
     try:
@@ -197,7 +195,7 @@ def test_disconnect_mid_stream_frees_the_sequence(server, tts):
         tts.llm.let_go()
     _wait(lambda: scheduler.stats()["active_sequences"] == 0, "the sequence was not released")
     assert scheduler.stats()["tokens"] - tokens_before <= 62, "the cancelled sequence decoded on"
-    gate = server.app.state.gate
+    gate = server.app.state.server.serving.gate
     _wait(lambda: gate.running == 0, "the session kept its slot")
     assert _http_pcm(server, "After the disconnect.")  # still serving
 
@@ -230,7 +228,7 @@ def test_bad_requests_get_error_events(server):
     assert e.code == "limit_exceeded"
     assert error(SynthesizeChunk(text="Hi.")).code == "protocol_error"
     assert error(Synthesize(text="Hi.", voice=SynthesizeVoice(language="tlh"))).code == "language_not_supported"
-    gate = server.app.state.gate
+    gate = server.app.state.server.serving.gate
     _wait(lambda: gate.running == 0, "a refused request kept its slot")
     # a voice chosen by language speaks with the default voice
     got = _run(ask(Synthesize(text="Hi there.", voice=SynthesizeVoice(language="en-US")), until=["audio-stop"]))
@@ -266,12 +264,10 @@ def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
 
 
 def test_a_taken_port_is_a_clear_error(server):
-    from types import SimpleNamespace
 
     from cosyllama.errors import InputError
     from cosyllama.server.wyoming import start_wyoming
 
-    state = server.app.state
-    serving = SimpleNamespace(tts=state.tts, max_concurrent=2, max_queue=0, limits=state.limits.request)
+    serving = server.app.state.server.serving
     with pytest.raises(InputError, match=f"cannot listen at tcp://127.0.0.1:{server.port}"):
         _run(start_wyoming(f"tcp://127.0.0.1:{server.port}", serving))

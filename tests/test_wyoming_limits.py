@@ -8,6 +8,8 @@ against ``serve --wyoming`` in its own process with its RSS and descriptors chec
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import json
 import logging
 import os
@@ -52,12 +54,11 @@ def tts():
 @pytest.fixture(scope="module")
 def server(tts):
     """``serve --wyoming`` with two running slots (shared by both protocols) and short bounds."""
-    from cosyllama.tts import SynthesisOptions
 
     app = create_app(tts, max_concurrent=2, max_queue=8, wyoming="tcp://127.0.0.1:0",
-                     wyoming_options={"options": SynthesisOptions(greedy=True, seed=0), "connection_limits": LIMITS})
+                     speech_defaults={"greedy": True, "seed": 0}, connection_limits=LIMITS)
     srv = LoopbackServer(app)
-    srv.app, srv.port = app, app.state.wyoming.address[1]
+    srv.app, srv.port = app, app.state.server.wyoming.address[1]
     yield srv
     srv.stop()
 
@@ -67,8 +68,8 @@ def _run(coro, timeout: float = 4 * TIMEOUT):
 
 
 def _idle(server) -> bool:
-    s = server.app.state.scheduler.stats()
-    return server.app.state.gate.running == 0 and s["active_sequences"] == 0 and s["waiting"] == 0
+    s = server.app.state.server.serving.scheduler.stats()
+    return server.app.state.server.serving.gate.running == 0 and s["active_sequences"] == 0 and s["waiting"] == 0
 
 
 async def _raw(port: int, *chunks: bytes, timeout: float = 30, pause: float = 0) -> tuple[list, bool]:
@@ -192,7 +193,7 @@ def test_a_client_that_stops_reading_frees_its_slot(server, monkeypatch):
     real_next = wyoming.SynthesisJob.next
     monkeypatch.setattr(wyoming.SynthesisJob, "next",
                         lambda self: None if real_next(self) is None else np.zeros(1 << 20, np.float32))
-    gate = server.app.state.gate
+    gate = server.app.state.server.serving.gate
     sockets = [_non_reader(server.port, LONG) for _ in range(2)]
     try:
         _wait(lambda: gate.running == 2, "the non-readers did not start")
@@ -313,12 +314,12 @@ def test_connections_past_the_cap_are_refused_busy(server):
     closed; once one closes, a new one is served."""
     from cosyllama.server.wyoming import start_wyoming
 
-    state = server.app.state
-    serving = SimpleNamespace(tts=state.tts, max_concurrent=2, max_queue=0, limits=state.limits.request)
     limits = ConnectionLimits(max_connections=3, idle_timeout=60)
+    serving = copy.copy(server.app.state.server.serving)  # the same core, other connection limits
+    serving.options = dataclasses.replace(serving.options, connection_limits=limits)
 
     async def go():
-        wy = await start_wyoming("tcp://127.0.0.1:0", serving, connection_limits=limits)
+        wy = await start_wyoming("tcp://127.0.0.1:0", serving)
         port = wy.address[1]
         held = []
         try:
@@ -430,7 +431,7 @@ def test_bad_client_warnings_are_rate_limited(caplog):
 
 
 def test_unknown_voice_lists_five_ids_and_echoes_at_most_64_characters(server):
-    voices = server.app.state.tts.voices
+    voices = server.app.state.server.tts.voices
     features = voices.get("en")
     for i in range(6):
         voices.add(f"v{i}", features, replace=True)
@@ -451,7 +452,7 @@ def test_error_events_name_no_paths_or_exception_texts(server, monkeypatch, capl
     from cosyllama.errors import InputError
     from cosyllama.server import wyoming
 
-    voices = server.app.state.tts.voices
+    voices = server.app.state.server.tts.voices
     voices.add("broken", voices.get("en"), replace=True)
     real_get = type(voices).get
 
@@ -581,7 +582,7 @@ def _fuzz(server, seed: int, n: int, budget_s: float) -> dict:
 
     _run(go(), timeout=budget_s + 4 * TIMEOUT)
     _wait(lambda: _idle(server), "a fuzz case kept its slot or sequence")
-    _wait(lambda: not server.app.state.wyoming.service.connections, "a fuzz connection was left open")
+    _wait(lambda: not server.app.state.server.wyoming.service.connections, "a fuzz connection was left open")
     _assert_serves(server)
     return seen
 

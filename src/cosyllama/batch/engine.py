@@ -90,14 +90,24 @@ def load_voices(store, path: str | Path | None, encoder=None) -> None:
             log.warning("voices: skipped, not served: %s/: %s", folder, e)
 
 
-def load_tts(opts: EngineOptions):
-    """The TTS an engine runs, with the voices of ``opts.voices``."""
+def load_models(opts: EngineOptions):
+    """The :class:`~cosyllama.models.Models` an engine runs, and a voice store with the voices of ``opts.voices``."""
+    from ..models import Models
     from ..tts import TTS
-    from ..voices import ClipEncoder
+    from ..voices import ClipEncoder, VoiceStore
 
-    tts = TTS(opts.load)
-    load_voices(tts.voices, opts.voices, ClipEncoder.of(tts))
-    return tts
+    models, voices = Models.load(opts.load), VoiceStore()
+    load_voices(voices, opts.voices, ClipEncoder.of(TTS.from_models(models, voices=voices)))
+    return models, voices
+
+
+def load_tts(opts: EngineOptions):
+    """A plain :class:`~cosyllama.tts.TTS` over :func:`load_models` (each call decodes alone), for scripts
+    that compare a loop of calls with the engine."""
+    from ..tts import TTS
+
+    models, voices = load_models(opts)
+    return TTS.from_models(models, voices=voices)
 
 
 def error_record(row_id: str | None, line: int, message: str, stage: str, digest: str | None = None) -> dict:
@@ -228,19 +238,19 @@ class BatchEngine:
     quits without waiting.
     """
 
-    def __init__(self, opts: EngineOptions, out_dir: Path, tts=None):
+    def __init__(self, opts: EngineOptions, out_dir: Path, models=None, voices=None):
         from ..llm.factory import make_token_source
-        from ..llm.scheduler import BatchScheduler
         from ..tts import TTS
+        from ..voices import VoiceStore
 
         self.opts = opts
-        loaded = tts if tts is not None else load_tts(opts)  # a given TTS is left as it is
-        self._owns_scheduler = not isinstance(loaded.token_source, BatchScheduler)
-        self.scheduler = (make_token_source(loaded.llm, batched=True, max_active=opts.concurrency)
-                          if self._owns_scheduler else loaded.token_source)
-        # the rows' pipeline: the loaded models and voices, batched decoding, at most flow_slots rows in the flow
-        self.tts = TTS.from_models(loaded.models, token_source=self.scheduler, limits=loaded.limits,
-                                   voices=loaded.voices, flow_slots=opts.flow_slots)
+        if models is None:  # given models (and voices) are shared and left as they are
+            models, voices = load_models(opts)
+        # this engine's own scheduler (closed by close()): the rows' decode steps batched together
+        self.scheduler = make_token_source(models.llm, batched=True, max_active=opts.concurrency)
+        # the rows' pipeline: the models and voices, batched decoding, at most flow_slots rows in the flow
+        self.tts = TTS.from_models(models, token_source=self.scheduler, voices=voices if voices is not None
+                                   else VoiceStore(), flow_slots=opts.flow_slots)
         self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -310,5 +320,4 @@ class BatchEngine:
             self._jobs.put(_STOP)
         for th in self._threads:
             th.join()
-        if self._owns_scheduler:
-            self.scheduler.close()
+        self.scheduler.close()

@@ -53,7 +53,7 @@ def interleave_choice(mode: str) -> str | None:
 def serving_options(args):
     """The options ``serve`` and ``wyoming`` share (:class:`~cosyllama.server.startup.ServingOptions`),
     checked before the minutes of loading a model."""
-    from ..server.startup import ServingOptions
+    from ..server.options import ServingOptions
 
     return ServingOptions(
         load=load_options(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}),
@@ -65,9 +65,9 @@ def serving_options(args):
 def serve_options(args):
     """``cosyllama serve``'s options (:class:`~cosyllama.server.startup.ServeOptions`), checked: the API
     key and origins, the voice aliases and default voice, the Wyoming URI (and its extra)."""
+    from ..server.options import ServeOptions
     from ..server.security import guard_options
     from ..server.speech import VoiceNames, parse_voice_aliases
-    from ..server.startup import ServeOptions
 
     api_key, origins = guard_options(args.api_key, args.allow_origin)
     serving = serving_options(args)

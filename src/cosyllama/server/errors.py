@@ -1,44 +1,95 @@
-"""The handlers that answer every error the way OpenAI's API does, as JSON ``{"error": {"message":
-str, "type": str, "param": str | None, "code": str | None}}`` (:func:`~cosyllama.server.common.error_body`),
-and the answer for an exception raised while synthesizing. Needs the ``server`` extra."""
+"""One mapping from the project's exceptions to what each door answers (no door's dependencies).
+
+:func:`api_error` classifies an exception once, as an HTTP status and OpenAI's error object
+(``{"error": {"message", "type", "param", "code"}}``, :func:`error_body`); the streamed doors derive
+their answer from it: :func:`websocket_error` (an ``error`` message and the close code after it) and
+:func:`wyoming_error` (an ``error`` event's text and code). A failure that is the server's is logged
+with its traceback and answered :data:`INTERNAL_ERROR`, which names nothing of the server's files,
+libraries or exceptions.
+
+How a field is named depends on the door (``input`` over HTTP, ``text`` in a WebSocket's
+``input.text`` or a Wyoming event): the ``names`` tables of :mod:`cosyllama.request`.
+
+=================================  ==========  =============================  =========  ==================
+exception                          HTTP        code                           WebSocket  Wyoming code
+=================================  ==========  =============================  =========  ==================
+:class:`Refusal` (a door's rule)   its status  its code                       1008       its code
+:class:`ServerBusyError`, a full   503         ``server_busy``                1013       ``busy``
+scheduler or backend
+:class:`LimitExceeded`             413         ``string_above_max_length``,   1008       ``limit_exceeded``
+                                               ``context_length_exceeded``
+:class:`RequestError`              422         its code                       1008       ``invalid_input``,
+                                                                                         ``empty_text``
+:class:`UnknownVoiceError`         404         ``voice_not_found``            1008       ``voice_not_found``
+other :class:`InputError`          422         (none)                         1008       ``invalid_input``
+other :class:`CosyllamaError`      400         (none)                         1008       ``invalid_request``
+anything else                      500         ``internal_error``             1011       ``internal_error``
+=================================  ==========  =============================  =========  ==================
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
+from ..defaults import RETRY_AFTER_S
 from ..errors import BackendBusyError, CosyllamaError, InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import SchedulerBusyError
 from ..request import HTTP_NAMES, RequestError
 from ..voices import NAMED_IDS, SHOWN_ID_CHARS, UnknownVoiceError
-from .common import ApiError, busy, error_body
-from .serving import INTERNAL_ERROR
+from .admission import ServerBusyError
 
 log = logging.getLogger("cosyllama.server")
 
+# what a client is told of a failure that is the server's (HTTP 500, WebSocket 1011, Wyoming's
+# internal_error): nothing of its files, libraries or exceptions, which go to the log
+INTERNAL_ERROR = "internal error; the server's log has the details"
+CLIP_CHARS = SHOWN_ID_CHARS  # a client's string quoted back in an error is cut to this many characters
 
-def synthesis_error(e: Exception) -> ApiError:
-    """The answer for an exception raised while synthesizing."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, (SchedulerBusyError, BackendBusyError)):
-        return busy(str(e))
-    if isinstance(e, LimitExceeded):
-        return limit_error(e)
-    if isinstance(e, RequestError):  # a synthesis rule, said in the HTTP body's field names
-        return ApiError(422, e.render(HTTP_NAMES), param=e.name(HTTP_NAMES), code=e.code)
-    if isinstance(e, UnknownVoiceError):  # removed since the request was checked
-        return ApiError(404, str(e), "not_found_error", param="voice", code="voice_not_found")
-    if isinstance(e, InputError):
-        return ApiError(422, str(e))
-    if isinstance(e, CosyllamaError):
-        return ApiError(400, str(e))
-    log.error("synthesis failed", exc_info=e)  # what failed is for the operator, not the client
-    return ApiError(500, INTERNAL_ERROR, "internal_error")
+# WebSocket close codes (RFC 6455, 7.4.1)
+CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, CLOSE_FAILED, CLOSE_BUSY = 1000, 1008, 1009, 1011, 1013
+
+
+def clip(value: object) -> str:
+    """``value`` as a client's string quoted back in an error: its repr, cut to :data:`CLIP_CHARS`
+    characters (so an answer does not grow with what the client sent)."""
+    s = value if isinstance(value, str) else str(value)
+    return repr(s) if len(s) <= CLIP_CHARS else repr(s[:CLIP_CHARS]) + f" (cut; {len(s)} characters)"
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: ``param`` is the request field at fault, ``code`` a short
+    machine-readable reason (either may be None)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class Refusal(InputError):
+    """A request a door refuses by its own rules (a malformed message, an unknown type, a stream
+    without its start ...): answered with ``code`` (and HTTP ``status``, a WebSocket ``close`` code,
+    the request field ``param``)."""
+
+    def __init__(self, message: str, code: str, *, status: int = 400, close: int = CLOSE_REFUSED,
+                 param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.status, self.close, self.param = message, code, status, close, param
+
+
+class ApiError(Exception):
+    """An error answered as :func:`error_body` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.headers = status, message, type, headers
+        self.param, self.code = param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def busy(message: str) -> ApiError:
+    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
@@ -55,8 +106,65 @@ def limit_error(e: LimitExceeded, param: str | None = None) -> ApiError:
     return ApiError(413, str(e), "request_too_large", param=param or _LIMIT_PARAM.get(e.field), code=code)
 
 
-async def _api_error(request, e: ApiError):
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def api_error(e: BaseException, names: Mapping[str, str] = HTTP_NAMES) -> ApiError:
+    """What ``e`` is to a client, as an HTTP answer (see the module's table); ``names``: how the
+    door names the request's fields. A failure of the server is logged here."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, Refusal):
+        return ApiError(e.status, e.message, param=e.param, code=e.code)
+    if isinstance(e, ServerBusyError):
+        return busy(f"{e}; retry in {RETRY_AFTER_S} s")
+    if isinstance(e, (SchedulerBusyError, BackendBusyError)):
+        return busy(str(e))
+    if isinstance(e, LimitExceeded):
+        text_param = names.get("text", "input")
+        return limit_error(e, param=text_param if e.field in ("input", "session", "sequence") else None)
+    if isinstance(e, RequestError):  # a synthesis rule, said in the door's field names
+        return ApiError(422, e.render(names), param=e.name(names), code=e.code)
+    if isinstance(e, UnknownVoiceError):  # removed since the request was checked
+        return ApiError(404, str(e), "not_found_error", param="voice", code="voice_not_found")
+    if isinstance(e, InputError):
+        return ApiError(422, str(e))
+    if isinstance(e, CosyllamaError):
+        return ApiError(400, str(e))
+    log.error("synthesis failed", exc_info=e)  # what failed is for the operator, not the client
+    return ApiError(500, INTERNAL_ERROR, "internal_error")
+
+
+def websocket_error(e: BaseException, names: Mapping[str, str]) -> tuple[dict, int]:
+    """The WebSocket ``error`` message answering ``e`` and the close code after it."""
+    if isinstance(e, Refusal):
+        return {"type": "error", "message": e.message, "code": e.code, "param": e.param}, e.close
+    err = api_error(e, names)
+    if err.status >= 500 and err.status != 503:
+        return ({"type": "error", "message": "synthesis failed (an error in the server; its log has the details)",
+                 "code": "internal_error", "param": None}, CLOSE_FAILED)
+    code = err.code or ("server_busy" if err.status == 503 else err.type)
+    return ({"type": "error", "message": err.message, "code": code, "param": err.param},
+            CLOSE_BUSY if err.status == 503 else CLOSE_REFUSED)
+
+
+def wyoming_error(e: BaseException, names: Mapping[str, str]) -> tuple[str, str]:
+    """The Wyoming ``error`` event's text (one line) and code answering ``e``."""
+    if isinstance(e, Refusal):
+        return " ".join(e.message.split()), e.code
+    err = api_error(e, names)
+    if err.status >= 500 and err.status != 503:
+        return INTERNAL_ERROR, "internal_error"
+    if err.status == 503:
+        code = "busy"
+    elif isinstance(e, LimitExceeded):
+        code = "limit_exceeded"
+    elif isinstance(e, RequestError):
+        code = "empty_text" if e.code == "empty_string" and e.field == "text" else "invalid_input"
+    elif err.status == 404:
+        code = "voice_not_found"
+    elif isinstance(e, InputError):
+        code = "invalid_input"
+    else:
+        code = "invalid_request"
+    return " ".join(str(e).split()), code
 
 
 def describe_invalid(errors) -> tuple[str, str | None, str | None]:
@@ -80,25 +188,5 @@ def describe_invalid(errors) -> tuple[str, str | None, str | None]:
     return message or "invalid request", param, code
 
 
-async def _validation_error(request, e: RequestValidationError):
-    """422 naming the bad fields (:func:`describe_invalid`)."""
-    message, param, code = describe_invalid(e.errors())
-    return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=422)
-
-
-async def _http_error(request, e: StarletteHTTPException):
-    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code,
-                        headers=getattr(e, "headers", None))
-
-
-async def _unexpected_error(request, e: Exception):
-    """A bug: answer 500 with the JSON error body (the traceback goes to the log)."""
-    return JSONResponse(error_body(INTERNAL_ERROR, "internal_error"), status_code=500)
-
-
-def add_error_handlers(app) -> None:
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected_error)
+__all__ = ["CLIP_CHARS", "INTERNAL_ERROR", "ApiError", "Refusal", "api_error", "busy", "clip", "describe_invalid",
+           "error_body", "limit_error", "websocket_error", "wyoming_error"]

@@ -47,6 +47,11 @@ class SynthesisJob:
             chunk = self.next_chunk()
         return None if chunk is None else chunk.samples
 
+    def output(self):
+        """What a streamed session sends next (:mod:`cosyllama.server.session`): here the next chunk's
+        float32 samples, or None at the end."""
+        return self.next()
+
     def close(self) -> None:
         """Stop the synthesis; its LLM sequence is free when this returns. Gives the heap's free
         pages back to the OS (see :mod:`cosyllama.memory`)."""

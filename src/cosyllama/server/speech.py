@@ -2,8 +2,9 @@
 thread pool, and the audio it answers with: a whole file, a raw audio stream, or Server-Sent Events.
 Needs the ``server`` extra.
 
-The route reads what it shares with the rest of the app from ``app.state`` (``tts``, ``limits``,
-``gate``; see :func:`cosyllama.server.app.create_app`).
+The route reads what it shares with the rest of the app from the app's state
+(:class:`~cosyllama.server.common.AppState`: the :class:`~cosyllama.server.serving.Serving`, its gate and
+limits; see :func:`cosyllama.server.app.create_app`).
 
 How the body arrives (``stream_format``, as in OpenAI's API; ``stream: true`` is the older way to
 ask for ``"audio"``):
@@ -46,8 +47,9 @@ from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..request import MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
-from .common import ApiError, admission, client_gone, error_body
-from .errors import synthesis_error
+from .common import AppState, admit, client_gone, state_of
+from .errors import ApiError, error_body
+from .errors import api_error as synthesis_error
 from .job import SynthesisJob
 from .wire import (
     AAC_HINT,
@@ -157,6 +159,7 @@ class SpeechJob(SynthesisJob):
         super().__init__(tts, request)
         self.streaming, self.response_format = streaming, response_format
         self.encoder = None
+        self._whole_sent = False
 
     def _opened(self) -> None:
         if self.streaming:
@@ -173,6 +176,20 @@ class SpeechJob(SynthesisJob):
             tail = self.encoder.close()
             self.encoder = None
             return tail
+
+    def output(self) -> bytes | None:
+        """What a streamed session sends next (:mod:`cosyllama.server.session`): a streamed job's next
+        piece of the encoded stream (maybe empty), else the whole file at once; None after the last."""
+        if self.streaming:
+            return self.next_bytes()
+        if self._whole_sent:
+            return None
+        parts = []
+        while (samples := self.next()) is not None:
+            parts.append(samples)
+        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        self._whole_sent = True
+        return encode(audio, self.tts.sample_rate, self.response_format)
 
     def usage(self) -> dict:
         """Token counts, as OpenAI reports them: ``input_tokens`` counts the text tokens of
@@ -211,7 +228,8 @@ async def voice_of(tts, names: VoiceNames, name: str):
     return await run_in_threadpool(_voice, tts.voices, names, name)
 
 
-async def check_request(body: SpeechRequest, state, text: str | None = None) -> tuple[str | None, SynthesisRequest]:
+async def check_request(body: SpeechRequest, state: AppState,
+                        text: str | None = None) -> tuple[str | None, SynthesisRequest]:
     """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
     ``response_format`` aac, the voice's name), the app's ``speech_defaults`` filled in, then the
     one :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as
@@ -219,8 +237,9 @@ async def check_request(body: SpeechRequest, state, text: str | None = None) -> 
     limits, voice names); ``text``: instead of ``body.input`` (a streamed session's sentence).
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
     (:mod:`cosyllama.server.speech_stream`)."""
-    for name, value in state.speech_defaults.items():
-        if name not in body.model_fields_set:
+    defaults = state.serving.options.defaults  # for clients that cannot send cosyllama's fields
+    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy)):
+        if value != SpeechRequest.model_fields[name].default and name not in body.model_fields_set:
             setattr(body, name, value)
     streaming = body.streaming()
     if body.response_format == "aac" and not aac_available():
@@ -228,7 +247,7 @@ async def check_request(body: SpeechRequest, state, text: str | None = None) -> 
         formats = ", ".join(f for f in FORMATS if f != "aac")
         raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
                        param="response_format", code="unsupported_value")
-    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits.request, text)
+    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits, text)
     voice = await voice_of(state.tts, state.voice_names, body.voice_name())
     try:
         return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
@@ -256,13 +275,14 @@ router = APIRouter()
 
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
-    tts = request.app.state.tts
-    streaming, synthesis = await check_request(body, request.app.state)
-    g = admission(request.app)
+    state = state_of(request.app)
+    tts = state.tts
+    streaming, synthesis = await check_request(body, state)
+    g = state.serving.admission()
     job = SpeechJob(tts, synthesis, streaming, body.response_format)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
     try:
-        admitted = await g.acquire(gone=watcher)
+        admitted = await admit(g, gone=watcher)
     except BaseException:
         watcher.cancel()
         raise

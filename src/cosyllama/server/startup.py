@@ -1,13 +1,15 @@
 """The start-up both servers share, without fastapi: ``cosyllama serve`` (:func:`cosyllama.server.app.serve`)
 and ``cosyllama wyoming`` (:func:`cosyllama.server.wyoming.run_wyoming`) take typed options
-(:class:`ServingOptions`, and for HTTP :class:`ServeOptions`), checked when they are made, and both go
-through :func:`start` and :func:`ready`:
+(:class:`~cosyllama.server.options.ServingOptions`, and for HTTP
+:class:`~cosyllama.server.options.ServeOptions`), checked when they are made, and both go through
+:func:`start` and :func:`ready`:
 
 1. :func:`cosyllama.memory.bound_onednn_cache` (once per process start, before torch computes anything);
-2. the addresses to listen at are checked (a taken port is one line, not a traceback after the load);
-3. the voice store of ``--voices`` is opened (:func:`~cosyllama.server.serving.open_voice_store`);
-4. the TTS is loaded and the CPU line logged (:func:`~cosyllama.server.serving.load_tts`);
-5. (the server prepares its served view: ``create_app`` or :func:`~cosyllama.server.serving.prepare`)
+2. the addresses to listen at are checked (:func:`check_can_listen`: a taken port is one line, not a
+   traceback after the load);
+3. the voice store of ``--voices`` is opened (:func:`open_voice_store`);
+4. the models are loaded and the CPU line logged (:func:`load_models`);
+5. (the server prepares its :class:`~cosyllama.server.serving.Serving`: :func:`~cosyllama.server.serving.prepare`)
 6. :func:`ready`: the voices are warmed and the llama.cpp OpenMP hint is logged.
 
 The commands turn their flags into these options (:mod:`cosyllama.commands.options`); nothing here
@@ -16,98 +18,137 @@ sees the command line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
 
-from ..defaults import INTERLEAVE_MODES, MAX_QUEUE, MAX_VOICES, PREFILL_CHUNK
 from ..errors import InputError
-from ..limits import RequestLimits
 from ..options import LoadOptions
-from .conn import ConnectionLimits
+from ..voices import VoiceDirectory, VoiceStore, describe_ids
+from .options import ServeOptions, ServingOptions
 
-
-@dataclass(frozen=True)
-class ServingOptions:
-    """What ``serve`` and ``wyoming`` share: the model, the per-request bounds, the scheduler, the voices."""
-
-    # the model to load (the commands size its LLM for serving: --parallel sequences of --max-seq-tokens)
-    load: LoadOptions
-    # the bounds of one request (characters, text tokens, LLM positions, a streamed session's text)
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    # prompt positions the scheduler prefills between two decode steps of the other requests
-    prefill_chunk: int = PREFILL_CHUNK
-    # how LLM decoding pauses during flow work, one of defaults.INTERLEAVE_MODES; None: auto (by threads
-    # and cores, see cosyllama.server.serving.prepare)
-    interleave: str | None = None
-    # requests that may wait for a running slot; more are refused as busy
-    max_queue: int = MAX_QUEUE
-    # --voices: a directory to keep voices in, a voice file served read-only, or None (in memory)
-    voices: str | None = None
-    # the registered voice a Wyoming request that names none speaks with (HTTP: OpenAI's voice names too)
-    default_voice: str | None = None
-    # what a client may hold open: header, body, write and idle timeouts, open connections
-    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-
-    def __post_init__(self):
-        if self.prefill_chunk < 1:
-            raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
-        if self.interleave is not None and self.interleave not in INTERLEAVE_MODES:
-            raise InputError(f"--interleave must be auto or one of {', '.join(INTERLEAVE_MODES)}, "
-                             f"got {self.interleave!r}")
-        if self.max_queue < 0:
-            raise InputError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.default_voice is not None:
-            from ..voices import check_voice_id
-
-            check_voice_id(self.default_voice)
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    """``cosyllama serve``: the shared options and what only the HTTP server has."""
-
-    # the model, bounds, scheduler and voices (shared with `cosyllama wyoming`)
-    serving: ServingOptions
-    # where uvicorn listens
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # the Bearer key every request but GET /health must carry (--api-key, else $COSYLLAMA_API_KEY); None: none
-    api_key: str | None = None
-    # browser origins (scheme://host[:port], normalized) allowed to POST and DELETE, with CORS
-    allow_origins: tuple[str, ...] = ()
-    # registered voices; registering a new id past it gets 409; None: no bound
-    max_voices: int | None = MAX_VOICES
-    # a URI (tcp://HOST:PORT or unix://PATH) where the app also answers the Wyoming protocol; None: not
-    wyoming: str | None = None
-    # HTTP voice names -> registered voice ids (--voice-alias NAME=ID)
-    voice_aliases: Mapping[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.max_voices is not None and self.max_voices < 1:
-            raise InputError(f"--max-voices must be >= 1, got {self.max_voices}")
+log = logging.getLogger("cosyllama.server")
 
 
 def start(options: ServingOptions, check_addresses: Callable[[], None] = lambda: None):
-    """Steps 1-4 of the start-up (see the module docstring): the loaded TTS and the voice store it serves.
-    ``check_addresses`` raises :class:`~cosyllama.errors.InputError` when the server cannot listen
-    where it is asked to."""
+    """Steps 1-4 of the start-up (see the module docstring): the loaded
+    :class:`~cosyllama.models.Models` and the voice store they serve. ``check_addresses`` raises
+    :class:`~cosyllama.errors.InputError` when the server cannot listen where it is asked to."""
     from .. import memory
-    from . import serving
 
     memory.bound_onednn_cache()  # effective when torch has not computed anything yet (cosyllama.memory)
     check_addresses()
-    voices = serving.open_voice_store(options.voices)
-    tts = serving.load_tts(options.load)
-    return tts, voices
+    voices = open_voice_store(options.voices)
+    models = load_models(options.load)
+    return models, voices
 
 
-def ready(tts, voices) -> None:
-    """Step 6, once the served view is prepared (voice folders are made into voices by then): warm every
-    voice beside the first requests, and log the llama.cpp OpenMP hint where it applies."""
-    from . import serving
+def ready(serving) -> None:
+    """Step 6, once the :class:`~cosyllama.server.serving.Serving` is prepared (voice folders are made into
+    voices by then): warm every voice beside the first requests, and log the llama.cpp OpenMP hint where
+    it applies."""
+    warm_voices(serving.tts)
+    openmp_hint(serving.models.llm)
 
-    serving.warm_voices(tts, voices)
-    serving.openmp_hint(tts)
+
+def load_models(options: LoadOptions):
+    """The :class:`~cosyllama.models.Models` a server loads from ``options`` (checked when they were made,
+    before the minutes of loading); the CPU line (the path that runs, and why) is logged after."""
+    from ..cpu import tts_path
+    from ..models import Models
+
+    models = Models.load(options)
+    for line in tts_path(models, options.precision, options.threads).lines():
+        log.warning("%s", line)  # the CPU line, as synth and demo print it (start-up facts go out at warning)
+    return models
 
 
-__all__ = ["ServeOptions", "ServingOptions", "ready", "start"]
+def openmp_hint(llm) -> None:
+    """Log, once at start, when the llama.cpp build threads with OpenMP (slower beside flow work)."""
+    if llm.name == "llamacpp":
+        from ..llm.llamacpp_backend import openmp_serving_hint
+
+        hint = openmp_serving_hint()
+        if hint:
+            log.warning("%s", hint)
+
+
+def check_can_listen(host: str, port: int, where: str) -> None:
+    """An :class:`InputError` naming ``where`` when this process cannot listen at ``host``:``port``
+    (taken, or not an address of this machine), found before a model is loaded; port 0 always can."""
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's and uvicorn's servers do
+            s.bind(address)
+    except OSError as e:
+        raise InputError(f"cannot listen at {where}: {e.strerror or e}") from None
+
+
+def open_voice_store(path: str | None) -> VoiceStore:
+    """The voice store ``--voices PATH`` asks for, read and checked (before the model loads, so a
+    bad one is reported at once):
+
+    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
+      registered or deleted over HTTP are kept there and seen by every server sharing it; voice
+      folders (``NAME/ref.wav`` and ``ref.txt`` or ``instruct.txt``) are made into voices by
+      :func:`prepare`; a file or folder that cannot be read is skipped with a warning (it is no
+      voice; ``/health`` counts it), so one bad file does not keep every replica down;
+    * a voice file (:meth:`VoiceStore.save`): its voices, read-only (POST and DELETE get 403);
+    * None: an empty store in memory; registered voices last until the server stops.
+
+    :func:`prepare` says what was found (:func:`report_voices`).
+    """
+    if path is None:
+        return VoiceStore()
+    if Path(path).is_file():
+        store = VoiceStore()
+        store.load(path)
+        store.read_only = True
+        return store
+    if Path(path).suffix == ".pt":
+        raise InputError(f"voice file {path!r} does not exist (a directory to keep voices in needs a name "
+                         "without the .pt suffix)")
+    return VoiceDirectory(path)
+
+
+def report_voices(store: VoiceStore) -> None:
+    """The start-up line of the voices (:func:`prepare` logs it): how many are served (skipped
+    files are none of them) and which files were skipped (the store logged each with its reason;
+    the log is the operator's, ``/health`` says only how many without the API key)."""
+    n = len(store)
+    if isinstance(store, VoiceDirectory):
+        skipped = store.skipped  # each was logged with its path and reason when it was found
+        log.warning("voices: %d in the directory %s, where registrations are kept%s", n, store.directory,
+                    f"; {len(skipped)} skipped: {describe_ids(list(skipped))}" if skipped else "")
+    elif store.read_only:
+        log.warning("voices: %d from a read-only voice file", n)
+    else:
+        log.warning("voices: %d, kept in memory only (registered voices are lost when the server stops; "
+                    "--voices DIR keeps them)", n)
+
+
+def warm_voices(tts, voices: VoiceStore | None = None) -> None:
+    """Warm every voice of ``voices`` (default: ``tts.voices``) on ``tts``'s models in a background
+    thread, beside the first requests (each voice's first stream gets a head start)."""
+    voices = tts.voices if voices is None else voices
+    if len(voices):
+        threading.Thread(target=_warm_all, args=(tts, voices), name="cosyllama-warm-voices", daemon=True).start()
+
+
+def _warm_all(tts, voices: VoiceStore) -> None:
+    for vid in voices.ids():
+        try:
+            tts.warm_voice(voices.get(vid))
+        except Exception as e:
+            log.warning("warming voice %s failed: %s", vid, e)
+
+
+__all__ = ["ServeOptions", "ServingOptions", "check_can_listen", "load_models", "open_voice_store", "openmp_hint",
+           "ready", "report_voices", "start", "warm_voices"]

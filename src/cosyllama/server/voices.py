@@ -1,7 +1,8 @@
 """The server's voice routes: ``POST /v1/voices`` (register a clip), ``GET /v1/voices``,
 ``DELETE /v1/voices/{id}``. ``create_app`` includes :data:`router`; the routes read the TTS, its
 voice store (``tts.voices``: in memory, a read-only file, or a shared directory, see
-:mod:`cosyllama.voices`) and the limits from ``app.state``. Needs the ``server`` extra."""
+:mod:`cosyllama.voices`) and the limits from the app's state (:func:`~cosyllama.server.common.state_of`).
+Needs the ``server`` extra."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from ..errors import CosyllamaError, InputError
 from ..limits import LimitExceeded, RequestLimits
 from ..text.normalize import text_problem
 from ..voices import ReadOnlyVoicesError, VoiceExistsError, check_voice_id
-from .common import ApiError, admission, client_gone
-from .errors import limit_error
+from .admission import ServerBusyError
+from .common import admit, client_gone, state_of
+from .errors import ApiError, limit_error
 
 log = logging.getLogger("cosyllama.server")
 
@@ -73,8 +75,8 @@ def _check_transcript(tts, text: str, limits: RequestLimits) -> None:
 @router.post("/v1/voices")
 async def add_voice(request: Request, background: BackgroundTasks, audio: UploadFile = File(...),
                     text: str | None = Form(None), id: str | None = Form(None), replace: bool = Form(False)):
-    state = request.app.state
-    tts, limits = state.tts, state.limits
+    state = state_of(request.app)
+    tts, limits, max_prompt_bytes = state.tts, state.limits, state.options.max_prompt_bytes
     _writable(tts)
     voice_id = id if id else f"voice-{secrets.token_hex(4)}"
     _check_id(voice_id)
@@ -82,20 +84,20 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
         problem = text_problem(text)
         if problem is not None:
             raise ApiError(422, f"text {problem}", param="text", code="invalid_characters")
-        _check_transcript(tts, text, limits.request)
+        _check_transcript(tts, text, limits)
     if not replace and await run_in_threadpool(tts.voices.__contains__, voice_id):
         raise _exists(voice_id)  # before the work; add() checks again, atomically
-    await run_in_threadpool(_check_room, tts, voice_id, limits.max_voices)
-    data = await audio.read(limits.max_prompt_bytes + 1)
-    if len(data) > limits.max_prompt_bytes:
-        raise ApiError(413, f"the audio file is larger than {limits.max_prompt_bytes} bytes; give a 3-15 s "
+    await run_in_threadpool(_check_room, tts, voice_id, state.options.max_voices)
+    data = await audio.read(max_prompt_bytes + 1)
+    if len(data) > max_prompt_bytes:
+        raise ApiError(413, f"the audio file is larger than {max_prompt_bytes} bytes; give a 3-15 s "
                        "clip (at most 30 s)", "request_too_large")
     if not data:
         raise ApiError(400, "the audio file is empty")
-    g = admission(request.app)
+    g = state.serving.admission()
     watcher = asyncio.create_task(client_gone(request))
     try:
-        admitted = await g.acquire(gone=watcher)
+        admitted = await admit(g, gone=watcher)
     finally:
         watcher.cancel()
     if not admitted:  # the client left while the request waited: it leaves the queue at once
@@ -109,7 +111,7 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     finally:
         g.release()
     try:
-        await run_in_threadpool(_check_room, tts, voice_id, limits.max_voices)  # again, after the work
+        await run_in_threadpool(_check_room, tts, voice_id, state.options.max_voices)  # again, after the work
         await run_in_threadpool(lambda: tts.voices.add(voice_id, voice, replace=replace))
     except VoiceExistsError as e:
         raise _exists(voice_id) from e
@@ -122,13 +124,13 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
 async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
     """After answering: solve the voice's shared flow blocks, so its first streaming request
     starts after them too. Takes a slot like a request; skipped when the server is busy."""
-    g = admission(app)
+    g = state_of(app).serving.admission()
     try:
-        await g.acquire()
-    except ApiError:
+        await g.admit()
+    except ServerBusyError:
         return
     try:
-        await run_in_threadpool(app.state.tts.warm_voice, voice)
+        await run_in_threadpool(state_of(app).tts.warm_voice, voice)
     except Exception as e:  # a failed warm-up only costs the first request its head start
         log.warning("warming voice %s failed: %s", voice_id, e)
     finally:
@@ -138,14 +140,14 @@ async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
 @router.get("/v1/voices")
 @router.head("/v1/voices", include_in_schema=False)
 async def list_voices(request: Request):
-    voices = await run_in_threadpool(request.app.state.tts.voices.items)  # a directory store reads files
+    voices = await run_in_threadpool(state_of(request.app).tts.voices.items)  # a directory store reads files
     return {"voices": [{"id": vid, "has_transcript": bool(v.prompt_text), "seconds": round(v.duration, 3),
                         "instructions": v.instruction} for vid, v in voices.items()]}
 
 
 @router.delete("/v1/voices/{voice_id}")
 async def delete_voice(voice_id: str, request: Request):
-    tts = request.app.state.tts
+    tts = state_of(request.app).tts
     _writable(tts)
     _check_id(voice_id)
     try:

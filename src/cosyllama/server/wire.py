@@ -22,8 +22,7 @@ from ..audio_out import (  # noqa: F401 - the encoders the routes use, from the 
     encode,
     wav_header,
 )
-from .common import error_body
-from .serving import INTERNAL_ERROR
+from .errors import INTERNAL_ERROR, error_body
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "opus": "audio/ogg",
                "aac": "audio/aac"}

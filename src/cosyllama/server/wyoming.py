@@ -18,9 +18,13 @@ What a connection may send (the `wyoming` package's events):
   (one ``audio-start`` ... ``audio-stop``), then ``synthesize-stopped``. The ``synthesize`` a
   client sends inside the stream for older servers is ignored.
 
-A session (one ``synthesize``, or ``synthesize-start`` to ``-stop``) holds one of the server's
-running slots from its start to its end, like one HTTP request; each of its sentences is one
-scheduler request, batched with everyone else's. A bad request (unknown voice, no text, over a
+This module is the codec: a connection's events become calls on a
+:class:`~cosyllama.server.session.Session` (sentences, the seed rule, admission, cancel, the idle
+timeout), whose events become Wyoming events. A request (one ``synthesize``, or ``synthesize-start``
+to ``-stop``) is one of the session's utterances: it holds one of the server's running slots from its
+first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
+batched with everyone else's; sentence ``k`` is seeded with the server's seed ``+ k``.
+A bad request (unknown voice, no text, over a
 limit, the server busy) is answered with an ``error`` event, after which the server closes the
 connection (Home Assistant's client waits for audio until then). A client that closes the
 connection cancels its session: the LLM sequence is released at the next decode step.
@@ -46,21 +50,19 @@ import os
 import signal
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
 from .. import __version__
 from ..audio_out import pcm16
-from ..errors import BackendBusyError, CosyllamaError, InputError, MissingDependencyError
-from ..limits import LimitExceeded
-from ..llm.scheduler import RequestCancelled, SchedulerBusyError
-from ..request import SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest, check_options
+from ..errors import InputError, MissingDependencyError
+from ..request import API_NAMES, SynthesisRequest, check_options
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .conn import ConnectionLimits
+from .errors import wyoming_error
 from .job import SynthesisJob
-from .serving import INTERNAL_ERROR, Admission, SentenceStream, ServerBusyError
+from .session import GONE, Audio, Sentence, Session, Template, UtteranceDone
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -100,33 +102,21 @@ CHANNELS = 1
 MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="https://github.com/FunAudioLLM/CosyVoice")
 VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url="")
 
-MAX_SESSIONS = 4  # sessions one connection may have waiting or speaking
+MAX_SESSIONS = 4  # requests one connection may have waiting or speaking
 STOP_GRACE_S = 5.0  # seconds a stopping server lets connections take their last events
 SEND_BUFFER_BYTES = 128 * 1024  # a connection's kernel send buffer: 2.7 s of audio, plenty for any link
 QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
 BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
+# the text a request's template is checked with: each sentence's own is checked as it comes
+STAND_IN_TEXT = "synthesize"
 
 
 def error_event(e: BaseException) -> Event:
-    """The ``error`` event answering an exception raised by a request: its text says what the
-    client can act on, never the server's files, libraries or exception texts (the log has those)."""
-    if isinstance(e, RequestRefused):
-        code = e.code
-    elif isinstance(e, LimitExceeded):
-        code = "limit_exceeded"
-    elif isinstance(e, (ServerBusyError, SchedulerBusyError, BackendBusyError)):
-        code = "busy"
-    elif isinstance(e, RequestError):  # a synthesis rule; the Wyoming event's field is text
-        code = "empty_text" if e.code == "empty_string" and e.field == "text" else "invalid_input"
-    elif isinstance(e, InputError):
-        code = "invalid_input"
-    elif isinstance(e, CosyllamaError):
-        code = "invalid_request"
-    else:
-        log.error("synthesis failed", exc_info=e)
-        return Error(text=INTERNAL_ERROR,
-                     code="internal_error").event()
-    return Error(text=" ".join(str(e).split()), code=code).event()  # one line
+    """The ``error`` event answering an exception raised by a request
+    (:func:`cosyllama.server.errors.wyoming_error`): its text says what the client can act on, never
+    the server's files, libraries or exception texts (the log has those)."""
+    text, code = wyoming_error(e, API_NAMES)
+    return Error(text=text, code=code).event()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,24 +124,22 @@ def error_event(e: BaseException) -> Event:
 
 
 class WyomingService:
-    """The served TTS (a :class:`~cosyllama.server.serving.Serving`), its admission gate, the default
-    voice, the synthesis options of every request (e.g. ``greedy``/``seed``, which the protocol
-    cannot carry) and the threads that run model code (never the event loop)."""
+    """What every connection shares: the :class:`~cosyllama.server.serving.Serving` (its pipeline, gate,
+    threads and options: the default voice, the synthesis options of every request, e.g. ``greedy``/``seed``,
+    which the protocol cannot carry) and the rate-limited log of misbehaving clients."""
 
-    def __init__(self, serving, gate: Admission, *, default_voice: str | None = None, options=None,
-                 connection_limits: ConnectionLimits | None = None):
-        self.serving, self.tts, self.gate = serving, serving.tts, gate
-        self.default_voice = default_voice
-        self.options = replace(options or SynthesisOptions(), stream=True)
+    def __init__(self, serving):
+        self.serving, self.tts = serving, serving.tts
+        self.default_voice = serving.options.default_voice
+        self.options = replace(serving.options.defaults, stream=True)
         check_options(self.options)  # e.g. a speed, which streaming synthesis cannot make: refused at start
-        self.limits = connection_limits if connection_limits is not None else ConnectionLimits()
+        self.limits: ConnectionLimits = serving.options.connection_limits
         self.caps = event_caps(serving.limits)
-        self.executor = ThreadPoolExecutor(serving.max_concurrent + 2, thread_name_prefix="cosyllama-wyoming")
         self.connections: dict[asyncio.Task, _Connection] = {}
         self._warned = _RateLimitedLog(BAD_CLIENT_LINES, 60.0)
 
     async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await self.serving.call(fn, *args)
 
     def info(self) -> Info:
         """The ``info`` event's content (reads the voice store: run it in :meth:`call`)."""
@@ -213,10 +201,6 @@ class WyomingService:
         """A warning about a client, at most :data:`BAD_CLIENT_LINES` a minute (the rest are counted)."""
         self._warned(msg, *args)
 
-    def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-
 class _RateLimitedLog:
     """``log.warning`` at most ``n`` times per ``window`` seconds; the lines left out are counted
     and the count is logged with the next line let through."""
@@ -239,119 +223,6 @@ class _RateLimitedLog:
 
 
 # ----------------------------------------------------------------------------------------------
-# A session: the sentences of one synthesize, or of one synthesize-start ... -stop
-
-
-class _Session:
-    def __init__(self, conn: _Connection, voice_id: str, voice, streaming: bool, after: asyncio.Task | None):
-        self.conn, self.service = conn, conn.service
-        self.voice_id, self.voice, self.streaming = voice_id, voice, streaming
-        self.sentences: asyncio.Queue[SynthesisRequest | None] = asyncio.Queue()
-        self.n_requests = 0  # sentences queued so far: the k-th is seeded with the service's seed + k
-        self.text = SentenceStream(self.service.serving.limits)  # streamed text, cut into sentences
-        self.job: SynthesisJob | None = None
-        self.waiting_for_text = False  # an open stream has spoken all it was sent: the client's turn
-        self.task = asyncio.create_task(self._run(after), name=f"cosyllama-wyoming-{voice_id}")
-
-    def add_text(self, piece: str) -> None:
-        """Streamed text: queue each sentence it completes."""
-        for s in self.text.add(piece):
-            self._queue(s)
-
-    def add_whole(self, text: str) -> None:
-        self._queue(text)  # checked by the caller: one request, as it is
-
-    def finish(self) -> None:
-        """No more text: queue the rest (a last sentence without end punctuation)."""
-        for s in self.text.finish():
-            self._queue(s)
-        if not self.text.n_sentences:
-            raise RequestRefused("the stream ended without text to speak; send synthesize-chunk events with text "
-                                 "between synthesize-start and synthesize-stop", "empty_text")
-        self.sentences.put_nowait(None)
-
-    def _queue(self, sentence: str) -> None:
-        """One sentence (or a whole text) to speak, within this connection's bound on waiting text, as
-        the :class:`~cosyllama.request.SynthesisRequest` it makes (whose refusal is the client's error event)."""
-        limits = self.service.serving.limits
-        if self.conn.queued_chars + len(sentence) > QUEUED_INPUTS * limits.input_chars:
-            raise LimitExceeded(f"this connection has {self.conn.queued_chars} characters waiting to be "
-                                f"spoken, at most {QUEUED_INPUTS} x --max-input-chars "
-                                f"({QUEUED_INPUTS * limits.input_chars}); send more once its audio comes",
-                                field="input", limit=QUEUED_INPUTS * limits.input_chars,
-                                flag="--max-input-chars")
-        opts = self.service.options
-        if opts.seed is not None:  # wrapped into the seeds a request takes
-            opts = replace(opts, seed=(opts.seed + self.n_requests) % (SEED_RANGE[1] + 1))
-        request = SynthesisRequest(sentence, voice=self.voice, options=opts, limits=limits)  # its rules: refused here
-        self.n_requests += 1
-        self.conn.queued_chars += len(sentence)
-        self.sentences.put_nowait(request)
-
-    def cancel(self) -> None:
-        """The client is gone: free the LLM sequence now, stop the session."""
-        if self.job is not None:
-            self.job.token.cancel()
-        self.task.cancel()
-
-    async def _run(self, after: asyncio.Task | None) -> None:
-        if after is not None:  # the connection's earlier session speaks first
-            await asyncio.wait([after])
-        gate = self.service.gate
-        try:
-            await gate.admit()
-        except ServerBusyError as e:
-            await self.conn.fail(e)
-            return
-        try:
-            await self._speak()
-        except (asyncio.CancelledError, ConnectionError, RequestCancelled):
-            pass  # the client went away
-        except Exception as e:
-            await self.conn.fail(e)
-        finally:
-            gate.release()
-            self.conn.touch()
-
-    async def _speak(self) -> None:
-        service, tts, conn = self.service, self.service.tts, self.conn
-        rate, ms = tts.sample_rate, 0.0
-        started = False
-        while True:
-            if self.sentences.empty():
-                self.waiting_for_text = True  # from here the idle timeout runs
-                self.conn.touch()
-            try:
-                request = await self.sentences.get()
-            finally:
-                self.waiting_for_text = False
-            if request is None:
-                break
-            self.conn.queued_chars -= len(request.text)
-            job = self.job = SynthesisJob(tts, request)
-            try:
-                await service.call(job.open)
-                while (samples := await service.call(job.next)) is not None:
-                    if not samples.size:
-                        continue
-                    if not started:
-                        await conn.write_event(AudioStart(rate=rate, width=SAMPLE_WIDTH, channels=CHANNELS,
-                                                          timestamp=0).event())
-                        started = True
-                    await conn.write_event(AudioChunk(rate=rate, width=SAMPLE_WIDTH, channels=CHANNELS,
-                                                      audio=pcm16(samples), timestamp=round(ms)).event())
-                    ms += 1000 * samples.size / rate
-            finally:
-                self.job = None
-                await asyncio.shield(service.call(job.close))
-        if not started:  # every sentence was silent: still one (empty) audio stream
-            await conn.write_event(AudioStart(rate=rate, width=SAMPLE_WIDTH, channels=CHANNELS, timestamp=0).event())
-        await conn.write_event(AudioStop(timestamp=round(ms)).event())
-        if self.streaming:
-            await conn.write_event(SynthesizeStopped().event())
-
-
-# ----------------------------------------------------------------------------------------------
 # A connection
 
 
@@ -359,9 +230,19 @@ class _Closed(Exception):
     """The connection ends here (the client left, or it was answered and closed)."""
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A request's kind (:attr:`Template.door <cosyllama.server.session.Template.door>`): a stream ends with
+    ``synthesize-stopped``."""
+
+    streaming: bool
+
+
 class _Connection:
-    """One client: reads its events (bounded, :meth:`_read_event`), answers them, and writes
-    events with a bound on how long a write may make no progress (:meth:`write_event`)."""
+    """One client: reads its events (bounded, :meth:`_read_event`) and turns them into calls on its
+    :class:`~cosyllama.server.session.Session`; writes the session's events as Wyoming events (its
+    :class:`~cosyllama.server.session.Door`), with a bound on how long a write may make no progress
+    (:meth:`write_event`)."""
 
     def __init__(self, service: WyomingService, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.service, self.reader, self.writer = service, reader, writer
@@ -369,76 +250,58 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
-        self.stream: _Session | None = None  # the open synthesize-start ... -stop
-        self.sessions: list[_Session] = []  # in order; the last one may still be speaking
-        self.queued_chars = 0  # text of its sessions not yet spoken
+        limits = service.serving.limits
+        self.session = Session(service.serving, self, idle_timeout=self.limits.idle_timeout, text_per_utterance=True,
+                               max_utterances=MAX_SESSIONS, max_waiting_chars=QUEUED_INPUTS * limits.input_chars,
+                               noun="event")
+        self.stream = False  # a synthesize-start ... -stop is open
         self.failed = False
-        self.quiet_since = self.loop.time()  # when the client's turn began (for the idle timeout)
+        self.started = False  # the request being spoken has sent audio-start
+        self.ms = 0.0  # its audio so far
 
     # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Answer events until the client leaves, breaks the protocol or is refused; never raises."""
+        self.session.start()
         try:
             while not self.failed:
                 try:
                     event = await self._read_event()
-                except InputError as e:  # a malformed event, or one over its bounds
-                    if not isinstance(e, ProtocolError):
-                        self.service.warn_bad_client(self.peer, str(e))
+                except InputError as e:  # a malformed event, one over its bounds, the idle timeout, a refusal
+                    if isinstance(e, RequestRefused) and e.code == "idle_timeout":
+                        log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer,
+                                 self.limits.idle_timeout)
+                    await self.session.aclose()
                     await self.fail(e)
                     break
                 if event is None or not await self.handle_event(event):
                     break
-        except (_Closed, ConnectionError, asyncio.IncompleteReadError):
+        except (_Closed, asyncio.IncompleteReadError, *GONE):
             pass
-        except Exception as e:  # a bug: say so once in the log, and close
-            log.error("Wyoming connection of %s failed", self.peer, exc_info=e)
+        except Exception as e:  # a request failed in the session (refused, or the server's failure)
+            await self.session.aclose()
+            await self.fail(e)
         finally:
             with contextlib.suppress(Exception):
-                await self.disconnect()
+                await self.session.aclose()
             self._close()
 
-    def touch(self) -> None:
-        """Nothing of this connection is being spoken from now on until it sends more: the idle timeout restarts."""
-        self.quiet_since = self.loop.time()
-
-    def _busy(self) -> bool:
-        """Whether a session is waiting for a slot or speaking (the client may be silent meanwhile)."""
-        return any(not s.task.done() and not s.waiting_for_text for s in self.sessions)
-
     # -- reading -------------------------------------------------------------------------------
-
-    async def _first_byte(self) -> bytes:
-        """The first byte of the next event; b"" when the client is gone. Closes the connection
-        when the client sends nothing for ``idle_timeout`` seconds while nothing is being spoken."""
-        idle = self.limits.idle_timeout
-        while True:
-            busy = self._busy()
-            wait = idle if busy else self.quiet_since + idle - self.loop.time()
-            if wait > 0:
-                try:
-                    return await asyncio.wait_for(self.reader.read(1), wait)
-                except asyncio.TimeoutError:
-                    pass
-            if self._busy():  # a session that ends or waits for text touches the connection
-                continue
-            if self.loop.time() - self.quiet_since >= idle:
-                log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer, idle)
-                await self.fail(RequestRefused(f"no event for {idle:g} s (--idle-timeout); the connection is "
-                                               "closed", "idle_timeout"))
-                raise _Closed
 
     async def _read_event(self) -> Event | None:
         """The next event, read within bounds: None when the client left. :class:`ProtocolError`
         (or :class:`LimitExceeded`) for an event this server does not read."""
-        first = await self._first_byte()
+        first = await self.session.receive(lambda: self.reader.read(1))  # within the idle timeout
         if not first:
             return None
-        self.touch()
         try:
             return await read_event(self.reader, first, self.service.caps, self.limits.header_timeout,
                                     self.service.serving.limits.input_chars)
+        except InputError as e:  # malformed, or over its bounds: one (rate-limited) line for the operator
+            if not isinstance(e, ProtocolError):  # fail() says so for a ProtocolError
+                self.service.warn_bad_client(self.peer, str(e))
+            raise
         except asyncio.TimeoutError:
             seconds = self.limits.header_timeout
             log.info("closed the Wyoming connection of %s: an event took more than %g s (--header-timeout)",
@@ -459,45 +322,78 @@ class _Connection:
                 await self.write_event(Pong(text=optional_str(data, "text", "ping")).event())
             elif SynthesizeStart.is_type(kind):
                 voice = voice_field(data, kind)
-                if self.stream is not None:
+                if self.stream:
                     raise ProtocolError("synthesize-start inside a stream; end it with synthesize-stop first")
-                self.stream = await self._open(voice, streaming=True)
+                await self._configure(voice, streaming=True)
+                self.session.begin()
+                self.stream = True
             elif SynthesizeChunk.is_type(kind):
                 text = text_field(data, kind)
-                self._stream(kind).add_text(text)
+                self._in_stream(kind)
+                self.session.add_text(text)
             elif SynthesizeStop.is_type(kind):
-                stream, self.stream = self._stream(kind), None
-                stream.finish()
+                self._in_stream(kind)
+                self.stream = False
+                self.session.end_utterance(if_empty=RequestRefused(
+                    "the stream ended without text to speak; send synthesize-chunk events with text between "
+                    "synthesize-start and synthesize-stop", "empty_text"))
             elif Synthesize.is_type(kind):
                 text, voice = text_field(data, kind), voice_field(data, kind)
-                if self.stream is None:  # inside a stream: its copy for old servers, ignored
+                if not self.stream:  # inside a stream: its copy for old servers, ignored
                     if is_only_punctuation(text.strip()):  # empty, blank or nothing to say
                         raise RequestRefused("text is empty; give some text to speak", "empty_text")
-                    session = await self._open(voice, streaming=False)
-                    session.add_whole(text)
-                    session.sentences.put_nowait(None)
+                    await self._configure(voice, streaming=False)
+                    self.session.add_whole(text)
+                    self.session.end_utterance()
             return True
         except (ConnectionError, _Closed):
             return False
         except Exception as e:
+            await self.session.aclose()
             await self.fail(e)
             return False
 
-    def _stream(self, what: str) -> _Session:
-        if self.stream is None:
+    def _in_stream(self, what: str) -> None:
+        if not self.stream:
             raise ProtocolError(f"{what} without synthesize-start")
-        return self.stream
 
-    async def _open(self, voice, streaming: bool) -> _Session:
-        self.sessions = [s for s in self.sessions if not s.task.done()]
-        if len(self.sessions) >= MAX_SESSIONS:
-            raise RequestRefused(f"this connection has {len(self.sessions)} requests waiting or speaking, at most "
+    async def _configure(self, voice, streaming: bool) -> None:
+        """The template of the next request: its voice (``voice``: a ``SynthesizeVoice`` or None) and the
+        server's synthesis options (:meth:`WyomingService.voice`)."""
+        service = self.service
+        if self.session.max_utterances is not None and self.session.pending >= self.session.max_utterances:
+            raise RequestRefused(f"this connection has {self.session.pending} requests waiting or speaking, at most "
                                  f"{MAX_SESSIONS}; wait for audio-stop before sending more", "busy")
-        voice_id, features = await self.service.call(self.service.voice, voice)
-        after = self.sessions[-1].task if self.sessions else None
-        session = _Session(self, voice_id, features, streaming, after)
-        self.sessions.append(session)
-        return session
+        _, features = await service.call(service.voice, voice)
+        request = SynthesisRequest(STAND_IN_TEXT, voice=features, options=service.options,
+                                   limits=service.serving.limits)
+        self.session.configure(Template(request, door=_Request(streaming)))
+
+    # -- the session's events (its Door) -------------------------------------------------------
+
+    def job(self, sentence: Sentence) -> SynthesisJob:
+        return SynthesisJob(self.service.tts, sentence.request)
+
+    async def send(self, event) -> None:
+        rate = self.service.tts.sample_rate
+        if isinstance(event, Audio):
+            if not self.started:
+                await self._audio_start(rate)
+            samples = event.data
+            await self.write_event(AudioChunk(rate=rate, width=SAMPLE_WIDTH, channels=CHANNELS, audio=pcm16(samples),
+                                              timestamp=round(self.ms)).event())
+            self.ms += 1000 * samples.size / rate
+        elif isinstance(event, UtteranceDone):
+            if not self.started:  # every sentence was silent: still one (empty) audio stream
+                await self._audio_start(rate)
+            await self.write_event(AudioStop(timestamp=round(self.ms)).event())
+            if event.door.streaming:
+                await self.write_event(SynthesizeStopped().event())
+            self.started, self.ms = False, 0.0
+
+    async def _audio_start(self, rate: int) -> None:
+        await self.write_event(AudioStart(rate=rate, width=SAMPLE_WIDTH, channels=CHANNELS, timestamp=0).event())
+        self.started = True
 
     # -- writing and closing -------------------------------------------------------------------
 
@@ -543,13 +439,6 @@ class _Connection:
                 self.loop.call_later(self.limits.write_timeout, transport.abort)
         self.reader.feed_eof()
 
-    async def disconnect(self) -> None:
-        """The connection ended: cancel its sessions; their sequences are free when this returns."""
-        for s in self.sessions:
-            s.cancel()
-        for s in self.sessions:
-            await asyncio.wait([s.task])
-
 
 # ----------------------------------------------------------------------------------------------
 # Starting and running
@@ -574,7 +463,7 @@ def check_listen(uri: str) -> None:
     """Refuse, before a model is loaded, a ``tcp://`` address this process cannot listen at (the
     port is taken, the host is not ours): an :class:`InputError`, so ``serve --wyoming`` and
     ``wyoming`` stop with one line instead of failing in the server's start-up later."""
-    from .serving import check_can_listen
+    from .startup import check_can_listen
 
     u = urlparse(check_uri(uri))
     if u.scheme == "tcp":
@@ -602,7 +491,6 @@ class WyomingServer:
         if self.unix_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.unix_path)
-        self.service.close()
 
 
 async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -631,17 +519,13 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
         service.connections.pop(task, None)
 
 
-async def start_wyoming(uri: str, serving, *, gate: Admission | None = None, default_voice: str | None = None,
-                        options=None, connection_limits: ConnectionLimits | None = None) -> WyomingServer:
+async def start_wyoming(uri: str, serving) -> WyomingServer:
     """Listen at ``uri`` in the running event loop and answer the Wyoming protocol from ``serving``
-    (a :class:`~cosyllama.server.serving.Serving`); ``gate``: the admission gate to share (default: a new
-    one of ``serving``'s bounds). ``options``: the :class:`~cosyllama.tts.SynthesisOptions` of
-    every request (always streaming). ``connection_limits``: what a client may hold (default
-    :class:`ConnectionLimits`()). A TCP port 0 listens on a free port (see ``address``)."""
+    (a :class:`~cosyllama.server.serving.Serving`: its pipeline, admission gate, default voice, the
+    synthesis options of every request (always streaming) and the connection limits). A TCP port 0
+    listens on a free port (see ``address``)."""
     check_uri(uri)
-    gate = gate if gate is not None else Admission(serving.max_concurrent, serving.max_queue)
-    service = WyomingService(serving, gate, default_voice=default_voice, options=options,
-                             connection_limits=connection_limits)
+    service = WyomingService(serving)
     u = urlparse(uri)
     line_cap = max(service.caps.values())  # the reader buffers at most about this much of a header line
 
@@ -658,7 +542,6 @@ async def start_wyoming(uri: str, serving, *, gate: Admission | None = None, def
         else:
             server = await asyncio.start_server(accept, host=u.hostname, port=u.port, limit=line_cap)
     except OSError as e:  # e.g. the port is taken
-        service.close()
         raise InputError(f"cannot listen at {uri}: {e.strerror or e}") from e
     sockets = server.sockets or ()
     address = sockets[0].getsockname() if sockets else uri
@@ -672,14 +555,12 @@ def run_wyoming(options, uri: str) -> None:
     from .startup import ready, start
 
     uri = check_uri(uri)
-    tts, voices = start(options, lambda: check_listen(uri))
-    serving = prepare(tts, max_queue=options.max_queue, limits=options.limits, prefill_chunk=options.prefill_chunk,
-                      interleave=options.interleave, voices=voices)
-    ready(tts, voices)  # after prepare: the store has its encoder by then, so voice folders warm too
-    wyoming_options = {"default_voice": options.default_voice, "connection_limits": options.connection_limits}
+    models, voices = start(options, lambda: check_listen(uri))
+    serving = prepare(models, options, voices=voices)
+    ready(serving)  # after prepare: the store has its encoder by then, so voice folders warm too
 
     async def main():
-        server = await start_wyoming(uri, serving, **wyoming_options)
+        server = await start_wyoming(uri, serving)
         log.warning("Wyoming server listening on %s (%d voices)", uri, len(serving.tts.voices))
         stopped = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from ..errors import InputError, MissingDependencyError
+from ..errors import MissingDependencyError
 from ..limits import LimitExceeded
 from ..voices import show_id
+from .errors import Refusal
 
 try:
     from wyoming import __version__ as WYOMING_VERSION
@@ -33,12 +34,11 @@ TEXT_EVENTS = ("synthesize", "synthesize-chunk")
 EVENT_TYPES = ("describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop", "ping")
 
 
-class RequestRefused(InputError):
+class RequestRefused(Refusal):
     """A request the server answers with an ``error`` event; ``code`` is its machine-readable reason."""
 
     def __init__(self, message: str, code: str):
-        super().__init__(message)
-        self.code = code
+        super().__init__(message, code)
 
 
 class ProtocolError(RequestRefused):

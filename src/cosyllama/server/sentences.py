@@ -1,0 +1,54 @@
+"""Text as it is written (an LLM's answer, piece by piece), cut into the sentences to speak:
+:class:`SentenceStream`, used by every streamed session (:mod:`cosyllama.server.session`)."""
+
+from __future__ import annotations
+
+from ..limits import RequestLimits
+from ..text.normalize import is_only_punctuation, take_sentences
+
+
+class SentenceStream:
+    """The text of one streamed session, piece by piece, cut into the sentences to speak as soon as
+    each is complete (:func:`~cosyllama.text.normalize.take_sentences`); ``whole=True`` keeps all
+    of it for :meth:`finish` instead (one request for the whole text).
+
+    Bounded by ``limits`` (a :class:`~cosyllama.limits.RequestLimits`): a piece, a sentence and the
+    text waiting for its sentence's end are each at most ``input_chars`` characters (a sentence
+    that never ends is refused, it does not grow), and the session at most ``session_chars`` in
+    all, each piece counting at least one (so empty pieces cannot go on for ever). A refusal is a
+    :class:`~cosyllama.limits.LimitExceeded`. Sentences made only of punctuation are dropped.
+    """
+
+    def __init__(self, limits: RequestLimits, whole: bool = False):
+        self.limits, self.whole = limits, whole
+        self.pending = ""  # text not yet a complete sentence
+        self.received = 0  # characters taken, at least one per piece
+        self.n_sentences = 0  # sentences handed out
+
+    def add(self, piece: str) -> list[str]:
+        """Take one piece; the sentences it completes."""
+        self.limits.check_chars("input", piece)
+        self.received += max(1, len(piece))
+        self.limits.check_session(self.received)
+        if self.whole:
+            self.pending += piece
+            self.limits.check_chars("input", self.pending)
+            return []
+        sentences, self.pending = take_sentences(self.pending + piece, known=len(self.pending))
+        self.limits.check_chars("input", self.pending)
+        return self._keep(sentences)
+
+    def finish(self) -> list[str]:
+        """No more text: the rest, as a last sentence (without end punctuation), if it says anything."""
+        rest, self.pending = self.pending.strip(), ""
+        return self._keep([rest])
+
+    def _keep(self, sentences: list[str]) -> list[str]:
+        out = [s for s in sentences if s and not is_only_punctuation(s)]
+        for s in out:
+            self.limits.check_chars("input", s)
+        self.n_sentences += len(out)
+        return out
+
+
+__all__ = ["SentenceStream"]

@@ -1,0 +1,328 @@
+"""One client's streamed speech, whatever carries it: :class:`Session`.
+
+The WebSocket endpoint (:mod:`cosyllama.server.speech_stream`) and the Wyoming server
+(:mod:`cosyllama.server.wyoming`) are codecs over it: each turns its client's messages into calls
+here (:meth:`Session.configure`, :meth:`~Session.add_text`, :meth:`~Session.add_whole`,
+:meth:`~Session.end_utterance`, :meth:`~Session.close`) and the session's events into its frames
+(:class:`Door`). What the session does is the same for both:
+
+* **Sentences.** Text as it is written is cut into sentences (:class:`~cosyllama.server.sentences.SentenceStream`),
+  each one :class:`~cosyllama.request.SynthesisRequest` made from the utterance's template, checked
+  when it is queued (a refusal is the client's error at once) and spoken in order.
+* **The seed rule.** Sentence ``k`` of an utterance is seeded with the utterance's seed ``+ k``
+  (wrapped into the seed range), as segment ``k`` of one request is: a text streamed sentence by
+  sentence gets the seeds it would get sent whole and split the same way.
+* **Admission.** An utterance holds one of the server's running slots
+  (:class:`~cosyllama.server.admission.Admission`, the gate HTTP requests take) from its first
+  sentence to its end; an utterance without sentences takes none.
+* **Cancel.** :meth:`Session.aclose` (the client went away, or broke a rule) cancels the sentence being
+  spoken: its LLM sequence is released at the next decode step, its slot at once.
+* **Idle timeout.** :meth:`Session.receive` waits for the client's next message; with nothing queued
+  or being spoken it waits at most ``idle_timeout`` seconds from the last message (or from when
+  the last audio was sent), then refuses with ``idle_timeout``.
+* **Write timeout.** A door's :meth:`Door.send` raises :class:`Stalled` (or ``ConnectionError``)
+  when its client has read nothing for ``write_timeout`` seconds; the session ends there.
+
+Model code runs in the serving's threads (:meth:`~cosyllama.server.serving.Serving.call`), never in
+the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ..limits import LimitExceeded
+from ..llm.scheduler import RequestCancelled
+from ..request import SEED_RANGE, SynthesisRequest
+from .errors import Refusal
+from .job import SynthesisJob
+from .sentences import SentenceStream
+
+
+class Stalled(Exception):
+    """The client has read nothing of what was sent for ``write_timeout`` seconds."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """What an utterance's sentences are made from: ``request`` (checked, with its voice; its text
+    a stand-in), ``whole`` (the utterance is one sentence, spoken at its end) and ``door`` (the codec's
+    own per-utterance data, e.g. the WebSocket's audio format)."""
+
+    request: SynthesisRequest
+    whole: bool = False
+    door: object = None
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """One sentence to speak: the ``index``-th of utterance ``utterance``."""
+
+    utterance: int
+    index: int
+    text: str
+    request: SynthesisRequest  # its synthesis, seeded by the seed rule
+    door: object  # the utterance's Template.door
+
+
+@dataclass(frozen=True)
+class Audio:
+    """Audio of ``sentence``, as its job makes it (not empty)."""
+
+    sentence: Sentence
+    data: object  # float32 samples (a SynthesisJob) or encoded bytes (the WebSocket's SpeechJob)
+
+
+@dataclass(frozen=True)
+class SentenceDone:
+    sentence: Sentence
+
+
+@dataclass(frozen=True)
+class UtteranceDone:
+    utterance: int
+    total: int  # its sentences
+    door: object  # its Template.door
+
+
+class Door(Protocol):
+    """What a codec gives the session."""
+
+    def job(self, sentence: Sentence) -> SynthesisJob:
+        """The synthesis of one sentence (:meth:`SynthesisJob.output` is what :class:`Audio` carries)."""
+        ...
+
+    async def send(self, event: Audio | SentenceDone | UtteranceDone) -> None:
+        """Write ``event`` as the door's frames; :class:`Stalled` or ``ConnectionError`` when the
+        client reads nothing."""
+        ...
+
+
+_CLOSE = object()  # the speaker's last item (close())
+GONE = (asyncio.CancelledError, ConnectionError, RequestCancelled)  # what a client that went away raises
+
+
+class Session:
+    """One connection's streamed speech over ``serving`` (a :class:`~cosyllama.server.serving.Serving`),
+    its events sent through ``door``. ``text_per_utterance``: each utterance cuts its own text (its
+    ``--max-session-chars`` counted per utterance; else per connection); ``max_utterances``: utterances
+    that may wait or be spoken at once (None: no bound); ``max_waiting_chars``: characters queued and not yet
+    being spoken (None: no bound). Made inside the running event loop; :meth:`start` it."""
+
+    def __init__(self, serving, door: Door, *, idle_timeout: float, text_per_utterance: bool = False,
+                 max_utterances: int | None = None, max_waiting_chars: int | None = None, noun: str = "message"):
+        self.serving, self.door = serving, door
+        self.limits = serving.limits
+        self.idle_timeout, self.noun = idle_timeout, noun
+        self.text_per_utterance = text_per_utterance
+        self.max_utterances, self.max_waiting_chars = max_utterances, max_waiting_chars
+        self.template: Template | None = None  # for utterances opened from now
+        self.text = SentenceStream(self.limits)
+        self.utterance = 0  # the open utterance's index
+        self.open_template: Template | None = None  # the open utterance's template (None: none open)
+        self.n_queued = 0  # sentences of the open utterance so far
+        self.took_text = False  # the open utterance has taken text
+        self.pending = 0  # utterances queued or being spoken
+        self.waiting_chars = 0  # characters queued, not yet being spoken
+        self.closing = False  # close() came
+        self.partial = False  # the sentence that failed had sent audio
+        self.job: SynthesisJob | None = None
+        self._work: asyncio.Queue = asyncio.Queue()
+        self._in_hand = None  # the item the speaker is on
+        self._wake = asyncio.Event()  # the speaker ran out of work
+        self._loop = asyncio.get_running_loop()
+        self.quiet_since = self._loop.time()
+        self._speaker: asyncio.Task | None = None
+        self._reading: asyncio.Future | None = None
+
+    def start(self) -> None:
+        self._speaker = asyncio.create_task(self._speak())
+
+    # -- what the client sends ------------------------------------------------------------------
+
+    def configure(self, template: Template) -> None:
+        """The template of the utterances opened from now, and of the open one when it has taken no
+        text yet (a door refuses a new configuration inside an utterance: :attr:`in_utterance`)."""
+        self.template = template
+        if self.open_template is not None:
+            self.open_template = template
+            self.text.whole = template.whole
+
+    @property
+    def in_utterance(self) -> bool:
+        """An utterance is open and has taken text."""
+        return self.open_template is not None and (self.took_text or bool(self.n_queued))
+
+    def _open(self) -> Template:
+        if self.open_template is None:
+            if self.template is None:
+                raise Refusal("text before the session is configured", "session_not_configured")
+            if self.max_utterances is not None and self.pending >= self.max_utterances:
+                raise Refusal(f"this connection has {self.pending} requests waiting or speaking, at most "
+                              f"{self.max_utterances}; wait for the audio before sending more", "busy")
+            self.open_template = self.template
+            self.pending += 1
+            self.took_text = False
+            if self.text_per_utterance:
+                self.text = SentenceStream(self.limits)
+            self.text.whole = self.template.whole
+        return self.open_template
+
+    def begin(self) -> None:
+        """Open an utterance now (a Wyoming stream's start), with the current template."""
+        self._open()
+
+    def add_text(self, piece: str) -> None:
+        """Text as it is written: each sentence it completes is queued."""
+        self._open()
+        self.took_text = self.took_text or bool(piece)
+        for s in self.text.add(piece):
+            self._queue(s)
+
+    def add_whole(self, text: str) -> None:
+        """One sentence, as it is (checked by the caller)."""
+        self._open()
+        self.took_text = True
+        self._queue(text)
+
+    def end_utterance(self, if_empty: Exception | None = None) -> int:
+        """No more text in the open utterance: the rest is queued as its last sentence, then its end.
+        Returns how many sentences it had; ``if_empty``: raised instead when it had none (nothing of
+        it is sent then)."""
+        template = self._open()
+        for s in self.text.finish():
+            self._queue(s)
+        total = self.n_queued
+        if not total and if_empty is not None:
+            raise if_empty
+        self._work.put_nowait(UtteranceDone(self.utterance, total, template.door))
+        self.utterance, self.n_queued, self.open_template = self.utterance + 1, 0, None
+        return total
+
+    def close(self) -> None:
+        """What is queued is spoken, then the speaker ends (text not yet a sentence is dropped)."""
+        self.closing = True
+        self._work.put_nowait(_CLOSE)
+
+    def _queue(self, text: str) -> None:
+        """One sentence to speak, within the bound on waiting text, as the request it makes (whose
+        refusal is the client's error)."""
+        if self.max_waiting_chars is not None and self.waiting_chars + len(text) > self.max_waiting_chars:
+            raise LimitExceeded(f"this connection has {self.waiting_chars} characters waiting to be "
+                                f"spoken, at most {self.max_waiting_chars} "
+                                f"({self.max_waiting_chars // self.limits.input_chars} x --max-input-chars); "
+                                "send more once its audio comes",
+                                field="input", limit=self.max_waiting_chars, flag="--max-input-chars")
+        template = self.open_template
+        request = template.request
+        if request.options.seed is not None:  # the seed rule (module docstring)
+            seed = (request.options.seed + self.n_queued) % (SEED_RANGE[1] + 1)
+            request = replace(request, options=replace(request.options, seed=seed))
+        request = replace(request, text=text)  # its rules: refused here
+        self._work.put_nowait(Sentence(self.utterance, self.n_queued, text, request, template.door))
+        self.n_queued += 1
+        self.waiting_chars += len(text)
+
+    # -- waiting for the client -----------------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Something is queued or being spoken (then the client may be silent)."""
+        return self._in_hand is not None or not self._work.empty()
+
+    def touch(self) -> None:
+        """The client's turn begins now: the idle timeout restarts."""
+        self.quiet_since = self._loop.time()
+
+    async def receive(self, read: Callable[[], Awaitable]):
+        """The client's next message (what ``read()`` returns), within the idle timeout; None once the
+        speaker has ended after :meth:`close`. Raises what the speaker failed with, and a
+        :class:`~cosyllama.server.errors.Refusal` ``idle_timeout`` when the client sent nothing for
+        ``idle_timeout`` seconds while nothing was being spoken."""
+        loop, idle = self._loop, self.idle_timeout
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(read())
+        while True:
+            waker = asyncio.ensure_future(self._wake.wait())
+            timeout = None if self.busy() else max(0.0, self.quiet_since + idle - loop.time())
+            done, _ = await asyncio.wait({self._reading, waker, self._speaker}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            waker.cancel()
+            if self._wake.is_set():
+                self._wake.clear()
+                self.quiet_since = max(self.quiet_since, loop.time())
+            if self._speaker in done:
+                self._speaker.result()  # raises what the speaker failed with
+                return None
+            if self._reading in done:
+                reading, self._reading = self._reading, None
+                message = reading.result()
+                self.touch()
+                return message
+            if not done and not self.busy() and loop.time() - self.quiet_since >= idle:
+                raise Refusal(f"no {self.noun} for {idle:g} s with nothing being spoken (the server's "
+                              "--idle-timeout); the connection is closed", "idle_timeout")
+
+    async def aclose(self) -> None:
+        """Stop: cancel the sentence being spoken (its LLM sequence goes at the next decode step) and
+        the speaker; its slot is free when this returns."""
+        if self._reading is not None:
+            self._reading.cancel()
+            self._reading = None
+        if self.job is not None:
+            self.job.token.cancel()
+        if self._speaker is not None:
+            self._speaker.cancel()
+            await asyncio.shield(asyncio.wait([self._speaker]))
+
+    # -- the speaker ----------------------------------------------------------------------------
+
+    async def _speak(self) -> None:
+        gate, held = self.serving.admission(), False
+        try:
+            while True:
+                if self._work.empty():
+                    self._wake.set()
+                item = self._in_hand = await self._work.get()
+                if item is _CLOSE:
+                    return
+                if isinstance(item, UtteranceDone):
+                    await self.door.send(item)
+                    self.pending -= 1
+                    if held:
+                        gate.release()
+                        held = False
+                else:
+                    self.waiting_chars -= len(item.text)
+                    if not held:
+                        await gate.admit()  # one slot per utterance, as an HTTP request holds one
+                        held = True
+                    await self._sentence(item)
+                self._in_hand = None
+        finally:
+            self._in_hand = None
+            if held:
+                gate.release()
+
+    async def _sentence(self, sentence: Sentence) -> None:
+        call = self.serving.call
+        job = self.job = self.door.job(sentence)
+        sent = False
+        try:
+            await call(job.open)
+            while (data := await call(job.output)) is not None:
+                if len(data):
+                    await self.door.send(Audio(sentence, data))
+                    sent = True
+            await self.door.send(SentenceDone(sentence))
+        except BaseException:
+            self.partial = sent
+            raise
+        finally:
+            self.job = None
+            await asyncio.shield(call(job.close))
+
+
+__all__ = ["GONE", "Audio", "Door", "Sentence", "SentenceDone", "Session", "Stalled", "Template", "UtteranceDone"]
