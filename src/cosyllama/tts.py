@@ -125,6 +125,12 @@ class TTS:
         self._build(models, make_token_source(models.llm), models.options.limits, VoiceStore(), None, 0)
 
     @classmethod
+    def load(cls, model_dir: str | Path | LoadOptions, **options) -> TTS:
+        """``TTS(model_dir, **options)``: :meth:`Models.load <cosyllama.models.Models.load>` (the one loader),
+        then the Python API's pipeline over the models."""
+        return cls(model_dir, **options)
+
+    @classmethod
     def from_models(cls, models: Models, *, token_source: TokenSource | None = None,
                     limits: RequestLimits | None = _FROM_OPTIONS, voices: VoiceStore | None = None,
                     text_worker: bool = False, flow_slots: int = 0) -> TTS:
@@ -406,6 +412,6 @@ class TTS:
 def load(model_dir: str | Path | LoadOptions, **options) -> TTS:
     """Load a CosyVoice3 model directory: ``load(options)`` with a :class:`~cosyllama.options.LoadOptions`,
     or ``load(model_dir, **fields)`` with its fields as keywords; see :class:`TTS`."""
-    return TTS(model_dir, **options)
+    return TTS.load(model_dir, **options)
 
 
