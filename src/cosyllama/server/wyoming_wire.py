@@ -15,6 +15,7 @@ import json
 from ..errors import InputError, MissingDependencyError
 from ..limits import LimitExceeded
 from ..voices import show_id
+from . import client_json
 
 try:
     from wyoming import __version__ as WYOMING_VERSION
@@ -123,11 +124,9 @@ def json_kind(value) -> str:
 
 def _json_object(raw: bytes, what: str) -> dict:
     try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProtocolError(f"the event's {what} is not UTF-8") from None
-    except ValueError:
-        raise ProtocolError(f"the event's {what} is not JSON") from None
+        value = client_json.loads(raw)  # nested at most MAX_DEPTH levels: never a RecursionError
+    except client_json.ClientJSONError as e:
+        raise ProtocolError(f"the event's {what} {e}") from None
     if not isinstance(value, dict):
         raise ProtocolError(f"the event's {what} is {json_kind(value)}, not an object")
     return value
