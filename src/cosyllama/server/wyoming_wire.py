@@ -3,7 +3,8 @@
 The `wyoming` package's reader buffers whatever a header announces (``data_length``,
 ``payload_length``) and hands on whatever the data holds; :func:`read_event` checks the header
 line, its lengths (:func:`event_caps`, per event type) and the fields of each event this server
-answers before it reads or uses them, and answers anything else with :class:`ProtocolError`.
+answers before it reads or uses them, parses their JSON with its nesting bounded
+(:func:`cosyllama.server.client_json.loads`), and answers anything else with :class:`ProtocolError`.
 :func:`event_bytes` writes an event as the package does. Needs the ``wyoming`` extra.
 """
 
