@@ -159,3 +159,21 @@ def test_a_wyoming_client_that_stops_reading_is_cut_at_the_write_timeout(view, m
         _assert_cut("Wyoming", seen["sent"], waited)
     finally:
         srv.stop()
+
+
+def test_the_non_reader_script_measures_each_door(capsys):
+    """scripts/non_reader.py against a server it starts (--write-timeout 2): every door's client is
+    cut, its slot free a little after the timeout."""
+    import runpy
+    from pathlib import Path
+
+    from helpers import MODEL_DIR
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "non_reader.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--write-timeout", "2", "--greedy", "--limit", str(WAIT_S)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["http", "websocket", "wyoming"], rows
+    for door, timeout, _, seconds, answer in rows:
+        assert timeout == "2" and answer == "cut", (door, seconds, answer)
+        assert float(seconds) <= 2 + CLEAN_UP_S, (door, seconds)
