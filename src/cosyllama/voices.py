@@ -30,6 +30,7 @@ import torch
 
 from .errors import InputError
 from .frontend import PromptFeatures
+from .text.normalize import text_problem
 
 FORMAT = "cosyllama-voices"
 VERSION = 1
@@ -316,7 +317,11 @@ def _read_bounded(path: Path, limit: int, what: str) -> bytes:
 
 
 def _read_text(path: Path) -> str | None:
-    """A voice folder's text file, whitespace collapsed; None when it is missing or blank."""
+    """A voice folder's text file, whitespace collapsed; None when it is missing or blank. Its text
+    follows the rules of a request's text fields (:func:`~cosyllama.text.normalize.text_problem`: no
+    control characters but tab and newline), checked before whitespace is collapsed; the character
+    limits are checked where the text is used (the transcript when the voice is made, the
+    instruction with each request), as a request's are."""
     if not path.is_file():
         return None
     data = _read_bounded(path, MAX_FOLDER_TEXT_BYTES, path.name)
@@ -324,7 +329,25 @@ def _read_text(path: Path) -> str | None:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise InputError(f"{path.name} is not UTF-8 text") from None
+    problem = text_problem(text)
+    if problem is not None:
+        raise InputError(f"{path.name} {problem}")
     return " ".join(text.split()) or None
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    """Whether ``path``, its links followed, is ``root`` (its links followed) or inside it."""
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return real == top or real.startswith(top.rstrip(os.sep) + os.sep)
+
+
+def check_within(path: Path, root: Path, what: str) -> None:
+    """:class:`InputError` when ``path`` is a link (or inside a linked folder) that leads outside
+    ``root``, the voice directory: a voice directory's files are never read or written through a
+    link out of it (a link that stays inside it is followed). ``what`` names it in the message,
+    which names no path."""
+    if not _is_within(path, root):
+        raise InputError(f"{what} is a link to outside the voice directory; links are followed only within it")
 
 
 class _NoEncoder(Exception):
@@ -337,15 +360,24 @@ def is_voice_folder(path: Path) -> bool:
 
 
 def read_voice_folder(folder: str | Path, encoder: ClipEncoder | None, *, lock: threading.Lock | None = None,
-                      on_unkept: Callable[[OSError], None] | None = None) -> PromptFeatures:
+                      on_unkept: Callable[[OSError], None] | None = None,
+                      root: str | Path | None = None) -> PromptFeatures:
     """The voice of a voice folder: ``ref.wav``, with ``ref.txt`` (its transcript) or
     ``instruct.txt`` (a style instruction, kept as :attr:`PromptFeatures.instruction`), both
     optional. Made by ``encoder`` once and kept in the folder as ``voice.pt``, keyed on the bytes of
     the three files and :attr:`ClipEncoder.key`; read from there while they are the same (``lock``:
     held while one is made, so two threads make it once). ``on_unkept``: called when ``voice.pt``
-    cannot be written (a read-only folder: the voice is made each time). :class:`InputError` names
-    the file at fault, without the folder's path; ``encoder`` None raises :class:`_NoEncoder`."""
+    cannot be written (a read-only folder: the voice is made each time). ``root``: the voice
+    directory (default: the folder's parent); a folder, or a file of it, that is a link leading
+    outside it is refused (:func:`check_within`), so nothing is read or written through such a link.
+    :class:`InputError` names the file at fault, without the folder's path; ``encoder`` None raises
+    :class:`_NoEncoder`."""
     folder = Path(folder)
+    root = folder.parent if root is None else Path(root)
+    check_within(folder, root, "the folder")
+    for name in (REF_WAV, REF_TXT, INSTRUCT_TXT, FOLDER_VOICE):
+        if os.path.lexists(folder / name):
+            check_within(folder / name, root, name)
     if not (folder / REF_WAV).is_file():
         raise InputError(f"no {REF_WAV} in it (a voice folder holds {REF_WAV}, and {REF_TXT} with its "
                          f"transcript or {INSTRUCT_TXT} with a style instruction)")
@@ -454,7 +486,7 @@ class VoiceDirectory(VoiceStore):
         with os.scandir(self.directory) as it:
             for entry in it:
                 if (_ID_RE.match(entry.name) and entry.is_dir() and (Path(entry.path) / REF_WAV).is_file()
-                        and not self._path(entry.name).is_file()):
+                        and not self._path(entry.name).is_file() and _is_within(Path(entry.path), self.directory)):
                     out[entry.name] = (Path(entry.path) / REF_TXT).is_file()
         return dict(sorted(out.items()))
 
@@ -570,6 +602,7 @@ class VoiceDirectory(VoiceStore):
         return voice
 
     def _read_file(self, voice_id: str) -> PromptFeatures:
+        check_within(self._path(voice_id), self.directory, "the file")
         voices = _voices_of(_read_payload(self._path(voice_id), ""))  # the reason, apart from the name
         if list(voices) != [voice_id]:
             raise InputError(f"holds the voice(s) {', '.join(map(repr, voices)) or 'none'}; a voice directory holds "
@@ -584,7 +617,8 @@ class VoiceDirectory(VoiceStore):
                 log.warning("voices: cannot keep the voice of %s (%s); it is made again at each start",
                             self.directory / voice_id, e)
 
-        return read_voice_folder(self.directory / voice_id, self._encoder, lock=self._encode_lock, on_unkept=unkept)
+        return read_voice_folder(self.directory / voice_id, self._encoder, lock=self._encode_lock, on_unkept=unkept,
+                                 root=self.directory)
 
     def get(self, voice_id: str) -> PromptFeatures:
         voice = self._load(voice_id)

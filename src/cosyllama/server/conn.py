@@ -13,7 +13,9 @@ uvicorn's own protocol class (h11's, or httptools' when that is installed) with 
 * a response whose bytes wait to be sent (the client reads nothing) for ``write_timeout`` seconds
   without one more of them leaving is aborted: the connection is dropped and the route sees the
   client gone (its synthesis is cancelled, its slot freed). A slow reader is not cut as long as it
-  reads something now and then;
+  reads something now and then. The socket's send buffer is :data:`SEND_BUFFER_BYTES`, so the
+  writes stall soon after the client stops reading; the watch covers an upgraded connection (a
+  WebSocket) too;
 * a connection with no request in progress is closed after ``idle_timeout`` seconds (uvicorn's
   keep-alive timeout, set from it);
 * at most ``max_connections`` connections are open; one more gets 503 with ``Retry-After`` at once
@@ -26,8 +28,10 @@ connection is closed; the route reading the body sees the client gone. Needs the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 from dataclasses import dataclass, fields
 
 from ..defaults import RETRY_AFTER_S
@@ -41,6 +45,12 @@ MAX_CONNECTIONS = 256
 WRITE_TIMEOUT_S = 60.0  # a response that makes no progress this long is aborted (a slow link still drains)
 IDLE_TIMEOUT_S = 30.0  # a connection with no request (HTTP keep-alive, Wyoming between events) this long is closed
 REFUSED_LINGER_S = 1.0  # a connection refused at the cap is closed this long after its 503 at the latest
+# a connection's kernel send buffer (SO_SNDBUF; Linux doubles it for its own bookkeeping): what a
+# client has not read waits there, so a client that stops reading stalls the server's writes once
+# this much (2.7 s of 24 kHz 16-bit pcm) and the transport's own buffer wait, not after the megabytes
+# an unbounded buffer takes (on loopback ~4 MB, 90 s of pcm). Every door sets it: HTTP and the
+# WebSocket here (an upgraded connection keeps its socket), Wyoming on accepting.
+SEND_BUFFER_BYTES = 128 * 1024
 
 # what each bound means, for `serve --help` (the flag is --<name with dashes>)
 CONNECTION_HELP = {
@@ -114,6 +124,15 @@ class _CountedTransport:
         return getattr(self._transport, name)
 
 
+def bound_send_buffer(transport) -> None:
+    """Set the kernel send buffer of ``transport``'s socket to :data:`SEND_BUFFER_BYTES` (a transport
+    without a socket, or a socket that refuses, is left as it is)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+
+
 def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type:
     """``base`` (default: the HTTP protocol uvicorn's ``http="auto"`` picks) with ``limits``; give
     it to uvicorn as ``http=``."""
@@ -134,6 +153,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self.timeout_keep_alive = limits.idle_timeout  # uvicorn's keep-alive timer, on both protocols
 
         def connection_made(self, transport) -> None:
+            bound_send_buffer(transport)
             self._timer = None  # the running deadline, if any
             self._timer_kind = None
             self._seen = None  # the request whose headers were complete last
@@ -293,4 +313,5 @@ def uvicorn_options(limits: ConnectionLimits) -> dict:
     return {"http": guarded_protocol(limits)}
 
 
-__all__ = ["CONNECTION_HELP", "ConnectionLimits", "guarded_protocol", "uvicorn_options"]
+__all__ = ["CONNECTION_HELP", "SEND_BUFFER_BYTES", "ConnectionLimits", "bound_send_buffer", "guarded_protocol",
+           "uvicorn_options"]

@@ -5,7 +5,8 @@
 their answer from it: :func:`websocket_error` (an ``error`` message and the close code after it) and
 :func:`wyoming_error` (an ``error`` event's text and code). A failure that is the server's is logged
 with its traceback and answered :data:`INTERNAL_ERROR`, which names nothing of the server's files,
-libraries or exceptions.
+libraries or exceptions. A client's own strings quoted back in a message are cut to 64 characters
+(:func:`cosyllama.server.client_json.clip`).
 
 How a field is named depends on the door (``input`` over HTTP, ``text`` in a WebSocket's
 ``input.text`` or a Wyoming event): the ``names`` tables of :mod:`cosyllama.request`.
@@ -45,17 +46,9 @@ log = logging.getLogger("cosyllama.server")
 # what a client is told of a failure that is the server's (HTTP 500, WebSocket 1011, Wyoming's
 # internal_error): nothing of its files, libraries or exceptions, which go to the log
 INTERNAL_ERROR = "internal error; the server's log has the details"
-CLIP_CHARS = SHOWN_ID_CHARS  # a client's string quoted back in an error is cut to this many characters
 
 # WebSocket close codes (RFC 6455, 7.4.1)
 CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, CLOSE_FAILED, CLOSE_BUSY = 1000, 1008, 1009, 1011, 1013
-
-
-def clip(value: object) -> str:
-    """``value`` as a client's string quoted back in an error: its repr, cut to :data:`CLIP_CHARS`
-    characters (so an answer does not grow with what the client sent)."""
-    s = value if isinstance(value, str) else str(value)
-    return repr(s) if len(s) <= CLIP_CHARS else repr(s[:CLIP_CHARS]) + f" (cut; {len(s)} characters)"
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -188,5 +181,5 @@ def describe_invalid(errors) -> tuple[str, str | None, str | None]:
     return message or "invalid request", param, code
 
 
-__all__ = ["CLIP_CHARS", "INTERNAL_ERROR", "ApiError", "Refusal", "api_error", "busy", "clip", "describe_invalid",
+__all__ = ["INTERNAL_ERROR", "ApiError", "Refusal", "api_error", "busy", "describe_invalid",
            "error_body", "limit_error", "websocket_error", "wyoming_error"]

@@ -50,8 +50,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
 from ..request import HTTP_NAMES
+from .client_json import ClientJSONError, clip, clip_names, clip_param
+from .client_json import loads as client_loads
 from .common import state_of
-from .errors import CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, Refusal, clip, describe_invalid, websocket_error
+from .errors import CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, Refusal, describe_invalid, websocket_error
 from .session import GONE, Audio, Sentence, SentenceDone, Session, Stalled, Template, UtteranceDone
 from .speech import SpeechJob, SpeechRequest, check_request
 
@@ -152,9 +154,9 @@ class _Connection:
             raise Refusal(f"the message is larger than {self.max_bytes} bytes; send the text in smaller input.text "
                           "pieces", "message_too_large", close=CLOSE_TOO_BIG)
         try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):
-            raise Refusal("the message is not JSON; send JSON objects with a type", "invalid_json") from None
+            data = client_loads(raw, max_bytes=self.max_bytes)  # its nesting bounded before json.loads
+        except ClientJSONError as e:
+            raise Refusal(f"the message {e}; send JSON objects with a type", "invalid_json") from None
         if not isinstance(data, dict) or not isinstance(data.get("type"), str):
             raise Refusal(f"a message is a JSON object with a string field type ({MESSAGE_TYPES})", "invalid_message",
                           param="type")
@@ -185,8 +187,8 @@ class _Connection:
         extra = sorted(set(data) - {"type", *allowed})
         if extra:
             takes = f"only {', '.join(allowed)}" if allowed else "no fields"
-            raise Refusal(f"{kind} takes {takes} besides type, not {', '.join(clip(x) for x in extra[:5])}",
-                          "invalid_message", param=extra[0][:64])
+            raise Refusal(f"{kind} takes {takes} besides type, not {clip_names(extra)}", "invalid_message",
+                          param=clip_param(extra[0]))
 
     async def _configure(self, data: dict) -> None:
         if self.session.in_utterance:

@@ -48,7 +48,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, replace
 from urllib.parse import urlparse
@@ -59,7 +58,8 @@ from ..errors import InputError, MissingDependencyError
 from ..request import API_NAMES, SynthesisRequest, check_options
 from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
-from .conn import ConnectionLimits
+from .client_json import clip
+from .conn import ConnectionLimits, bound_send_buffer
 from .errors import wyoming_error
 from .job import SynthesisJob
 from .session import GONE, Audio, Sentence, Session, Template, UtteranceDone
@@ -104,7 +104,6 @@ VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url=
 
 MAX_SESSIONS = 4  # requests one connection may have waiting or speaking
 STOP_GRACE_S = 5.0  # seconds a stopping server lets connections take their last events
-SEND_BUFFER_BYTES = 128 * 1024  # a connection's kernel send buffer: 2.7 s of audio, plenty for any link
 QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
 BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
 # the text a request's template is checked with: each sentence's own is checked as it comes
@@ -176,7 +175,7 @@ class WyomingService:
         name = voice.name if voice is not None else None
         language = voice.language if voice is not None else None
         if language and language.replace("_", "-").split("-")[0].lower() not in LANGUAGES:
-            raise RequestRefused(f"language {language!r} is not one CosyVoice3 speaks; it speaks "
+            raise RequestRefused(f"language {clip(language)} is not one CosyVoice3 speaks; it speaks "
                                  f"{', '.join(LANGUAGES)}", "language_not_supported")
         ids = sorted(self.tts.voices.ids())
         if name is None or (name == DEFAULT_VOICE and name not in ids):
@@ -507,10 +506,7 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
             if writer.transport.get_write_buffer_size():
                 asyncio.get_running_loop().call_later(service.limits.write_timeout, writer.transport.abort)
         return
-    sock = writer.get_extra_info("socket")
-    if sock is not None:  # the kernel holds at most this much of what a client has not read (else up to MBs)
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    bound_send_buffer(writer.transport)  # the kernel holds at most 128 KiB a client has not read (else up to MBs)
     conn = _Connection(service, reader, writer)
     service.connections[task] = conn
     try:

@@ -3,7 +3,8 @@
 The `wyoming` package's reader buffers whatever a header announces (``data_length``,
 ``payload_length``) and hands on whatever the data holds; :func:`read_event` checks the header
 line, its lengths (:func:`event_caps`, per event type) and the fields of each event this server
-answers before it reads or uses them, and answers anything else with :class:`ProtocolError`.
+answers before it reads or uses them, parses their JSON with its nesting bounded
+(:func:`cosyllama.server.client_json.loads`), and answers anything else with :class:`ProtocolError`.
 :func:`event_bytes` writes an event as the package does. Needs the ``wyoming`` extra.
 """
 
@@ -15,6 +16,7 @@ import json
 from ..errors import MissingDependencyError
 from ..limits import LimitExceeded
 from ..voices import show_id
+from . import client_json
 from .errors import Refusal
 
 try:
@@ -123,11 +125,9 @@ def json_kind(value) -> str:
 
 def _json_object(raw: bytes, what: str) -> dict:
     try:
-        value = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ProtocolError(f"the event's {what} is not UTF-8") from None
-    except ValueError:
-        raise ProtocolError(f"the event's {what} is not JSON") from None
+        value = client_json.loads(raw)  # nested at most MAX_DEPTH levels: never a RecursionError
+    except client_json.ClientJSONError as e:
+        raise ProtocolError(f"the event's {what} {e}") from None
     if not isinstance(value, dict):
         raise ProtocolError(f"the event's {what} is {json_kind(value)}, not an object")
     return value
