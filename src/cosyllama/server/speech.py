@@ -231,8 +231,8 @@ async def voice_of(tts, names: VoiceNames, name: str):
 async def check_request(body: SpeechRequest, state: AppState,
                         text: str | None = None) -> tuple[str | None, SynthesisRequest]:
     """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
-    ``response_format`` aac, the voice's name), the app's ``speech_defaults`` filled in, then the
-    one :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as
+    ``response_format`` aac, the voice's name), the serving options' ``defaults`` (seed, greedy)
+    filled in, then the one :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as
     :class:`ApiError` (422 naming the field, 413 over a limit); ``state``: the app's state (tts,
     limits, voice names); ``text``: instead of ``body.input`` (a streamed session's sentence).
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``

@@ -12,7 +12,8 @@ differs). The client sends JSON text messages:
   (``sentence``, the default here, or ``none``: the whole text at ``input.done``). It may be sent
   again between utterances.
 * ``input.text`` (``text``): a piece of text; each sentence it completes is queued
-  (:class:`~cosyllama.server.serving.SentenceStream`, the Wyoming server's sentence cutting).
+  (:class:`~cosyllama.server.sentences.SentenceStream` in the
+  :class:`~cosyllama.server.session.Session`, as on Wyoming).
 * ``input.done``: the end of an utterance: the rest is spoken as its last sentence, then the server
   answers ``session.done``; the connection stays open for the next one.
 * ``session.close``: the queued sentences are spoken, then the server closes the connection.

@@ -23,10 +23,9 @@ This module is the codec: a connection's events become calls on a
 timeout), whose events become Wyoming events. A request (one ``synthesize``, or ``synthesize-start``
 to ``-stop``) is one of the session's utterances: it holds one of the server's running slots from its
 first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
-batched with everyone else's; sentence ``k`` is seeded with the server's seed ``+ k``.
-A bad request (unknown voice, no text, over a
-limit, the server busy) is answered with an ``error`` event, after which the server closes the
-connection (Home Assistant's client waits for audio until then). A client that closes the
+batched with everyone else's; sentence ``k`` is seeded with the server's seed ``+ k``. A bad
+request (unknown voice, no text, over a limit, the server busy) is answered with an ``error`` event,
+after which the server closes the connection (Home Assistant's client waits for audio until then). A client that closes the
 connection cancels its session: the LLM sequence is released at the next decode step.
 
 The protocol has no authentication, so everything a client controls is bounded
