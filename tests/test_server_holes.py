@@ -121,6 +121,33 @@ def test_deeply_nested_json_over_http_is_a_clients_mistake(server, caplog):
     _no_tracebacks(caplog)
 
 
+LONE = '"\\ud800 hi"'  # JSON text with half a surrogate pair: valid JSON, no character (the fuzzer found it)
+
+
+def test_half_a_surrogate_pair_is_a_clients_mistake_on_every_door(server, caplog):
+    """A JSON string escape ``\\ud800`` alone is valid JSON but no text (no encoder writes it): a ping
+    that echoed it was an internal error. Wyoming answers ``protocol_error``, the WebSocket
+    ``invalid_json``, HTTP 4xx; no traceback."""
+    caplog.set_level(logging.INFO)
+    for raw in (b'{"type": "ping", "data": {"text": ' + LONE.encode() + b"}}\n",
+                b'{"type": "synthesize", "data": {"text": ' + LONE.encode() + b', "voice": {"name": "en"}}}\n'):
+        events = wyoming_exchange(server.wyoming_port, raw)
+        assert [t for t, _ in events] == ["error"], events
+        assert events[0][1]["code"] == "protocol_error" and "half a character" in events[0][1]["text"], events
+    ws = RawWebSocket(server.port)
+    try:
+        ws.send_text(json.dumps({"type": "session.config", "voice": "en"}))
+        ws.send_text('{"type":"input.text","text":' + LONE + "}")
+        message, code = ws.refused()
+    finally:
+        ws.close()
+    assert (message["code"], code) == ("invalid_json", 1008), message
+    with httpx.Client(base_url=server.url, timeout=WAIT_S) as c:
+        r = c.post("/v1/audio/speech", content='{"input": ' + LONE + ', "voice": "en"}',
+                   headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    _no_tracebacks(caplog)
+
 
 # ==================================================================================================
 # 4. what an error message echoes of a client's strings

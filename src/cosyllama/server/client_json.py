@@ -26,6 +26,9 @@ MAX_DEPTH = 32  # arrays and objects inside each other a client's JSON may hold
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]', re.DOTALL)
 
 
+_LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate escape; whether it is paired is checked after
+
+
 class ClientJSONError(ValueError):
     """A client's JSON that :func:`loads` does not parse; its text says why, in one line, to follow
     the name of what was parsed (``is not JSON``, ``is nested more than 32 levels deep`` ...)."""
@@ -66,11 +69,17 @@ def loads(text: str | bytes, *, max_depth: int = MAX_DEPTH, max_bytes: int | Non
     if nesting_depth(text, max_depth) > max_depth:
         raise ClientJSONError(f"is nested more than {max_depth} levels deep (arrays and objects inside each other)")
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except RecursionError:  # not reached within MAX_DEPTH; a small stack, say
         raise ClientJSONError(f"is nested too deep to read (at most {max_depth} levels)") from None
     except ValueError:
         raise ClientJSONError("is not JSON") from None
+    if _LONE_SURROGATE.search(text):
+        try:  # JSON's \uXXXX escapes may name half of a surrogate pair, which is no character: no text
+            json.dumps(value, ensure_ascii=False).encode("utf-8")  # can hold it, and every encoder refuses it
+        except UnicodeEncodeError:
+            raise ClientJSONError("holds a \\uD800-\\uDFFF escape that is half a character (not text)") from None
+    return value
 
 
 def clip(s, n: int = SHOWN_ID_CHARS) -> str:
