@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import re
 import sys
 import threading
@@ -66,9 +67,9 @@ def load_cpu_variants(llama_cpp) -> None:
     lib_dir = _lib_dir(llama_cpp)
     if not any(lib_dir.glob("libggml-cpu-*.so")):
         return
-    from llama_cpp import _ggml
-
-    ggml = _ggml.libggml
+    # ggml's functions as libllama resolves them: the wheel holds libggml.so and libggml.so.0 as two copies, and
+    # loading the first by its path (llama_cpp._ggml) would make a second registry that llama.cpp never reads
+    ggml = importlib.import_module("llama_cpp.llama_cpp")._lib
     ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
     ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
     if ggml.ggml_backend_reg_by_name(b"CPU"):
