@@ -21,7 +21,7 @@ fi
 mkdir -p "$root"
 tmp=$(mktemp -d "$root/.building-XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
-echo "building $want into $dir (every CPU variant: about 15 min on 2 cores)" >&2
+echo "building $want into $dir (every CPU variant: 25 min on 2 AVX2 cores)" >&2
 start=$(date +%s)
 # --no-cache-dir: neither take a wheel pip built before with other flags nor leave this one in its cache
 CMAKE_ARGS="$flags" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "${PYTHON:-python3}" -m pip wheel --no-deps --no-cache-dir \

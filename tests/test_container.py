@@ -455,7 +455,7 @@ def test_read_only_root_with_the_cache_volume(start, volumes):
     assert len(speech_pcm(c.url, key=None)) > 0
     assert c.exec("sh", "-c", "touch /opt/x 2>&1 || echo refused").stdout.strip().endswith("refused")
     listing = c.exec("sh", "-c", "ls -A /cache /voices").stdout
-    assert "en.pt" in listing, listing
+    assert "en.pt" in listing and "precision-checks.json" in listing, listing
 
 
 def test_sigterm_stops_it_within_10_s(start, pytestconfig):
