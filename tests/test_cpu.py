@@ -179,3 +179,22 @@ def test_the_cpu_line_names_an_openmp_llama_build(monkeypatch):
         monkeypatch.setattr(cpu, "llama_cpp_features", lambda f=features: f)
         line = cpu.CpuPath(threads=2, llm="llamacpp").lines()[-1]
         assert line.startswith("llama.cpp build: ") and ("an OpenMP build" in line) is note, line
+
+
+def test_the_cpu_line_names_the_ggml_cpu_variant_of_a_run_time_dispatch_build(monkeypatch, tmp_path):
+    """A llama.cpp build with every CPU variant (the container image's, GGML_BACKEND_DL) loads one
+    ``libggml-cpu-<variant>.so`` for this CPU: the CPU line names it, read from the process's mapped
+    libraries; a build with its CPU backend linked in has none and the line says nothing of it."""
+    from cosyllama.llm import llamacpp_lib
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /venv/site-packages/llama_cpp/lib/libggml-cpu-haswell.so\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda p, *a, **k: real_open(maps if p == "/proc/self/maps" else p, *a, **k))
+    assert llamacpp_lib.cpu_variant() == "haswell"
+    monkeypatch.setattr(cpu, "llama_cpp_features", lambda: "AVX2, FMA, REPACK")
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace())
+    line = cpu.CpuPath(threads=2, llm="llamacpp").lines()[-1]
+    assert "ggml CPU variant haswell (chosen at run time)" in line, line
+    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /venv/site-packages/llama_cpp/lib/libggml-cpu.so\n")
+    assert "variant" not in cpu.CpuPath(threads=2, llm="llamacpp").lines()[-1]

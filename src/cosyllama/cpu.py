@@ -271,6 +271,16 @@ def llama_cpp_features() -> str | None:
     return ", ".join(on) if on else info.strip()
 
 
+def llama_cpu_variant() -> str | None:
+    """The ggml CPU variant a run-time-dispatch llama.cpp build chose for this CPU (the container image's
+    build; :func:`cosyllama.llm.llamacpp_lib.cpu_variant`), or None for a build with one CPU backend."""
+    if "llama_cpp" not in sys.modules:
+        return None
+    from .llm.llamacpp_lib import cpu_variant
+
+    return cpu_variant()
+
+
 def precision_reason(requested: str, chosen: str, device: str = "cpu", stage: str = "flow") -> str:
     """Why ``requested`` became ``chosen`` for ``stage`` on ``device``, in a few words."""
     requested = str(requested).strip().lower()
@@ -313,6 +323,7 @@ class CpuPath:
             d["vocoder_precision_why"] = precision_reason(self.requested, self.vocoder, self.device, "vocoder")
         if self.llm != "torch":
             d["llama_cpp"] = llama_cpp_features()
+            d["llama_cpp_variant"] = llama_cpu_variant()
             d["llama_cpp_buffers"] = self.llama_bufts or llama_extra_buffer_types(d["llama_cpp"])[1]
         return d
 
@@ -329,6 +340,8 @@ class CpuPath:
             out.append(f"precision on {self.device}: " + "; ".join(parts))
         if "llama_cpp" in d:
             out.append(f"llama.cpp build: {d['llama_cpp'] or 'llama-cpp-python not installed'}"
+                       + (f" | ggml CPU variant {d['llama_cpp_variant']} (chosen at run time)"
+                          if d.get("llama_cpp_variant") else "")
                        + (f" | {d['llama_cpp_buffers']}" if d["llama_cpp"] else "")
                        + (" | an OpenMP build: decodes slower beside the flow; rebuild without (docs/server.md)"
                           if "OPENMP" in (d["llama_cpp"] or "").split(", ") else ""))

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from ..errors import MissingDependencyError
 
@@ -45,9 +48,47 @@ def import_llama_cpp():
 
         _log_callback = route
         llama_cpp.llama_log_set(route, ctypes.c_void_p(0))
+        load_cpu_variants(llama_cpp)
         llama_cpp.llama_backend_init()
         _llama_cpp = llama_cpp
         return llama_cpp
+
+
+def _lib_dir(llama_cpp) -> Path:
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+def load_cpu_variants(llama_cpp) -> None:
+    """Register the best CPU backend of a build that loads them at run time (GGML_BACKEND_DL with
+    GGML_CPU_ALL_VARIANTS, the container image's: one ``libggml-cpu-<variant>.so`` per CPU class, beside
+    ``libggml.so``). ggml scores each variant against this CPU's CPUID and keeps the best; llama-cpp-python
+    0.3.36 does not ask it to, and ggml looks only beside the Python executable. A build with its CPU backend
+    linked in (no such files) is left alone."""
+    lib_dir = _lib_dir(llama_cpp)
+    if not any(lib_dir.glob("libggml-cpu-*.so")):
+        return
+    # ggml's functions as libllama resolves them: the wheel holds libggml.so and libggml.so.0 as two copies, and
+    # loading the first by its path (llama_cpp._ggml) would make a second registry that llama.cpp never reads
+    ggml = importlib.import_module("llama_cpp.llama_cpp")._lib
+    ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    if ggml.ggml_backend_reg_by_name(b"CPU"):
+        return
+    ggml.ggml_backend_load_all_from_path.restype = None
+    ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+    ggml.ggml_backend_load_all_from_path(str(lib_dir).encode())
+
+
+def cpu_variant() -> str | None:
+    """The ggml CPU variant this process loaded (``haswell``, ``skylakex``, ``sapphirerapids``, ...), from its
+    mapped libraries; None for a build with one CPU backend linked in, or before llama.cpp is loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    found = re.search(r"/libggml-cpu-([A-Za-z0-9_]+)\.so", maps)
+    return found.group(1) if found else None
 
 
 def set_llama_verbose(verbose: bool) -> None:
