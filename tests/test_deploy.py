@@ -17,16 +17,17 @@ def test_addon_options_become_serve_flags_that_parse():
 
     serve_argv = runpy.run_path(str(ADDON / "run.py"))["serve_argv"]
     options = {"model_dir": "/share/cosyllama/m", "gguf": "cv3.gguf", "voices_dir": "/share/cosyllama/voices",
-               "default_voice": "anna", "threads": 3, "precision": "int8", "api_key": "k"}
+               "default_voice": "anna", "threads": 3, "precision": "int8", "api_key": "k", "language": "de, en"}
     argv = serve_argv(options)
     assert argv[:2] == ["cosyllama", "serve"] and "k" not in argv  # the key goes by the environment
     args = build_parser().parse_args(argv[1:])
     assert (args.model_dir, args.gguf, args.voices) == ("/share/cosyllama/m", "/share/cosyllama/m/cv3.gguf",
                                                         "/share/cosyllama/voices")
-    assert (args.threads, args.precision, args.default_voice) == (3, "int8", "anna")
+    assert (args.threads, args.precision, args.default_voice, args.language) == (3, "int8", "anna", ["de", "en"])
     assert (args.host, args.port, args.wyoming) == ("0.0.0.0", 8000, "tcp://0.0.0.0:10200")
-    bare = build_parser().parse_args(serve_argv({**options, "gguf": "", "threads": 0, "default_voice": ""})[1:])
-    assert bare.gguf is None and bare.threads is None and bare.default_voice is None
+    bare = build_parser().parse_args(serve_argv({**options, "gguf": "", "threads": 0, "default_voice": "",
+                                                 "language": ""})[1:])
+    assert bare.gguf is None and bare.threads is None and bare.default_voice is None and bare.language is None
 
 
 def test_discovery_announces_the_wyoming_port_to_the_supervisor(monkeypatch):

@@ -126,3 +126,48 @@ def test_both_streamed_doors_seed_sentence_k_with_seed_plus_k(server):
             await client.disconnect()
 
     assert asyncio.run(wyoming_stream()) == b"".join(http)
+
+
+def test_language_narrows_what_wyoming_describes_and_takes(server):
+    """``--language de --language en``: describe lists de then en for every voice (Home Assistant offers
+    the voices for those); a request for another language is refused naming the flag."""
+    import copy
+    import dataclasses
+
+    from wyoming.tts import Synthesize
+
+    from cosyllama.server.wyoming import start_wyoming
+
+    serving = copy.copy(server.serving)  # the same core, other options
+    serving.options = dataclasses.replace(serving.options, languages=("de", "en"))
+
+    async def go():
+        wy = await start_wyoming("tcp://127.0.0.1:0", serving)
+        try:
+            out = []
+            for event in (Describe().event(),
+                          Synthesize(text="Hallo.", voice=SynthesizeVoice(language="fr")).event()):
+                client = AsyncTcpClient("127.0.0.1", wy.address[1])
+                await client.connect()
+                try:
+                    await client.write_event(event)
+                    out.append(await asyncio.wait_for(client.read_event(), TIMEOUT))
+                finally:
+                    await client.disconnect()
+            return out
+        finally:
+            await wy.stop()
+
+    info, refused = asyncio.run(go())
+    assert {tuple(v["languages"]) for v in info.data["tts"][0]["voices"]} == {("de", "en")}
+    assert refused.type == "error" and refused.data["code"] == "language_not_supported"
+    assert "--language" in refused.data["text"] and "de, en" in refused.data["text"]
+
+
+def test_a_bad_language_is_refused_before_loading(capsys):
+    from cosyllama.cli import main
+    from helpers import MODEL_DIR
+
+    for bad in (["--language", "xx"], ["--language", "en", "--language", "en"]):
+        assert main(["wyoming", "--model-dir", str(MODEL_DIR), "--uri", "tcp://127.0.0.1:0", *bad]) == 2
+        assert "--language takes each of zh, en, ja" in capsys.readouterr().err

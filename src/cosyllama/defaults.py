@@ -42,3 +42,6 @@ MAX_SEQ_TOKENS = 4096  # LLM positions of one sequence: its prompt plus the spee
 # characters of text one streamed session takes in all (a /v1/audio/speech/stream connection, a Wyoming
 # synthesize-start ... -stop); ~2 hours of speech
 MAX_SESSION_CHARS = 100_000
+# the languages CosyVoice3 was trained on (ISO 639-1), as Wyoming's describe lists them (--language narrows it);
+# it also speaks Chinese dialects through instructions
+LANGUAGES = ("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru")

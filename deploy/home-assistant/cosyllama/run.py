@@ -29,6 +29,8 @@ def serve_argv(options: dict) -> list[str]:
         argv += ["--threads", str(int(options["threads"]))]
     if options.get("default_voice"):
         argv += ["--default-voice", options["default_voice"]]
+    for code in (options.get("language") or "").replace(",", " ").split():  # empty: every language
+        argv += ["--language", code.strip().lower()]
     return argv
 
 

@@ -8,6 +8,7 @@ import argparse
 
 from ..defaults import (
     INTERLEAVE_MODES,
+    LANGUAGES,
     LLM_PRECISION,
     LLM_PRECISIONS,
     LLM_WEIGHTS,
@@ -113,4 +114,8 @@ def add_wyoming_voice_option(p: argparse.ArgumentParser, http: bool = False) -> 
     p.add_argument("--default-voice", metavar="ID",
                    help="Wyoming: the registered voice a request that names none (or names 'default') speaks "
                         "with (default: the first registered voice in alphabetical order)." + also)
+    p.add_argument("--language", action="append", metavar="CODE",
+                   help="Wyoming: a language describe lists for every voice (give it again for more; the first is "
+                        "listed first); Home Assistant offers the voices for these, and a request for another is "
+                        f"refused (default: all CosyVoice3 speaks: {', '.join(LANGUAGES)})")
 

@@ -59,7 +59,7 @@ def serving_options(args):
         load=load_options(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}),
         limits=request_limits(args), prefill_chunk=args.prefill_chunk, interleave=interleave_choice(args.interleave),
         max_queue=args.max_queue, voices=args.voices, default_voice=args.default_voice,
-        connection_limits=connection_limits(args))
+        languages=tuple(args.language) if args.language else None, connection_limits=connection_limits(args))
 
 
 def serve_options(args):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..defaults import INTERLEAVE_MODES, MAX_QUEUE, MAX_VOICES, PREFILL_CHUNK
+from ..defaults import INTERLEAVE_MODES, LANGUAGES, MAX_QUEUE, MAX_VOICES, PREFILL_CHUNK
 from ..errors import InputError
 from ..limits import RequestLimits
 from ..options import LoadOptions
@@ -38,6 +38,9 @@ class ServingOptions:
     voices: str | None = None
     # the registered voice a Wyoming request that names none speaks with (HTTP: OpenAI's voice names too)
     default_voice: str | None = None
+    # --language: the languages Wyoming's describe lists for every voice, in order (Home Assistant offers the
+    # voices for these); a request for another is refused; None: every language of defaults.LANGUAGES
+    languages: tuple[str, ...] | None = None
     # what a client may hold open: header, body, write and idle timeouts, open connections
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     # requests synthesized at once; None: twice the scheduler's sequence slots (the LLM stays busy while
@@ -59,6 +62,11 @@ class ServingOptions:
                              f"got {self.interleave!r}")
         if self.max_queue < 0:
             raise InputError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.languages is not None:
+            bad = [x for x in self.languages if x not in LANGUAGES]
+            if bad or not self.languages or len(set(self.languages)) != len(self.languages):
+                raise InputError(f"--language takes each of {', '.join(LANGUAGES)} at most once, got "
+                                 f"{', '.join(map(repr, self.languages)) or 'none'}")
         if self.default_voice is not None:
             from ..voices import check_voice_id
 

@@ -25,8 +25,9 @@ to ``-stop``) is one of the session's utterances: it holds one of the server's r
 first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
 batched with everyone else's; sentence ``k`` is seeded with the server's seed ``+ k``. A bad
 request (unknown voice, no text, over a limit, the server busy) is answered with an ``error`` event,
-after which the server closes the connection (Home Assistant's client waits for audio until then). A client that closes the
-connection cancels its session: the LLM sequence is released at the next decode step.
+after which the server closes the connection (Home Assistant's client waits for audio until then). A
+client that closes the connection cancels its session: the LLM sequence is released at the next decode
+step.
 
 The protocol has no authentication, so everything a client controls is bounded
 (:class:`~cosyllama.server.conn.ConnectionLimits`, the flags ``serve`` has too, and
@@ -53,6 +54,7 @@ from urllib.parse import urlparse
 
 from .. import __version__
 from ..audio_out import pcm16
+from ..defaults import LANGUAGES
 from ..errors import InputError, MissingDependencyError
 from ..request import API_NAMES, SynthesisRequest, check_options
 from ..text.normalize import is_only_punctuation
@@ -93,9 +95,6 @@ log = logging.getLogger("cosyllama.wyoming")
 LISTED_BY = " (describe lists them)"  # where a Wyoming client finds every voice id
 
 DEFAULT_VOICE = "default"  # the voice name that means "the server's default voice"
-# the languages CosyVoice3 was trained on (ISO 639-1); it also speaks Chinese dialects through
-# instructions, which a Wyoming request cannot give
-LANGUAGES = ("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru")
 SAMPLE_WIDTH = 2  # bytes: 16-bit PCM
 CHANNELS = 1
 MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="https://github.com/FunAudioLLM/CosyVoice")
@@ -129,6 +128,7 @@ class WyomingService:
     def __init__(self, serving):
         self.serving, self.tts = serving, serving.tts
         self.default_voice = serving.options.default_voice
+        self.languages = serving.options.languages or LANGUAGES  # what describe lists, the first one first
         self.options = replace(serving.options.defaults, stream=True)
         check_options(self.options)  # e.g. a speed, which streaming synthesis cannot make: refused at start
         self.limits: ConnectionLimits = serving.options.connection_limits
@@ -143,7 +143,8 @@ class WyomingService:
         """The ``info`` event's content (reads the voice store: run it in :meth:`call`)."""
         voices = self.tts.voices.items()
         entries = [TtsVoice(name=vid, description=f"{vid} (cloned from a {v.duration:.1f} s clip)",
-                            attribution=VOICE_ATTRIBUTION, installed=True, version=None, languages=list(LANGUAGES))
+                            attribution=VOICE_ATTRIBUTION, installed=True, version=None,
+                            languages=list(self.languages))
                    for vid, v in sorted(voices.items())]
         if DEFAULT_VOICE not in voices:
             try:
@@ -151,7 +152,7 @@ class WyomingService:
             except RequestRefused as e:
                 default = f"default (none yet: {e})"
             entries.insert(0, TtsVoice(name=DEFAULT_VOICE, description=default, attribution=VOICE_ATTRIBUTION,
-                                       installed=True, version=None, languages=list(LANGUAGES)))
+                                       installed=True, version=None, languages=list(self.languages)))
         program = TtsProgram(name="cosyllama", attribution=MODEL_ATTRIBUTION, installed=True, version=__version__,
                              description="CosyVoice3 text-to-speech with cloned voices (cosyllama)",
                              voices=entries, supports_synthesize_streaming=True)
@@ -173,9 +174,11 @@ class WyomingService:
         reads the voice store: run it in :meth:`call`."""
         name = voice.name if voice is not None else None
         language = voice.language if voice is not None else None
-        if language and language.replace("_", "-").split("-")[0].lower() not in LANGUAGES:
-            raise RequestRefused(f"language {clip(language)} is not one CosyVoice3 speaks; it speaks "
-                                 f"{', '.join(LANGUAGES)}", "language_not_supported")
+        if language and language.replace("_", "-").split("-")[0].lower() not in self.languages:
+            which = ("CosyVoice3 speaks; it speaks" if self.languages == LANGUAGES
+                     else "this server speaks (--language); it speaks")
+            raise RequestRefused(f"language {clip(language)} is not one {which} {', '.join(self.languages)}",
+                                 "language_not_supported")
         ids = sorted(self.tts.voices.ids())
         if name is None or (name == DEFAULT_VOICE and name not in ids):
             name = self._default_id(ids)
