@@ -48,21 +48,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server :func:`start_server` started (SIGTERM, then SIGKILL after 30 s)."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def launch_server(flags: list[str], start_timeout: float) -> tuple[subprocess.Popen, str]:
+    """``cosyllama serve`` on a free 127.0.0.1 port with ``flags``, once ``/health`` answers: the
+    process and its URL (SystemExit with its log's tail when it exits or does not answer in time)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cosyllama.cli", "serve", "--model-dir", args.model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--parallel", str(args.parallel)]
-    if args.gguf:
-        cmd += ["--gguf", args.gguf]
-    if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    if args.device:
-        cmd += ["--device", args.device]
-    if args.llm_precision:
-        cmd += ["--llm-precision", args.llm_precision]
+    cmd = [sys.executable, "-m", "cosyllama.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
+    deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with code {proc.returncode}:\n{proc.stderr.read()[-2000:]}")
@@ -71,9 +73,22 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
                 return proc, url
         except httpx.TransportError:
             pass
-        time.sleep(0.2)  # waiting for another process to come up: nothing to block on
+        time.sleep(0.2)  # another process coming up: nothing to block on
     proc.kill()
-    raise SystemExit(f"server did not answer within {args.start_timeout} s")
+    raise SystemExit(f"server did not answer within {start_timeout} s")
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    flags = ["--model-dir", args.model_dir, "--parallel", str(args.parallel)]
+    if args.gguf:
+        flags += ["--gguf", args.gguf]
+    if args.threads:
+        flags += ["--threads", str(args.threads)]
+    if args.device:
+        flags += ["--device", args.device]
+    if args.llm_precision:
+        flags += ["--llm-precision", args.llm_precision]
+    return launch_server(flags, args.start_timeout)
 
 
 def one_request(url: str, body: dict, timeout: float) -> dict:
@@ -220,11 +235,7 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps({"url": url, "levels": rows, "health": health}, indent=1))
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return 0
 
 

@@ -30,6 +30,9 @@ from urllib.parse import urlparse
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, also when run through runpy
+from load_test import free_port, launch_server, stop_server  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PROMPT = ROOT / "tests" / "fixtures" / "cosyvoice3-tiny" / "wavs" / "prompt_en_16k.wav"
 SENTENCE = "This is a long sentence that keeps the model busy for a good while, word after word after word."
@@ -37,31 +40,11 @@ DOORS = ("http", "websocket", "wyoming")
 FINISHED = {"http": b"\r\n0\r\n\r\n", "websocket": b"session.done", "wyoming": b"audio-stop"}  # a whole answer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args) -> tuple[subprocess.Popen, str, str]:
-    port, wyoming_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "cosyllama.cli", "serve", "--model-dir", args.model_dir, "--host", "127.0.0.1",
-           "--port", str(port), "--write-timeout", str(args.write_timeout),
-           "--wyoming", f"tcp://127.0.0.1:{wyoming_port}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with code {proc.returncode}:\n{proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url, f"127.0.0.1:{wyoming_port}"
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)  # another process coming up: nothing to block on
-    proc.kill()
-    raise SystemExit(f"server did not answer within {args.start_timeout} s")
+    wyoming_port = free_port()
+    proc, url = launch_server(["--model-dir", args.model_dir, "--write-timeout", str(args.write_timeout),
+                               "--wyoming", f"tcp://127.0.0.1:{wyoming_port}"], args.start_timeout)
+    return proc, url, f"127.0.0.1:{wyoming_port}"
 
 
 def ensure_voice(url: str, voice: str) -> None:
@@ -208,11 +191,7 @@ def main(argv=None) -> int:
             print(f"{door:<10} {label:>15} {r['read']:>13} {shown!s:>27} {r.get('answer', '-'):>8}", flush=True)
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return 0
 
 

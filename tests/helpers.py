@@ -185,6 +185,17 @@ def assert_log_spectrum_close(name: str, ours, ref: np.ndarray, banks: np.ndarra
 # A slow LLM backend: the one fake the server, limits and web page tests share
 
 
+class StartInPieces:
+    """A test backend's ``start`` (the whole prefill of a request decoding alone) as its own ``begin`` and
+    ``prefill_step``, so a wrapper that watches those sees every sequence."""
+
+    def start(self, prefill, max_new_tokens):
+        h = self.begin(prefill, max_new_tokens)
+        while (logp := self.prefill_step(h, 1 << 30)) is None:
+            pass
+        return h, logp
+
+
 class SlowBackend:
     """An LLM backend that delegates to ``inner`` and pauses on the way, so that a test can catch a
     request where it wants it: ``step_delay`` seconds per decode step, ``position_delay`` per prompt

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import MODEL_DIR, Gated, slow_backend
+from helpers import MODEL_DIR, Gated, StartInPieces, slow_backend
 
 PROMPT_WAV = str(MODEL_DIR.parent / "wavs" / "prompt_en_16k.wav")
 LLM_ATTRIBUTES = ("name", "cfg", "n_seq_max", "max_seq_tokens", "n_threads")
@@ -31,7 +31,7 @@ def voice(tts):
     return tts.make_voice(PROMPT_WAV, "Hello, this is my voice.")
 
 
-class _Counting:
+class _Counting(StartInPieces):
     """An LLM backend over ``inner`` that counts its live sequences and sets ``stepping`` after
     ``after`` decode steps."""
 
@@ -50,12 +50,6 @@ class _Counting:
 
     def prefill_step(self, h, max_positions):
         return self.inner.prefill_step(h, max_positions)
-
-    def start(self, prefill, max_new_tokens):  # a request decoding alone
-        h = self.begin(prefill, max_new_tokens)
-        while (logp := self.prefill_step(h, 1 << 30)) is None:
-            pass
-        return h, logp
 
     def step(self, batch):
         self.steps += 1

@@ -15,10 +15,10 @@ from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from cosyllama.llm.torch_backend import TorchLLM
-from helpers import FIXTURES, MODEL_DIR, load_fixture
+from helpers import FIXTURES, MODEL_DIR, StartInPieces, load_fixture
 
 
-class Watched:
+class Watched(StartInPieces):
     """Wraps a backend: counts live sequences and the largest step batch; can be told to fail."""
 
     def __init__(self, inner, n_slots: int | None = None):
@@ -44,12 +44,6 @@ class Watched:
 
     def prefill_step(self, h, max_positions):
         return self.inner.prefill_step(h, max_positions)
-
-    def start(self, prefill, max_new_tokens):  # a request decoding alone
-        h = self.begin(prefill, max_new_tokens)
-        while (logp := self.prefill_step(h, 1 << 30)) is None:
-            pass
-        return h, logp
 
     def step(self, batch):
         if self.fail_step:
