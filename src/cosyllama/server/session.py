@@ -108,17 +108,17 @@ GONE = (asyncio.CancelledError, ConnectionError, RequestCancelled)  # what a cli
 class Session:
     """One connection's streamed speech over ``serving`` (a :class:`~cosyllama.server.serving.Serving`),
     its events sent through ``door``. ``text_per_utterance``: each utterance cuts its own text (its
-    ``--max-session-chars`` counted per utterance; else per connection); ``max_utterances``: utterances
-    that may wait or be spoken at once (None: no bound); ``max_waiting_chars``: characters queued and not yet
-    being spoken (None: no bound). Made inside the running event loop; :meth:`start` it."""
+    ``--max-session-chars`` counted per utterance; else per connection); ``max_waiting_chars``: characters
+    queued and not yet being spoken (None: no bound); :attr:`pending` counts the utterances waiting or
+    being spoken (a door may bound it). Made inside the running event loop; :meth:`start` it."""
 
     def __init__(self, serving, door: Door, *, idle_timeout: float, text_per_utterance: bool = False,
-                 max_utterances: int | None = None, max_waiting_chars: int | None = None, noun: str = "message"):
+                 max_waiting_chars: int | None = None, noun: str = "message"):
         self.serving, self.door = serving, door
         self.limits = serving.limits
         self.idle_timeout, self.noun = idle_timeout, noun
         self.text_per_utterance = text_per_utterance
-        self.max_utterances, self.max_waiting_chars = max_utterances, max_waiting_chars
+        self.max_waiting_chars = max_waiting_chars
         self.template: Template | None = None  # for utterances opened from now
         self.text = SentenceStream(self.limits)
         self.utterance = 0  # the open utterance's index
@@ -160,9 +160,6 @@ class Session:
         if self.open_template is None:
             if self.template is None:
                 raise Refusal("text before the session is configured", "session_not_configured")
-            if self.max_utterances is not None and self.pending >= self.max_utterances:
-                raise Refusal(f"this connection has {self.pending} requests waiting or speaking, at most "
-                              f"{self.max_utterances}; wait for the audio before sending more", "busy")
             self.open_template = self.template
             self.pending += 1
             self.took_text = False

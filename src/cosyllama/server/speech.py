@@ -184,11 +184,15 @@ class SpeechJob(SynthesisJob):
             return self.next_bytes()
         if self._whole_sent:
             return None
+        self._whole_sent = True
+        return self.whole_file()
+
+    def whole_file(self) -> bytes:
+        """The rest of the synthesis, encoded as one file (a request without a stream)."""
         parts = []
         while (samples := self.next()) is not None:
             parts.append(samples)
         audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        self._whole_sent = True
         return encode(audio, self.tts.sample_rate, self.response_format)
 
     def usage(self) -> dict:
@@ -303,8 +307,9 @@ async def speech(body: SpeechRequest, request: Request):
     try:
         try:
             await run_in_threadpool(job.open)
-            # the first chunk before the status line: a failure up to here is an HTTP error
-            first = await run_in_threadpool(job.next_bytes if streaming else job.next)
+            # the first chunk (streamed) or the whole file before the status line: a failure up to here is an
+            # HTTP error
+            first = await run_in_threadpool(job.next_bytes if streaming else job.whole_file)
         except RequestCancelled:
             return Response(status_code=499)  # the client is gone; nobody reads this
         except Exception as e:
@@ -314,17 +319,7 @@ async def speech(body: SpeechRequest, request: Request):
             if streaming == "sse":
                 return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache"})
             return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[body.response_format])
-        parts = [first] if first is not None else []
-        try:
-            while (samples := await run_in_threadpool(job.next)) is not None:
-                parts.append(samples)
-        except RequestCancelled:
-            return Response(status_code=499)
-        except Exception as e:
-            raise synthesis_error(e) from e
-        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        data = await run_in_threadpool(encode, audio, tts.sample_rate, body.response_format)
-        return Response(data, media_type=MEDIA_TYPES[body.response_format])
+        return Response(first, media_type=MEDIA_TYPES[body.response_format])
     finally:
         if not handed_off:
             with anyio.CancelScope(shield=True):

@@ -253,8 +253,7 @@ class _Connection:
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
         limits = service.serving.limits
         self.session = Session(service.serving, self, idle_timeout=self.limits.idle_timeout, text_per_utterance=True,
-                               max_utterances=MAX_SESSIONS, max_waiting_chars=QUEUED_INPUTS * limits.input_chars,
-                               noun="event")
+                               max_waiting_chars=QUEUED_INPUTS * limits.input_chars, noun="event")
         self.stream = False  # a synthesize-start ... -stop is open
         self.failed = False
         self.started = False  # the request being spoken has sent audio-start
@@ -362,7 +361,7 @@ class _Connection:
         """The template of the next request: its voice (``voice``: a ``SynthesizeVoice`` or None) and the
         server's synthesis options (:meth:`WyomingService.voice`)."""
         service = self.service
-        if self.session.max_utterances is not None and self.session.pending >= self.session.max_utterances:
+        if self.session.pending >= MAX_SESSIONS:  # before the voice is looked up
             raise RequestRefused(f"this connection has {self.session.pending} requests waiting or speaking, at most "
                                  f"{MAX_SESSIONS}; wait for audio-stop before sending more", "busy")
         _, features = await service.call(service.voice, voice)
