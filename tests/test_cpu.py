@@ -198,3 +198,19 @@ def test_the_cpu_line_names_the_ggml_cpu_variant_of_a_run_time_dispatch_build(mo
     assert "ggml CPU variant haswell (chosen at run time)" in line, line
     maps.write_text("7f00-7f10 r-xp 0 08:01 1 /venv/site-packages/llama_cpp/lib/libggml-cpu.so\n")
     assert "variant" not in cpu.CpuPath(threads=2, llm="llamacpp").lines()[-1]
+
+
+def test_a_run_time_dispatch_llama_cpp_loads_the_variant_ggml_scores_best():
+    """A llama.cpp build with every CPU variant (the container image's, and the one ``.ci/run``'s emulated pass
+    imports) loads the variant :func:`cosyllama.cpu.ggml_cpu_variant` predicts from the kernels' view of the CPU:
+    ``haswell`` under the emulated Haswell. Skipped for a build with its CPU backend linked in (the README's)."""
+    from pathlib import Path
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    if not any((Path(llama_cpp.__file__).parent / "lib").glob("libggml-cpu-*.so")):
+        pytest.skip("this llama.cpp build has one CPU backend linked in, chosen when it was built")
+    from cosyllama.llm.llamacpp_lib import cpu_variant, import_llama_cpp
+
+    import_llama_cpp()
+    assert cpu_variant() == cpu.ggml_cpu_variant(), sorted(cpu.kernel_flags())
+    assert f"ggml CPU variant {cpu_variant()}" in "\n".join(cpu.CpuPath(threads=1, llm="llamacpp").lines())

@@ -271,6 +271,38 @@ def llama_cpp_features() -> str | None:
     return ", ".join(on) if on else info.strip()
 
 
+# llama.cpp's report of its x86 CPU backend's instruction sets (``llama_print_system_info``: compiled in, for a
+# build with one CPU backend) in /proc/cpuinfo's names; its other keys (LLAMAFILE, REPACK, OPENMP) are not ISAs.
+GGML_ISA_FLAGS = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX_VNNI": "avx_vnni", "AVX2": "avx2",
+                  "F16C": "f16c", "FMA": "fma", "BMI2": "bmi2", "AVX512": "avx512f", "AVX512_VBMI": "avx512_vbmi",
+                  "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8"}
+_AVX512 = ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")  # what ggml's AVX512 feature checks
+_HASWELL = ("sse4_2", "avx", "f16c", "fma", "avx2", "bmi2")
+# The x86 variants of a GGML_CPU_ALL_VARIANTS build (llama.cpp 0.3.36's ggml/src/CMakeLists.txt) and what each
+# is compiled for. ggml loads the one with the highest score among those the CPU's CPUID allows: each feature
+# adds its own power of two, a later one more (ggml-cpu/arch/x86/cpu-feats.cpp), so the newest feature decides.
+GGML_CPU_VARIANTS = {
+    "x64": (), "sse42": ("sse4_2",), "sandybridge": ("sse4_2", "avx"), "ivybridge": ("sse4_2", "avx", "f16c"),
+    "piledriver": ("sse4_2", "avx", "f16c", "fma"), "haswell": _HASWELL, "skylakex": _HASWELL + _AVX512,
+    "cannonlake": _HASWELL + _AVX512 + ("avx512_vbmi",), "cascadelake": _HASWELL + _AVX512 + ("avx512_vnni",),
+    "icelake": _HASWELL + _AVX512 + ("avx512_vbmi", "avx512_vnni"),
+    "cooperlake": _HASWELL + _AVX512 + ("avx512_vnni", "avx512_bf16"),
+    "zen4": _HASWELL + _AVX512 + ("avx512_vbmi", "avx512_vnni", "avx512_bf16"),
+    "alderlake": _HASWELL + ("avx_vnni",),
+    "sapphirerapids": _HASWELL + _AVX512 + ("avx512_vbmi", "avx512_vnni", "avx512_bf16", "amx_int8"),
+}
+_GGML_SCORE = {"fma": 1, "f16c": 2, "sse4_2": 4, "bmi2": 8, "avx": 16, "avx2": 32, "avx_vnni": 64, "avx512f": 128,
+               "avx512_vbmi": 256, "avx512_bf16": 512, "avx512_vnni": 1024, "amx_int8": 2048}
+
+
+def ggml_cpu_variant(flags: frozenset[str] | None = None) -> str:
+    """The variant of a run-time-dispatch llama.cpp build ggml loads on a CPU with ``flags`` (the kernels' view,
+    :func:`kernel_flags`, when None): ``haswell`` on an AVX2 CPU, ``sapphirerapids`` on an AMX one, ..."""
+    flags = kernel_flags() if flags is None else flags
+    runnable = [name for name, needs in GGML_CPU_VARIANTS.items() if set(needs) <= flags]
+    return max(runnable, key=lambda n: sum(_GGML_SCORE.get(f, 0) for f in GGML_CPU_VARIANTS[n]))
+
+
 def llama_cpu_variant() -> str | None:
     """The ggml CPU variant a run-time-dispatch llama.cpp build chose for this CPU (the container image's
     build; :func:`cosyllama.llm.llamacpp_lib.cpu_variant`), or None for a build with one CPU backend."""
