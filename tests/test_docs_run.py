@@ -1,5 +1,5 @@
-"""The docs run: the README's shell and Python blocks, and those of docs/usage.md, server.md, wyoming.md and
-batch.md, run as written (servers included, each started in the background, its clients run against
+"""The docs run: the README's shell and Python blocks, and those of docs/usage.md, server.md, wyoming.md,
+batch.md and captions.md, run as written (servers included, each started in the background, its clients run against
 it, then stopped), each document in a fresh folder where the tiny fixture model stands under the
 README's names. How it runs and how to mark a block: ``tests/docs_run.py``, docs/development.md."""
 
@@ -12,7 +12,7 @@ import pytest
 from docs_run import ROOT, SERVE_PORT, STAND_INS, WYOMING_PORT, DocsError, Session, blocks
 from helpers import FIXTURES, MODEL_DIR
 
-DOCS = ["README.md", "docs/usage.md", "docs/server.md", "docs/wyoming.md", "docs/batch.md"]
+DOCS = ["README.md", "docs/usage.md", "docs/server.md", "docs/wyoming.md", "docs/batch.md", "docs/captions.md"]
 # The README runs in the default suite; the other documents' runs (a minute or more together) are slow.
 RUNS = [pytest.param(doc, marks=[] if doc == "README.md" else [pytest.mark.slow]) for doc in DOCS]
 

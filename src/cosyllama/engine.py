@@ -51,7 +51,8 @@ class AudioChunk:
 
     samples: float32 (N,) mono waveform in [-0.99, 0.99]; sample_rate: Hz (24000);
     segment: index of the text segment it belongs to; is_final: the last chunk of that segment;
-    tokens: the speech tokens of the segment (filled on its final chunk, else empty).
+    tokens: the speech tokens of the segment (filled on its final chunk, else empty); start: where its first
+    sample is in the call's whole output (the samples of the chunks before it; set by the pipeline).
     """
 
     samples: np.ndarray
@@ -59,6 +60,7 @@ class AudioChunk:
     segment: int
     is_final: bool
     tokens: tuple[int, ...] = ()
+    start: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .audio import AudioSource
+from .captions import Segment, spoken_text
 from .config import ModelConfig
 from .defaults import LLM_CHOICES
 from .engine import AudioChunk, FlowPause, FlowPrompt, Token2Wav
@@ -55,10 +56,13 @@ class Timings:
 
 
 class Synthesis(Iterator[AudioChunk]):
-    """The audio of one call, chunk by chunk. ``timings`` is complete once iteration ends."""
+    """The audio of one call, chunk by chunk. ``timings`` is complete once iteration ends. ``segments``: one
+    :class:`~cosyllama.captions.Segment` per text segment whose audio has ended (its text and its place in the
+    output to the sample), filled as iteration goes; each chunk's ``start`` is its place in the output."""
 
-    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings):
+    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings, segments: list[Segment] | None = None):
         self._chunks, self.timings = chunks, timings
+        self.segments: list[Segment] = segments if segments is not None else []
 
     def __next__(self) -> AudioChunk:
         return next(self._chunks)
@@ -364,7 +368,29 @@ class TTS:
              cancel: CancelToken | None = None) -> Synthesis:
         self._check_tokens(inputs, opts)
         timings = Timings(frontend=frontend_s)
-        return Synthesis(self._generate(inputs, opts, timings, cancel), timings)
+        segments: list[Segment] = []
+        return Synthesis(self._placed(self._generate(inputs, opts, timings, cancel), inputs, segments), timings,
+                         segments)
+
+    def _placed(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput],
+                segments: list[Segment]) -> Iterator[AudioChunk]:
+        """``chunks`` with each one's place in the output (``start``), and a :class:`Segment` appended to
+        ``segments`` as each segment's final chunk passes: its samples are those between its first chunk's
+        start and the end of its final chunk."""
+        offset, seg_start = 0, None
+        try:
+            for chunk in chunks:
+                if seg_start is None:
+                    seg_start = offset
+                chunk = replace(chunk, start=offset)
+                offset += chunk.samples.size
+                if chunk.is_final:
+                    segments.append(Segment(chunk.segment, spoken_text(inputs[chunk.segment].text), seg_start, offset,
+                                            chunk.sample_rate))
+                    seg_start = None
+                yield chunk
+        finally:
+            chunks.close()  # Synthesis.close(): the LLM sequence goes now, not when the generator is collected
 
     @contextmanager
     def _flow_work(self, first: bool = False) -> Iterator[None]:

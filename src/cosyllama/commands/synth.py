@@ -46,7 +46,23 @@ def add_parser(sub) -> None:
                             "reference)")
     add_llm_weights_option(s)
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
+    s.add_argument("--captions", help="write sentence captions: FILE.srt, FILE.vtt or FILE.json (the suffix names "
+                                      "the format; docs/captions.md)")
     s.set_defaults(func=run)
+
+
+def check_captions_path(path: str | Path) -> Path:
+    """Refuse a caption path whose format is unknown or whose directory is missing, before any work."""
+    from ..captions import CaptionError, caption_format
+
+    path = Path(path)
+    try:
+        caption_format(path)
+    except CaptionError as e:
+        raise InputError(f"--captions: {e}") from None
+    if not path.parent.is_dir():
+        raise InputError(f"--captions: cannot write {str(path)!r}: directory {str(path.parent)!r} does not exist")
+    return path
 
 
 def check_out_path(path: str | Path) -> Path:
@@ -79,6 +95,8 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     if args.gguf and not Path(args.gguf).is_file():
         raise InputError(f"GGUF file {args.gguf!r} does not exist")
     check_out_path(args.out)
+    if args.captions:
+        check_captions_path(args.captions)
 
     t0 = time.perf_counter()
     tts = TTS(options)
@@ -107,6 +125,14 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     write_wav(check_out_path(args.out), audio, tts.sample_rate, args.out_format)
     if args.tokens_out:
         Path(args.tokens_out).write_text(json.dumps(syn.timings.tokens), encoding="utf-8")
+    if args.captions:
+        from ..captions import CaptionError, write_captions
+
+        try:
+            write_captions(args.captions, syn.segments)
+        except CaptionError as e:
+            raise InputError(f"--captions: {e}") from None
+        print(f"wrote {args.captions} ({len(syn.segments)} sentence cue(s); word times: docs/captions.md)")
 
     t = syn.timings
     secs = audio.size / tts.sample_rate
