@@ -114,7 +114,7 @@ for name in sys.argv[1].split(","):
 
 def dynamic_problems(cpu_name: str, qemu: str, modules: list[str], env: dict[str, str]) -> tuple[list[str], str]:
     """Import ``modules`` one by one under ``qemu -cpu cpu_name``; the problems, and the variant llama.cpp chose."""
-    python = os.path.realpath(sys.executable)  # an ELF binary, not a pyenv shim script
+    python = sys.executable  # the interpreter (an ELF binary or a venv's link to one), not a pyenv shim script
     try:
         r = subprocess.run([qemu, "-cpu", cpu_name, python, "-c", PROBE, ",".join(modules)],
                            capture_output=True, text=True, env=env, timeout=900)
