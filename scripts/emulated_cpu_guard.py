@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cosyllama.cpu import GGML_ISA_FLAGS, ggml_cpu_variant
+from cosyllama.cpu import GGML_ISA_FLAGS, ggml_cpu_variant, llama_features_on
 
 # What each emulated CPU model executes, in /proc/cpuinfo's names (QEMU's Haswell: AVX2 + FMA + F16C + BMI1/2, no
 # AVX-512, no VNNI, no AMX).
@@ -45,15 +45,7 @@ DEFAULT_MODULES = ("numpy", "soundfile", "tokenizers", "onnxruntime", "torch", "
 
 def compiled_isa(features: str) -> list[str]:
     """The x86 instruction sets (ggml's names) a llama.cpp system-info string reports as on, in its order."""
-    on = []
-    for part in features.replace("|", "\n").splitlines():
-        if "=" not in part:
-            continue
-        key, value = (s.strip() for s in part.split("=", 1))
-        key = key.split(":")[-1].strip()  # "CPU : SSE3 = 1": the backend's name comes first
-        if value == "1" and key in GGML_ISA_FLAGS:
-            on.append(key)
-    return on
+    return [f for f in llama_features_on(features) if f in GGML_ISA_FLAGS]
 
 
 def static_problems(cpu_name: str, lib_dir: Path | None, features: str | None) -> list[str]:

@@ -261,6 +261,13 @@ def llama_cpp_features() -> str | None:
         info = info.decode() if isinstance(info, bytes) else str(info)
     except Exception:
         return None
+    on = llama_features_on(info)
+    return ", ".join(on) if on else info.strip()
+
+
+def llama_features_on(info: str) -> list[str]:
+    """The features a llama.cpp system-info string (``"CPU : SSE3 = 1 | AVX512 = 0 | ..."``) reports as on, in
+    its order."""
     on = []
     for part in info.replace("|", "\n").splitlines():
         if "=" in part:
@@ -268,7 +275,7 @@ def llama_cpp_features() -> str | None:
             k = k.split(":")[-1].strip()  # "CPU : SSE3 = 1": the backend's name comes first
             if v == "1" and k:
                 on.append(k)
-    return ", ".join(on) if on else info.strip()
+    return on
 
 
 # llama.cpp's report of its x86 CPU backend's instruction sets (``llama_print_system_info``: compiled in, for a
