@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .text.tokenizer import ENDOFPROMPT
+
 FORMATS = ("srt", "vtt", "json")
 MAX_LINE = 42  # characters per caption line
 MAX_LINES = 2
@@ -75,7 +77,7 @@ class Segment:
 def spoken_text(segment_text: str) -> str:
     """The part of a segment's LLM text that is spoken: what follows its last ``<|endofprompt|>`` (cross-lingual
     segments carry the system prefix before it)."""
-    return segment_text.rsplit("<|endofprompt|>", 1)[-1].strip()
+    return segment_text.rsplit(ENDOFPROMPT, 1)[-1].strip()
 
 
 class CaptionError(ValueError):
@@ -173,31 +175,24 @@ def to_vtt(segments: Iterable[Segment]) -> str:
     return "\n".join(blocks)
 
 
-def to_json(segments: Sequence[Segment], sample_rate: int | None = None) -> str:
+def to_json(segments: Iterable[Segment]) -> str:
     """The JSON schema of docs/captions.md: ``{"level", "sample_rate", "segments": [{text, start, end,
     start_sample, end_sample, words}]}``, seconds; ``level`` is ``word`` when every segment has word times."""
     segs = list(segments)
     level = "word" if segs and all(s.words is not None for s in segs) else "segment"
-    rate = sample_rate if sample_rate is not None else (segs[0].sample_rate if segs else None)
+    rate = segs[0].sample_rate if segs else None
     return json.dumps({"level": level, "sample_rate": rate, "segments": [s.as_dict() for s in segs]},
                       ensure_ascii=False, indent=1) + "\n"
 
 
-def render(segments: Sequence[Segment], fmt: str) -> str:
-    if fmt == "srt":
-        return to_srt(segments)
-    if fmt == "vtt":
-        return to_vtt(segments)
-    if fmt == "json":
-        return to_json(segments)
-    raise CaptionError(f"unknown caption format {fmt!r}; one of {', '.join(FORMATS)}")
+WRITERS = {"srt": to_srt, "vtt": to_vtt, "json": to_json}  # one per name in FORMATS
 
 
 def write_captions(path: str | Path, segments: Sequence[Segment]) -> Path:
     """Write ``segments`` as captions to ``path`` in the format its suffix names; CaptionError (naming the
     path) when the format is unknown or the file cannot be written."""
     path = Path(path)
-    text = render(segments, caption_format(path))
+    text = WRITERS[caption_format(path)](segments)
     try:
         path.write_text(text, encoding="utf-8")
     except OSError as e:
