@@ -81,7 +81,8 @@ class SynthesisOptions:
     finished mel (non-streaming only). greedy: argmax decoding. seed: makes sampling reproducible
     (segment i uses seed + i), 0 to 2**31 - 1. text_frontend: normalize and split the text.
     russian_numbers: spell numbers in Russian sentences in Russian (else English, as the reference does).
-    max_tokens / ignore_stop: decoding overrides used by benchmarks.
+    max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
+    after its audio has been yielded (``Segment.words``; :mod:`cosyllama.align`); the audio is the same.
     """
 
     stream: bool = False
@@ -92,6 +93,7 @@ class SynthesisOptions:
     russian_numbers: bool = True
     max_tokens: int | None = None
     ignore_stop: bool = False
+    word_times: bool = False
 
 
 @dataclass(frozen=True)

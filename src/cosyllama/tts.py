@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .align import WordTimer
 from .audio import AudioSource
 from .captions import Segment, spoken_text
 from .config import ModelConfig
@@ -52,17 +53,28 @@ class Timings:
     token2wav: float = 0.0
     audio_seconds: float = 0.0
     first_chunk: float | None = None
+    align: float = 0.0  # word alignment (SynthesisOptions.word_times), after each segment's audio
     tokens: list[list[int]] = field(default_factory=list)
 
 
 class Synthesis(Iterator[AudioChunk]):
     """The audio of one call, chunk by chunk. ``timings`` is complete once iteration ends. ``segments``: one
     :class:`~cosyllama.captions.Segment` per text segment whose audio has ended (its text and its place in the
-    output to the sample), filled as iteration goes; each chunk's ``start`` is its place in the output."""
+    output to the sample), filled as iteration goes; each chunk's ``start`` is its place in the output.
 
-    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings, segments: list[Segment] | None = None):
+    With ``word_times``, a segment's words are aligned after its final chunk has been yielded: when iteration
+    resumes, or at once by :meth:`finish_words` (a server sends them before it waits for the next audio)."""
+
+    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings, segments: list[Segment] | None = None,
+                 words: WordTimer | None = None):
         self._chunks, self.timings = chunks, timings
         self.segments: list[Segment] = segments if segments is not None else []
+        self._words = words
+
+    def finish_words(self) -> None:
+        """Align now every segment whose audio has ended and whose words are not made yet (word_times)."""
+        if self._words is not None:
+            self._words.finish()
 
     def __next__(self) -> AudioChunk:
         return next(self._chunks)
@@ -369,26 +381,35 @@ class TTS:
         self._check_tokens(inputs, opts)
         timings = Timings(frontend=frontend_s)
         segments: list[Segment] = []
-        return Synthesis(self._placed(self._generate(inputs, opts, timings, cancel), inputs, segments), timings,
-                         segments)
+        words = WordTimer(segments, timings) if opts.word_times else None
+        return Synthesis(self._placed(self._generate(inputs, opts, timings, cancel), inputs, segments, words),
+                         timings, segments, words)
 
-    def _placed(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput],
-                segments: list[Segment]) -> Iterator[AudioChunk]:
+    def _placed(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], segments: list[Segment],
+                words: WordTimer | None = None) -> Iterator[AudioChunk]:
         """``chunks`` with each one's place in the output (``start``), and a :class:`Segment` appended to
         ``segments`` as each segment's final chunk passes: its samples are those between its first chunk's
-        start and the end of its final chunk."""
-        offset, seg_start = 0, None
+        start and the end of its final chunk. ``words``: each segment's audio is handed to it, and aligned
+        once the final chunk has been yielded."""
+        offset, seg_start, parts = 0, None, []
         try:
             for chunk in chunks:
                 if seg_start is None:
                     seg_start = offset
                 chunk = replace(chunk, start=offset)
                 offset += chunk.samples.size
+                if words is not None:
+                    parts.append(chunk.samples)
                 if chunk.is_final:
                     segments.append(Segment(chunk.segment, spoken_text(inputs[chunk.segment].text), seg_start, offset,
                                             chunk.sample_rate))
+                    if words is not None:
+                        words.add(len(segments) - 1, np.concatenate(parts) if parts else np.zeros(0, np.float32))
+                        parts = []
                     seg_start = None
                 yield chunk
+                if words is not None:
+                    words.finish()
         finally:
             chunks.close()  # Synthesis.close(): the LLM sequence goes now, not when the generator is collected
 

@@ -46,12 +46,13 @@ def add_parser(sub) -> None:
                             "reference)")
     add_llm_weights_option(s)
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
-    s.add_argument("--captions", help="write sentence captions: FILE.srt, FILE.vtt or FILE.json (the suffix names "
-                                      "the format; docs/captions.md)")
+    s.add_argument("--captions", help="write captions: FILE.srt, FILE.vtt or FILE.json (the suffix names the "
+                                      "format); word times where they can be aligned, else sentence times "
+                                      "(docs/captions.md)")
     s.set_defaults(func=run)
 
 
-def check_captions_path(path: str | Path) -> Path:
+def check_captions_path(path: str | Path, flag: str = "--captions") -> Path:
     """Refuse a caption path whose format is unknown or whose directory is missing, before any work."""
     from ..captions import CaptionError, caption_format
 
@@ -59,10 +60,18 @@ def check_captions_path(path: str | Path) -> Path:
     try:
         caption_format(path)
     except CaptionError as e:
-        raise InputError(f"--captions: {e}") from None
+        raise InputError(f"{flag}: {e}") from None
     if not path.parent.is_dir():
-        raise InputError(f"--captions: cannot write {str(path)!r}: directory {str(path.parent)!r} does not exist")
+        raise InputError(f"{flag}: cannot write {str(path)!r}: directory {str(path.parent)!r} does not exist")
     return path
+
+
+def _caption_summary(segments) -> str:
+    """What a caption file holds: its sentences, and their word times or why they have none."""
+    timed = sum(1 for s in segments if s.words is not None)
+    line = f"{len(segments)} sentence(s), word times for {timed}"
+    reasons = sorted({s.words_why for s in segments if s.words is None and s.words_why})
+    return line + "".join(f"; without them: {r}" for r in reasons)
 
 
 def check_out_path(path: str | Path) -> Path:
@@ -85,7 +94,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
         request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
                                    instruction=args.instruct,
                                    options=SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy,
-                                                            seed=args.seed))
+                                                            seed=args.seed, word_times=bool(args.captions)))
     except RequestError as e:
         raise e.as_flag() from None
     options = load_options(args)
@@ -132,14 +141,15 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
             write_captions(args.captions, syn.segments)
         except CaptionError as e:
             raise InputError(f"--captions: {e}") from None
-        print(f"wrote {args.captions} ({len(syn.segments)} sentence cue(s); word times: docs/captions.md)")
+        print(f"wrote {args.captions}: {_caption_summary(syn.segments)}")
 
     t = syn.timings
     secs = audio.size / tts.sample_rate
     rtf = wall / secs if secs else float("nan")
     n_tok = sum(len(x) for x in t.tokens)
     progress(f"frontend {t.frontend:.2f} s | llm {t.llm:.2f} s ({n_tok} tokens, "
-             f"{n_tok / t.llm if t.llm else 0:.1f} tok/s) | flow+vocoder {t.token2wav:.2f} s")
+             f"{n_tok / t.llm if t.llm else 0:.1f} tok/s) | flow+vocoder {t.token2wav:.2f} s"
+             + (f" | word times {t.align:.2f} s" if args.captions else ""))
     first = f" | first audio after {t.first_chunk:.2f} s" if args.stream and t.first_chunk is not None else ""
     progress(f"{secs:.2f} s of audio in {wall:.2f} s: RTF {rtf:.3f}{first}")
     print(f"wrote {args.out}")
