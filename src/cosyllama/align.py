@@ -72,6 +72,15 @@ class Alignment:
     seconds: float
 
 
+LANGUAGE_CODE = re.compile(r"[a-z]{2,3}(?:[-_][a-z0-9]{2,8})?")
+
+
+def check_language(code: str) -> None:
+    """Refuse what is not a language code (it names a folder of the aligner directory)."""
+    if not LANGUAGE_CODE.fullmatch(code):
+        raise AlignError(f"{code[:20]!r} is not a language code (like en, de or pt-br)")
+
+
 def language_of(text: str) -> str:
     """The language code an aligner is looked up by, from the text's script: Han → zh, kana → ja, Hangul → ko,
     Cyrillic → ru, otherwise en (Latin script: pass ``language`` for the other Latin-script languages)."""
@@ -215,6 +224,7 @@ def align(audio, sample_rate: int, text: str, language: str | None = None, *,
     if not np.isfinite(audio).all() or float(np.abs(audio).max()) < SILENT_PEAK:
         raise AlignError("the audio is silent: there is no speech to align")
     language = (language or language_of(text)).strip().lower()
+    check_language(language)
     tokens = [m.group() for m in re.finditer(r"\S+", text)]
     model = _find_model(language, aligner_dir)
     for search in range(len(_SEARCHES)):

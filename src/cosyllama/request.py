@@ -83,6 +83,7 @@ class SynthesisOptions:
     russian_numbers: spell numbers in Russian sentences in Russian (else English, as the reference does).
     max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
     after its audio has been yielded (``Segment.words``; :mod:`cosyllama.align`); the audio is the same.
+    word_language: the aligner's language code (None: from each segment's script).
     """
 
     stream: bool = False
@@ -94,6 +95,7 @@ class SynthesisOptions:
     max_tokens: int | None = None
     ignore_stop: bool = False
     word_times: bool = False
+    word_language: str | None = None
 
 
 @dataclass(frozen=True)

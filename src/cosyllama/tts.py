@@ -381,7 +381,7 @@ class TTS:
         self._check_tokens(inputs, opts)
         timings = Timings(frontend=frontend_s)
         segments: list[Segment] = []
-        words = WordTimer(segments, timings) if opts.word_times else None
+        words = WordTimer(segments, timings, opts.word_language) if opts.word_times else None
         return Synthesis(self._placed(self._generate(inputs, opts, timings, cancel), inputs, segments, words),
                          timings, segments, words)
 

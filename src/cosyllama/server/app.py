@@ -48,6 +48,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
+from .captioned import router as captioned_router  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body  # noqa: E402
@@ -184,6 +185,7 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
     add_error_handlers(app)
     app.include_router(router)
     app.include_router(speech_router)
+    app.include_router(captioned_router)
     app.include_router(speech_stream_router)
     app.include_router(voices_router)
     add_page(app)

@@ -79,6 +79,7 @@ class Audio:
 @dataclass(frozen=True)
 class SentenceDone:
     sentence: Sentence
+    segments: tuple = ()  # its synthesis's cosyllama.captions.Segment list (times, words when asked)
 
 
 @dataclass(frozen=True)
@@ -313,7 +314,7 @@ class Session:
                 if len(data):
                     await self.door.send(Audio(sentence, data))
                     sent = True
-            await self.door.send(SentenceDone(sentence))
+            await self.door.send(SentenceDone(sentence, tuple(job.syn.segments) if job.syn is not None else ()))
         except BaseException:
             self.partial = sent
             raise

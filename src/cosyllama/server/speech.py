@@ -280,10 +280,28 @@ router = APIRouter()
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
     state = state_of(request.app)
-    tts = state.tts
     streaming, synthesis = await check_request(body, state)
+    job = SpeechJob(state.tts, synthesis, streaming, body.response_format)
+
+    def respond(first: bytes | None, cleanup) -> Response:
+        if streaming == "sse":
+            return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache"})
+        if streaming:
+            return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[body.response_format])
+        return Response(first, media_type=MEDIA_TYPES[body.response_format])
+
+    return await run_job(request, state, job, job.next_bytes if streaming else job.whole_file, respond,
+                         streams=streaming is not None)
+
+
+async def run_job(request: Request, state: AppState, job: SynthesisJob, first_part, respond, *,
+                  streams: bool) -> Response:
+    """The life of one HTTP request's synthesis ``job``: admission (503 when busy; a client that leaves while
+    waiting leaves the queue), the job opened, ``first_part()`` made in a worker thread before the status
+    line (a failure up to here is an HTTP error), then ``respond(first, cleanup)``. A streamed response
+    (``streams``) runs ``cleanup`` when its body ends; otherwise the job is closed and its slot freed here.
+    A client that goes away cancels the job at once."""
     g = state.serving.admission()
-    job = SpeechJob(tts, synthesis, streaming, body.response_format)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, job.token))  # also while it waits for a slot
     try:
         admitted = await admit(g, gone=watcher)
@@ -307,19 +325,14 @@ async def speech(body: SpeechRequest, request: Request):
     try:
         try:
             await run_in_threadpool(job.open)
-            # the first chunk (streamed) or the whole file before the status line: a failure up to here is an
-            # HTTP error
-            first = await run_in_threadpool(job.next_bytes if streaming else job.whole_file)
+            first = await run_in_threadpool(first_part)
         except RequestCancelled:
             return Response(status_code=499)  # the client is gone; nobody reads this
         except Exception as e:
             raise synthesis_error(e) from e
-        if streaming:
-            handed_off = True  # the response runs cleanup when it ends
-            if streaming == "sse":
-                return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache"})
-            return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[body.response_format])
-        return Response(first, media_type=MEDIA_TYPES[body.response_format])
+        response = respond(first, cleanup)
+        handed_off = streams  # the response runs cleanup when it ends
+        return response
     finally:
         if not handed_off:
             with anyio.CancelScope(shield=True):

@@ -9,8 +9,9 @@ differs). The client sends JSON text messages:
   ``response_format``, ``speed``, ``seed``, ``greedy``, ``instructions``, ``mode``, ``model``),
   checked the same way (:func:`cosyllama.server.speech.check_request`), plus ``stream_audio``
   (send each sentence's audio as it is made, not as one frame) and ``split_granularity``
-  (``sentence``, the default here, or ``none``: the whole text at ``input.done``). It may be sent
-  again between utterances.
+  (``sentence``, the default here, or ``none``: the whole text at ``input.done``) and
+  ``word_timestamps`` (after each sentence's ``audio.done``, a ``word_timestamps`` message with its words'
+  times, docs/captions.md). It may be sent again between utterances.
 * ``input.text`` (``text``): a piece of text; each sentence it completes is queued
   (:class:`~cosyllama.server.sentences.SentenceStream` in the
   :class:`~cosyllama.server.session.Session`, as on Wyoming).
@@ -21,7 +22,10 @@ differs). The client sends JSON text messages:
 The server answers, per sentence, ``audio.start`` (``utterance_index``, ``sentence_index``,
 ``sentence_text``, ``format``, ``sample_rate``, ``channels``), the audio as binary frames (one
 whole file, or pieces of one stream with ``stream_audio``), ``audio.done`` (``total_bytes``,
-``error``); per utterance ``session.done`` (``total_sentences``). A refusal or failure is an
+``error``), with ``word_timestamps`` then a ``word_timestamps`` message (``utterance_index``,
+``sentence_index``, ``word_timestamps``: ``[{word, start_ms, end_ms}]`` from the start of the sentence's
+audio, ``[]`` for a sentence with no words, ``null`` with a ``reason`` when they could not be aligned);
+per utterance ``session.done`` (``total_sentences``). A refusal or failure is an
 ``error`` message (``message``, ``code``, ``param``), after which the server closes the
 connection (1008 for a client's mistake or a bound, 1009 for a message too large, 1013 when the
 server is busy, 1011 for a failure of the server).
@@ -43,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fastapi import APIRouter, WebSocket
@@ -90,6 +94,7 @@ class SessionConfig(BaseModel):
     type: Literal["session.config"]
     stream_audio: bool = False
     split_granularity: Literal["sentence", "none"] = "sentence"
+    word_timestamps: bool = False
 
 
 NOT_CONFIG = {"input": "send the text with input.text messages",
@@ -103,6 +108,7 @@ class _Format:
 
     response_format: str
     streaming: str | None
+    word_timestamps: bool = False
 
 
 class _Connection:
@@ -212,13 +218,16 @@ class _Connection:
         # as POST /v1/audio/speech checks it, with a stand-in text: each sentence is checked as it comes
         streaming, synthesis = await check_request(request, self.state, text=CONFIG_TEXT)
         self.session.configure(Template(synthesis, whole=config.split_granularity == "none",
-                                        door=_Format(request.response_format, streaming)))
+                                        door=_Format(request.response_format, streaming, config.word_timestamps)))
 
     # -- the session's events (its Door) ------------------------------------------------------
 
     def job(self, sentence: Sentence) -> SpeechJob:
         how: _Format = sentence.door
-        return SpeechJob(self.serving.tts, sentence.request, how.streaming, how.response_format)
+        request = sentence.request
+        if how.word_timestamps:
+            request = replace(request, options=replace(request.options, word_times=True))
+        return SpeechJob(self.serving.tts, request, how.streaming, how.response_format)
 
     async def send(self, event) -> None:
         if isinstance(event, Audio):
@@ -233,6 +242,9 @@ class _Connection:
             await self._send_json({"type": "audio.done", "utterance_index": s.utterance, "sentence_index": s.index,
                                    "total_bytes": self.sent, "error": False})
             self.started, self.sent = False, 0
+            if s.door.word_timestamps:
+                await self._send_json({"type": "word_timestamps", "utterance_index": s.utterance,
+                                       "sentence_index": s.index, **word_frame(event.segments)})
         elif isinstance(event, UtteranceDone):
             await self._send_json({"type": "session.done", "utterance_index": event.utterance,
                                    "total_sentences": event.total})
@@ -267,6 +279,17 @@ class _Connection:
             await self._send_close(close, payload["code"][:120])
         except (WebSocketDisconnect, Stalled, RuntimeError):
             pass  # the client is gone or reads nothing: there is no one to tell
+
+
+def word_frame(segments) -> dict:
+    """The ``word_timestamps`` field of a sentence's message, from its synthesis's segments: its words in ms from
+    the start of the sentence's audio; ``[]`` when it has none to speak; None, with the ``reason``, when any
+    segment's words could not be aligned (a partial list would misplace the rest)."""
+    failed = [s for s in segments if s.words is None]
+    if failed:
+        return {"word_timestamps": None, "reason": failed[0].words_why or "the words were not aligned"}
+    return {"word_timestamps": [{"word": w.word, "start_ms": round(w.start * 1000), "end_ms": round(w.end * 1000)}
+                                for s in segments for w in s.words]}
 
 
 def _invalid(e: ValidationError) -> Refusal:
