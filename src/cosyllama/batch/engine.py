@@ -3,8 +3,9 @@
 :class:`BatchEngine` loads a :class:`~cosyllama.tts.TTS`, builds its own pipeline over its models
 with a :class:`~cosyllama.llm.scheduler.BatchScheduler` in front of the LLM (as the server does) and runs
 ``concurrency`` rows in worker threads: while some rows decode together, others run the flow and
-the vocoder. Each finished row is written (atomically) to the output directory and described by
-one result record. The same engine runs inside each Ray actor (:mod:`cosyllama.batch.ray_runner`).
+the vocoder. Each finished row is written (atomically) to the output directory, with the caption files
+it asks for (its segments, with word times where they align), and described by one result record. The
+same engine runs inside each Ray actor (:mod:`cosyllama.batch.ray_runner`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from ..errors import CosyllamaError, InputError
 from ..options import LoadOptions
 from .manifest import Row
-from .output import audio_name, write_audio
+from .output import audio_name, caption_name, write_audio, write_caption
 
 log = logging.getLogger("cosyllama.batch")
 
@@ -158,10 +159,28 @@ class RowSynthesizer:
 
     def abandon(self, row_ids: Iterable[str]) -> None:
         """Publish no more files, and remove those of ``row_ids`` (rows finished but not recorded)."""
+        from ..captions import FORMATS as CAPTION_FORMATS
+
         with self._publish_lock:
             self._abandoned = True
         for row_id in row_ids:
             (self.out_dir / audio_name(row_id, self.fmt)).unlink(missing_ok=True)
+            for fmt in CAPTION_FORMATS:
+                (self.out_dir / caption_name(row_id, fmt)).unlink(missing_ok=True)
+
+    def _write_captions(self, row: Row, segments) -> dict | None:
+        """Write the row's caption files; the record's fields that list them and say whether they have word
+        times (``words_why``: why not), or None when the run was abandoned meanwhile."""
+        from ..captions import WRITERS
+
+        for fmt in row.captions:
+            if write_caption(self.out_dir, row.id, WRITERS[fmt](segments), fmt, self._publish) is None:
+                return None
+        rec = {"captions": [caption_name(row.id, fmt) for fmt in row.captions],
+               "caption_level": "word" if segments and all(s.words is not None for s in segments) else "segment"}
+        if rec["caption_level"] == "segment":
+            rec["words_why"] = sorted({s.words_why for s in segments if s.words is None and s.words_why})
+        return rec
 
     def run(self, row: Row, cancel=None) -> dict | None:
         """Synthesize and write one row; its result record (``None``: cancelled before the end)."""
@@ -181,6 +200,9 @@ class RowSynthesizer:
             nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt, self._publish)
             if nbytes is None:
                 return None
+            captions = self._write_captions(row, syn.segments) if row.captions else {}
+            if captions is None:
+                return None
             t2 = time.perf_counter()
         except RequestCancelled:
             return None
@@ -189,13 +211,15 @@ class RowSynthesizer:
         except Exception as e:  # one row's failure must not stop the batch
             return error_record(row.id, row.line, f"internal error: {type(e).__name__}: {e}", "synthesis", row.digest)
         t = syn.timings
+        # word times are aligned while the synthesis waits between segments: its own stage, not flow_vocoder's
+        seconds = {"frontend": round(voice_s + t.frontend, 4), "llm": round(t.llm, 4),
+                   "flow_vocoder": round(t.token2wav - (t.align if row.captions else 0.0), 4),
+                   "write": round(t2 - t1, 4), "total": round(t2 - t0, 4)}
+        if row.captions:
+            seconds["align"] = round(t.align, 4)
         return {"id": row.id, "line": row.line, "status": "ok", "error": None, "file": audio_name(row.id, self.fmt),
                 "bytes": nbytes, "audio_seconds": round(audio.size / self.tts.sample_rate, 4),
-                "tokens": sum(len(x) for x in t.tokens),
-                "seconds": {"frontend": round(voice_s + t.frontend, 4), "llm": round(t.llm, 4),
-                            "flow_vocoder": round(t.token2wav, 4), "write": round(t2 - t1, 4),
-                            "total": round(t2 - t0, 4)},
-                "digest": row.digest}
+                "tokens": sum(len(x) for x in t.tokens), "seconds": seconds, **captions, "digest": row.digest}
 
 
 _STOP = object()

@@ -2,8 +2,9 @@
 
 A row names its output (``id``), what to say (``text``), how (``mode``), in which voice (``voice``,
 a registered id, or ``prompt_wav`` with an optional ``prompt_text``) and optional ``instructions``,
-``seed``, ``greedy`` and ``speed``. Every problem of a row is reported with its line number; a bad
-row never stops the others.
+``seed``, ``greedy`` and ``speed``, and ``captions``: the caption files to write beside the audio (a list of
+formats of :data:`cosyllama.captions.FORMATS`, or one as a string; a row without it takes ``cosyllama batch
+--captions``). Every problem of a row is reported with its line number; a bad row never stops the others.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from ..errors import InputError
 from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
-FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed")
+FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed",
+          "captions")
 REQUIRED = ("id", "text", "mode")
 MISSING_TEXT = "(no text)"  # what a row without text is checked with, so its other problems are said too
 # A file name on every filesystem: no separators, no leading dot (temporary files start with one).
@@ -40,18 +42,20 @@ class Row:
     seed: int | None = None
     greedy: bool = False
     speed: float = 1.0
-    digest: str = ""  # of the row's JSON as written: a changed row is not "already done"
+    captions: tuple[str, ...] = ()  # caption formats to write beside the audio (the row's, else --captions)
+    digest: str = ""  # of the row's JSON as written (and its captions): a changed row is not "already done"
 
     def options(self) -> SynthesisOptions:
-        """The row's synthesis options."""
-        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed)
+        """The row's synthesis options (word times when it has captions)."""
+        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed, word_times=bool(self.captions))
 
     def to_json(self) -> str:
         return json.dumps({k: getattr(self, k) for k in ("line", *FIELDS, "digest")}, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, s: str) -> Row:
-        return cls(**json.loads(s))
+        obj = json.loads(s)
+        return cls(**{**obj, "captions": tuple(obj.get("captions") or ())})
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,37 @@ def _digest(obj: dict) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
+def _row_digest(obj: dict, captions: tuple[str, ...]) -> str:
+    """The digest of a row as written, with its captions as they apply (its own or ``--captions``): a row
+    without captions keeps the digest it had before captions existed, so its finished output stays done."""
+    rest = {k: v for k, v in obj.items() if k != "captions"}
+    return _digest({**rest, "captions": list(captions)} if captions else rest)
+
+
+def caption_formats(value, name: str = "captions") -> tuple[tuple[str, ...], str | None]:
+    """A ``captions`` value (a list of formats or one format as a string) as the formats in
+    :data:`~cosyllama.captions.FORMATS` order, each once; or ``((), problem)``."""
+    from ..captions import FORMATS as CAPTION_FORMATS
+
+    allowed = ", ".join(CAPTION_FORMATS)
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        return (), f"{name} must be a format or a list of them ({allowed}), got {value!r}"
+    unknown = [x for x in items if x not in CAPTION_FORMATS]
+    if unknown:
+        return (), f"{name}: unknown caption format(s) {', '.join(map(repr, unknown))}; use {allowed}"
+    return tuple(f for f in CAPTION_FORMATS if f in items), None
+
+
 def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = None,
               voice_transcripts: dict[str, bool] | None = None,
-              voice_instructions: dict[str, bool] | None = None) -> Row | BadRow:
+              voice_instructions: dict[str, bool] | None = None, captions: tuple[str, ...] = ()) -> Row | BadRow:
     """Check one parsed line: its JSON shape here, the synthesis rules by building its
     :class:`~cosyllama.request.SynthesisRequest` (each problem in the row's field names). ``voices``:
     the registered voice ids (None: not checked); ``voice_transcripts``: which of them have a
     transcript (zero-shot needs one); ``voice_instructions``: which of them have their own style
-    instruction (instruct without ``instructions`` needs one; None: not known, checked at synthesis)."""
+    instruction (instruct without ``instructions`` needs one; None: not known, checked at synthesis).
+    ``captions``: the caption formats of a row that names none (``--captions``)."""
     if not isinstance(obj, dict):
         return BadRow(line, None, f"a row must be a JSON object, got {type(obj).__name__}")
     problems: list[str] = []
@@ -135,6 +162,10 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
     # row hears of all of them, then the rest
     seed, speed = obj.get("seed"), obj.get("speed", 1.0)
     speed = 1.0 if speed is None else speed
+    if obj.get("captions") is not None:  # a row's own list, [] included, wins over --captions
+        captions, problem = caption_formats(obj["captions"])
+        if problem:
+            problems.append(problem)
     for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed)):
         try:
             check_options(one)
@@ -157,13 +188,15 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
         return BadRow(line, rid, "; ".join(problems))
     return Row(line=line, id=rid, text=text, mode=mode, voice=voice, prompt_wav=prompt_wav,
                prompt_text=prompt_text, instructions=instructions, seed=seed, greedy=greedy,
-               speed=float(speed), digest=_digest(obj))
+               speed=float(speed), captions=captions, digest=_row_digest(obj, captions))
 
 
 def read_manifest(path: str | Path, voices: Collection[str] | None = None,
                   voice_transcripts: dict[str, bool] | None = None,
-                  voice_instructions: dict[str, bool] | None = None) -> Manifest:
-    """Parse and check every line (blank lines and lines starting with ``#`` are skipped).
+                  voice_instructions: dict[str, bool] | None = None,
+                  captions: tuple[str, ...] = ()) -> Manifest:
+    """Parse and check every line (blank lines and lines starting with ``#`` are skipped); ``captions``: the
+    caption formats of rows that name none (``--captions``).
 
     Raises :class:`InputError` only when the file itself cannot be read; row problems are
     returned in ``Manifest.bad``. A repeated id is an error from its second occurrence on.
@@ -192,7 +225,7 @@ def read_manifest(path: str | Path, voices: Collection[str] | None = None,
         except json.JSONDecodeError as e:
             bad.append(BadRow(n, None, f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
-        r = check_row(obj, n, base, voices, voice_transcripts, voice_instructions)
+        r = check_row(obj, n, base, voices, voice_transcripts, voice_instructions, captions)
         if r.id is not None:
             if r.id in first_line:
                 msg = f"id {r.id!r} is used again (first on line {first_line[r.id]})"

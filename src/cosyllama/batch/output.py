@@ -1,10 +1,12 @@
-"""The output directory of a batch: ``<id>.<format>`` files and ``results.jsonl``.
+"""The output directory of a batch: ``<id>.<format>`` files (audio, and captions where a row asks),
+and ``results.jsonl``.
 
-Audio is written under a temporary name (``.<id>.<format>.part``) and renamed, so a file with its
-final name is always complete. ``results.jsonl`` gets one line per finished row, appended and
+Audio and caption files are written under a temporary name (``.<id>.<format>.part``) and renamed, so a
+file with its final name is always complete. ``results.jsonl`` gets one line per finished row, appended and
 flushed as the row finishes; at the end of a run it is rewritten (atomically) with the latest line
 of each row, in manifest order. A row counts as done when its latest line says ``ok``, it was made
-from the same manifest row (``digest``) and its file is on disk with the recorded size.
+from the same manifest row (``digest``), its file is on disk with the recorded size and its caption
+files (``captions``) are on disk.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def audio_name(row_id: str, fmt: str) -> str:
     return f"{row_id}.{fmt}"
 
 
+def caption_name(row_id: str, fmt: str) -> str:
+    return f"{row_id}.{fmt}"
+
+
 def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: int, fmt: str,
                 publish: Callable[[Path, Path], bool] | None = None) -> int | None:
     """Write 16-bit mono audio atomically (the samples ``cosyllama synth`` writes; encoded by
@@ -40,11 +46,24 @@ def write_audio(out_dir: Path, row_id: str, samples: np.ndarray, sample_rate: in
 
     ``publish(tmp, final)`` does the rename and says whether it did (default: always); when it
     declines, the temporary file is removed and the result is ``None``."""
-    final = out_dir / audio_name(row_id, fmt)
-    tmp = out_dir / part_name(row_id, fmt)
+    return _write_atomic(out_dir, audio_name(row_id, fmt), part_name(row_id, fmt),
+                         lambda f: write_file(f, samples, sample_rate, fmt), publish)
+
+
+def write_caption(out_dir: Path, row_id: str, text: str, fmt: str,
+                  publish: Callable[[Path, Path], bool] | None = None) -> int | None:
+    """Write a caption file (``text``, already in its format) atomically, as :func:`write_audio` writes audio."""
+    data = text.encode("utf-8")
+    return _write_atomic(out_dir, caption_name(row_id, fmt), part_name(row_id, fmt), lambda f: f.write(data),
+                         publish)
+
+
+def _write_atomic(out_dir: Path, name: str, tmp_name: str, write: Callable,
+                  publish: Callable[[Path, Path], bool] | None) -> int | None:
+    final, tmp = out_dir / name, out_dir / tmp_name
     try:
         with open(tmp, "wb") as f:
-            write_file(f, samples, sample_rate, fmt)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if publish is None:
@@ -117,13 +136,18 @@ def read_results(out_dir: Path) -> dict[str, dict]:
     return latest
 
 
-def is_done(rec: dict | None, out_dir: Path, fmt: str, digest: str) -> bool:
-    """An ok result for this very row whose file is on disk, whole."""
+def is_done(rec: dict | None, out_dir: Path, fmt: str, digest: str, captions: tuple[str, ...] = ()) -> bool:
+    """An ok result for this very row whose file is on disk, whole, and so are its caption files (the formats
+    ``captions``)."""
     if not rec or rec.get("status") != "ok" or rec.get("digest") != digest or rec.get("file") != audio_name(
             rec["id"], fmt):
         return False
+    names = [caption_name(rec["id"], c) for c in captions]
+    if rec.get("captions", []) != names:
+        return False
     try:
-        return (out_dir / rec["file"]).stat().st_size == rec.get("bytes")
+        return ((out_dir / rec["file"]).stat().st_size == rec.get("bytes")
+                and all((out_dir / n).is_file() for n in names))
     except OSError:
         return False
 

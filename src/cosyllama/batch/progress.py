@@ -7,6 +7,7 @@ import time
 from typing import TextIO
 
 STAGES = ("frontend", "llm", "flow_vocoder", "write")
+SOME_STAGES = ("align",)  # only rows with captions have it; said where any row did
 
 
 def _clock(s: float) -> str:
@@ -29,7 +30,9 @@ class BatchProgress:
         self.ok = self.failed = 0
         self.audio_seconds = 0.0
         self.tokens = 0
-        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
+        self.stage_seconds = dict.fromkeys(STAGES + SOME_STAGES, 0.0)
+        self.captioned = self.word_level = 0  # rows with caption files; of them, with word times
+        self.words_why: set[str] = set()  # why the others have sentence times only
 
     def restart_clock(self) -> None:
         """Count time from now (after the model is loaded)."""
@@ -48,8 +51,12 @@ class BatchProgress:
             self.ok += 1
             self.audio_seconds += rec.get("audio_seconds", 0.0)
             self.tokens += rec.get("tokens", 0)
-            for k in STAGES:
+            for k in STAGES + SOME_STAGES:
                 self.stage_seconds[k] += rec.get("seconds", {}).get(k, 0.0)
+            if rec.get("captions"):
+                self.captioned += 1
+                self.word_level += rec.get("caption_level") == "word"
+                self.words_why.update(rec.get("words_why") or ())
         else:
             self.failed += 1
         now = time.perf_counter()

@@ -23,7 +23,7 @@ from ..batch.output import (
     prepare_out_dir,
     read_results,
 )
-from ..batch.progress import STAGES, BatchProgress
+from ..batch.progress import SOME_STAGES, STAGES, BatchProgress
 from ..defaults import PRECISION
 from ..errors import InputError
 from .flags import PRECISION_CHOICES, add_gpu_options, add_llm_weights_option
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
                                      "optionally on a Ray cluster)")
     b.add_argument("manifest", metavar="MANIFEST.jsonl",
                    help="one JSON object per line: id, text, mode, voice | prompt_wav [+ prompt_text], "
-                        "optional instructions, seed, greedy, speed")
+                        "optional instructions, seed, greedy, speed, captions")
     b.add_argument("--out", required=True, metavar="DIR", help="output directory: <id>.<format> and results.jsonl")
     b.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
     b.add_argument("--gguf", help="run the LLM on llama.cpp from this GGUF (default: PyTorch)")
@@ -55,6 +55,10 @@ def add_parser(sub) -> None:
                    help=f"rows in flight per model (their LLM steps are batched; default {DEFAULT_CONCURRENCY})")
     b.add_argument("--flow-slots", type=int, default=0,
                    help="rows in the flow + vocoder at once, the others keep decoding (default 0: no limit)")
+    b.add_argument("--captions", metavar="FORMATS", default=None,
+                   help="caption files beside each row's audio, for rows whose manifest line names none: "
+                        "comma-separated srt, vtt, json (e.g. srt,vtt); word times where they align "
+                        "(docs/captions.md)")
     b.add_argument("--retry-failed", action="store_true", help="synthesize again the rows that failed before")
     b.add_argument("--dry-run", action="store_true",
                    help="check the manifest and show what would run; synthesize nothing")
@@ -75,6 +79,19 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     return run_batch(args)
+
+
+def captions_flag(value: str | None) -> tuple[str, ...]:
+    """The formats ``--captions`` names (comma-separated), or InputError."""
+    from ..batch.manifest import caption_formats
+
+    if value is None:
+        return ()
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    formats, problem = caption_formats(names, "--captions")
+    if problem or not names:
+        raise InputError(problem or "--captions: name one or more formats: srt, vtt, json (comma-separated)")
+    return formats
 
 
 def _check_args(args) -> EngineOptions:
@@ -130,7 +147,7 @@ def plan(manifest: Manifest, out_dir: Path, fmt: str, retry_failed: bool):
     todo, done, failed = [], [], []
     for row in manifest.rows:
         rec = latest.get(row.id)
-        if is_done(rec, out_dir, fmt, row.digest):
+        if is_done(rec, out_dir, fmt, row.digest, row.captions):
             done.append(row)
         elif (not retry_failed and rec is not None and rec.get("status") == "error"
               and rec.get("stage") == "synthesis" and rec.get("digest") == row.digest):
@@ -144,8 +161,9 @@ def run_batch(args, out=None, err=None) -> int:
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     opts = _check_args(args)
+    captions = captions_flag(args.captions)
     ids, transcripts, instructions = _voice_ids(opts.voices)
-    manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts, instructions)
+    manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts, instructions, captions)
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {args.out!r} is a file; give a directory")
@@ -234,8 +252,12 @@ def _summary(out, manifest: Manifest, p: BatchProgress, n_done: int, n_failed_be
     print(f"{manifest.n_lines} rows: {n_done + p.ok} ok ({p.ok} now, {n_done} before), {n_err} failed "
           f"({len(manifest.bad)} invalid, {p.failed} now, {n_failed_before} before)", file=out)
     if p.ok:
-        stages = ", ".join(f"{k} {p.stage_seconds[k]:.1f}" for k in STAGES)
+        stages = ", ".join(f"{k} {p.stage_seconds[k]:.1f}" for k in STAGES + SOME_STAGES
+                           if k in STAGES or p.stage_seconds[k])
         print(f"{p.audio_seconds:.1f} s of audio ({p.tokens} tokens) in {wall:.1f} s: {p.ok / wall:.2f} rows/s, "
               f"{p.audio_seconds / wall:.2f} audio-s/s; stage seconds summed over rows: {stages}", file=out)
+    if p.captioned:
+        why = "".join(f"; without them: {r}" for r in sorted(p.words_why))
+        print(f"captions for {p.captioned} row(s), word times in {p.word_level}{why}", file=out)
     if n_err:
         print(f"errors are in {out_dir / RESULTS} (status \"error\")", file=out)
