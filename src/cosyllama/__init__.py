@@ -8,7 +8,7 @@ from .errors import CheckpointError, CosyllamaError, DeviceError, InputError, Mi
 __version__ = "0.1.0"
 
 _LAZY = {"load": "tts", "TTS": "tts", "SynthesisOptions": "request", "SynthesisRequest": "request", "Synthesis": "tts",
-         "AudioChunk": "engine", "PromptFeatures": "frontend", "LoadOptions": "options"}
+         "AudioChunk": "engine", "PromptFeatures": "frontend", "LoadOptions": "options", "align": "alignment"}
 
 
 def __getattr__(name):
@@ -21,4 +21,4 @@ def __getattr__(name):
 
 __all__ = ["AudioChunk", "CheckpointError", "CosyllamaError", "DeviceError", "InputError", "LoadOptions",
            "MissingDependencyError", "ModelDirError", "PromptFeatures", "Synthesis", "SynthesisOptions",
-           "SynthesisRequest", "TTS", "load", "__version__"]
+           "SynthesisRequest", "TTS", "align", "load", "__version__"]

@@ -82,7 +82,7 @@ class SynthesisOptions:
     (segment i uses seed + i), 0 to 2**31 - 1. text_frontend: normalize and split the text.
     russian_numbers: spell numbers in Russian sentences in Russian (else English, as the reference does).
     max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
-    after its audio has been yielded (``Segment.words``; :mod:`cosyllama.align`); the audio is the same.
+    after its audio has been yielded (``Segment.words``; :mod:`cosyllama.alignment`); the audio is the same.
     word_language: the aligner's language code (None: from each segment's script).
     """
 

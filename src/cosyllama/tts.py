@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .align import WordTimer
+from .alignment import WordTimer
 from .audio import AudioSource
 from .captions import Segment, spoken_text
 from .config import ModelConfig

@@ -41,7 +41,7 @@ def run(args, progress=to_stderr) -> int:
     if not text.strip():
         raise InputError("the text is empty: give what the audio says")
 
-    from ..align import align, sentences
+    from ..alignment import align, sentences
     from ..audio import read_audio
     from ..captions import CaptionError, write_captions
 

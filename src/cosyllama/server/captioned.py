@@ -33,7 +33,7 @@ from fastapi.responses import Response
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
-from ..align import LANGUAGE_CODE
+from ..alignment import LANGUAGE_CODE
 from ..captions import Segment, to_srt, to_vtt
 from ..llm.scheduler import RequestCancelled
 from .common import state_of

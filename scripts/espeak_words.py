@@ -1,7 +1,7 @@
 """Speech nobody here wrote, with each word's onset: Debian's libespeak-ng speaks a sentence and reports its
 word events through its synthesis callback (``espeakEVENT_WORD``: the word's character position in the text and
-the sample where its sound starts). The alignment tests and ``scripts/measure_alignment.py`` hold word times
-from :mod:`cosyllama.align` to these onsets.
+the sample where its sound starts). ``scripts/measure_alignment.py`` and tests/test_align.py hold word times
+from :mod:`cosyllama.alignment` to these onsets.
 
 libespeak-ng has no kept Python binding that exposes the callback (the PyPI wrappers run the command line), so
 this is ctypes over the C API of ``speak_lib.h``. An unstressed word that espeak-ng runs into the next one gets
