@@ -7,7 +7,12 @@ its raw bytes); Stop frees the LLM sequence and says so without half-filled stat
 shows its own errors where its button is, in the page's words where the API's would mislead
 (a voice gone, a voice that exists, the API key, which the page asks for at its top).
 
-``COSYLLAMA_PAGE_SCREENSHOT=PATH`` also saves a screenshot of the page after a synthesis.
+With "Captions" ticked the page calls /dev/captioned_speech: the sentences under the player, their SRT
+and VTT, why words have no times; with a stand-in aligner, the sentence and word at the player's time
+are marked and a sentence seeks there.
+
+``COSYLLAMA_PAGE_SCREENSHOT=PATH`` also saves a screenshot of the page after a synthesis (docs/web-page.png),
+``COSYLLAMA_CAPTIONS_SCREENSHOT=PATH`` one with captions, a word marked.
 """
 
 from __future__ import annotations
@@ -423,3 +428,133 @@ def test_an_api_key_typed_into_the_page(browser, tts):
     finally:
         context.close()
         srv.stop()
+
+
+def _speak_captioned(page, text: str, seed: int) -> dict:
+    """Speak `text` with "Captions" on; the answer of /dev/captioned_speech, once the page shows it in its player."""
+    page.fill("#text", text)
+    page.fill("#seed", str(seed))
+    page.select_option("#format", "wav")
+    page.check("#captions")
+    expect(page.locator("#stream")).to_be_disabled()  # the whole file: not streamed
+    with page.expect_response(lambda r: r.url.endswith("/dev/captioned_speech")) as resp:
+        page.click("#speak")
+    assert resp.value.status == 200, resp.value.text()
+    answer = resp.value.json()
+    page.wait_for_function("() => document.getElementById('player').duration > 0")
+    return answer
+
+
+def _download(page, selector: str) -> tuple[str, str]:
+    with page.expect_download() as dl:
+        page.click(selector)
+    return dl.value.suggested_filename, Path(dl.value.path()).read_text(encoding="utf-8")
+
+
+def test_captions_show_each_sentence_their_files_and_why_words_are_missing(page, server):
+    """With "Captions" the page asks /dev/captioned_speech for the whole file, plays it in its player and
+    lists the sentences under it, with SRT and VTT downloads; the tiny model speaks noise, so no word
+    aligns and the page says why, in the server's words. Unticked, Speak streams again."""
+    _register(page, "anna")
+    expect(page.locator("#caption-area")).to_be_hidden()
+    answer = _speak_captioned(page, "Hello there. This is a test of captions.", 7)
+    area = page.get_by_role("region", name="Captions")
+    expect(area).to_be_visible()
+    segments = answer["segments"]
+    lines = area.locator(".caption-line")
+    expect(lines).to_have_count(len(segments))
+    for line, seg in zip(lines.all(), segments):
+        expect(line).to_contain_text(seg["text"])
+    assert all(seg["words"] is None and seg["words_why"] for seg in segments), segments
+    why = "; ".join(dict.fromkeys(seg["words_why"] for seg in segments))
+    expect(page.locator("#caption-note")).to_have_text(f"No word times: {why}")
+    expect(area.locator(".caption-word")).to_have_count(0)
+    expect(page.locator("#player")).to_be_visible()
+    expect(page.locator("#download")).to_be_visible()
+    assert page.locator("#stat-seed").inner_text() == "7"
+    name, srt = _download(page, "#caption-srt")
+    assert name == "speech-anna-7.srt" and srt == answer["srt"]
+    assert srt.startswith("1\n00:00:00,000 --> ") and segments[0]["text"] in srt
+    name, vtt = _download(page, "#caption-vtt")
+    assert name == "speech-anna-7.vtt" and vtt == answer["vtt"]
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ") and segments[0]["text"] in vtt
+
+    page.uncheck("#captions")  # the old path: /v1/audio/speech, streamed through Web Audio
+    expect(page.locator("#stream")).to_be_enabled()
+    with page.expect_request(lambda r: r.url.endswith("/v1/audio/speech")) as req:
+        page.click("#speak")
+    assert req.value.post_data_json["stream_format"] == "audio"
+    expect(page.locator("#status")).to_have_attribute("data-state", "playing")
+    assert page.evaluate("window.cosyllamaPage.scheduled") >= 1
+    expect(page.locator("#caption-area")).to_be_hidden()
+    assert page.problems == []
+
+
+# two segments (the frontend cuts at 60-80 tokens), under MAX_INPUT characters
+TWO_SENTENCES = ("One. Two three. Four five six seven eight nine ten eleven twelve. Thirteen fourteen fifteen sixteen "
+                 "seventeen eighteen nineteen twenty. Twenty-one twenty-two twenty-three twenty-four. Done now.")
+
+
+def _even_words(module):
+    """A stand-in for the aligner: the text's words spread evenly over the audio."""
+    from cosyllama.captions import Word
+
+    def align(audio, sample_rate, text, language=None, **kw):
+        words = text.split()
+        step = len(audio) / sample_rate / len(words)
+        return module.Alignment(words=tuple(Word(w, round(i * step, 3), round((i + 1) * step, 3))
+                                            for i, w in enumerate(words)), language="en", seconds=0.0)
+
+    return align
+
+
+def _at(page, t: float):
+    page.evaluate("t => { const a = document.getElementById('player'); a.pause(); a.currentTime = t; }", t)
+
+
+def test_captions_follow_the_player_word_by_word(page, server, monkeypatch):
+    """Word times (a stand-in aligner, in this process's server): the sentence and the word at the player's
+    time are marked (aria-current and the highlight); a sentence, clicked or pressed with Enter, plays from
+    its start."""
+    from cosyllama import alignment
+
+    monkeypatch.setattr(alignment, "align", _even_words(alignment))  # what WordTimer calls, at call time
+    assert len(TWO_SENTENCES) <= MAX_INPUT
+    _register(page, "anna")
+    answer = _speak_captioned(page, TWO_SENTENCES, 11)
+    segments = answer["segments"]
+    assert len(segments) == 2 and all(seg["words"] for seg in segments), segments
+    area = page.get_by_role("region", name="Captions")
+    lines = area.locator(".caption-line")
+    expect(lines).to_have_count(2)
+    expect(page.locator("#caption-note")).to_be_hidden()
+    for line, seg in zip(lines.all(), segments):
+        expect(line.locator(".caption-word")).to_have_count(len(seg["words"]))
+        expect(line).to_contain_text(seg["text"])
+    marked = area.locator("[aria-current]")
+    for i, k in ((0, 0), (0, 3), (1, -1), (1, 2)):
+        words = segments[i]["words"]
+        k %= len(words)
+        w = words[k]
+        _at(page, (w["start"] + w["end"]) / 2)
+        word = lines.nth(i).locator(".caption-word").nth(k)
+        expect(word).to_have_attribute("aria-current", "true")
+        expect(word).to_have_class("caption-word current")
+        expect(word).to_have_text(w["word"])
+        expect(lines.nth(i)).to_have_attribute("aria-current", "true")
+        expect(marked).to_have_count(2)  # that sentence and that word, nothing else
+    if os.environ.get("COSYLLAMA_CAPTIONS_SCREENSHOT"):  # the last word marked: (1, 2)
+        page.screenshot(path=os.environ["COSYLLAMA_CAPTIONS_SCREENSHOT"], full_page=True)
+    assert segments[1]["start"] > 1.0
+    _at(page, 0.0)
+    lines.nth(1).click()  # plays from the second sentence
+    page.wait_for_function(f"() => document.getElementById('player').currentTime >= {segments[1]['start']}")
+    expect(lines.nth(1)).to_have_attribute("aria-current", "true")
+    _at(page, segments[1]["start"] + 0.01)
+    expect(lines.nth(0)).not_to_have_attribute("aria-current", "true")
+    lines.nth(0).focus()  # the keyboard: Enter on a sentence
+    page.keyboard.press("Enter")
+    page.wait_for_function(f"() => document.getElementById('player').currentTime < {segments[1]['start']}")
+    expect(lines.nth(0)).to_have_attribute("aria-current", "true")
+    page.evaluate("document.getElementById('player').pause()")
+    assert page.problems == []

@@ -1,8 +1,8 @@
 """The web page ``cosyllama serve`` answers at ``/``: type a text, pick or register a voice, hear it
 stream. Plain HTML, CSS and JavaScript shipped in the package (``cosyllama/web``), no build step;
-the page calls the public API only (``/v1/voices``, ``/v1/audio/speech``), from the server's own
-origin, so it needs no ``--allow-origin``. With ``--api-key`` the page itself loads without the
-key (it holds no data) and asks for it. Needs the ``server`` extra."""
+the page calls the public API only (``/v1/voices``, ``/v1/audio/speech``, ``/dev/captioned_speech``
+for captions), from the server's own origin, so it needs no ``--allow-origin``. With ``--api-key``
+the page itself loads without the key (it holds no data) and asks for it. Needs the ``server`` extra."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 // The page served at / by `cosyllama serve`: the server's public API from a browser.
 // POST /v1/audio/speech (streamed wav/pcm is played with Web Audio as it arrives),
+// POST /dev/captioned_speech (with "Captions": the whole file and its sentences' and words' times),
 // GET/POST/DELETE /v1/voices. No build step, no dependency.
 "use strict";
 
@@ -7,6 +8,8 @@ const PCM_RATE = 24000; // pcm responses: 16-bit little-endian mono at 24 kHz
 const WAV_HEADER = 44; // the server's wav header (16-bit mono PCM)
 const KEY_STORE = "cosyllama.apiKey"; // sessionStorage: this tab only
 const MAX_RECORD_S = 30; // the server refuses longer prompt clips
+const SPEECH_PATH = "/v1/audio/speech";
+const CAPTIONED_PATH = "/dev/captioned_speech"; // one JSON object: audio (base64), segments, srt, vtt
 
 const $ = (id) => document.getElementById(id);
 
@@ -18,6 +21,9 @@ const state = {
   downloadUrl: null,
   rawUrl: null, // pcm's own bytes, beside its wav download
   playerUrl: null,
+  captionUrls: [], // the SRT and VTT downloads
+  captions: null, // shown captions: { lines: [{ el, start, end, words: [{ el, start, end }] }], line, word }
+  raf: 0, // requestAnimationFrame following the player's time
   recorded: null, // Blob (wav) from the microphone
   recorder: null,
   playing: 0, // sources not yet ended
@@ -372,7 +378,7 @@ function encodeWav(samples, rate) {
 
 // -- speech -------------------------------------------------------------------------------------
 
-function requestBody() {
+function requestBody(captioned) {
   const body = {
     input: $("text").value,
     voice: $("voice").value,
@@ -386,7 +392,12 @@ function requestBody() {
   const mode = document.querySelector('input[name="mode"]:checked').value;
   if (mode) body.mode = mode;
   if (mode === "instruct") body.instructions = $("instructions").value;
-  if (streams(body)) body.stream_format = "audio";
+  if (captioned) {
+    body.stream = false; // the whole file in one answer, with every segment's times
+    body.return_timestamps = true;
+  } else if (streams(body)) {
+    body.stream_format = "audio";
+  }
   return body;
 }
 
@@ -417,7 +428,8 @@ async function speak(ev) {
   state.controller = null;
   stopPlayback();
   clearError();
-  const body = requestBody();
+  const captioned = $("captions").checked;
+  const body = requestBody(captioned);
   if (!body.voice) {
     showError("Pick a voice first, or add one below.");
     return;
@@ -431,7 +443,7 @@ async function speak(ev) {
   setStatus("Synthesizing…", "busy");
   const t0 = performance.now();
   try {
-    const resp = await api("/v1/audio/speech", {
+    const resp = await api(captioned ? CAPTIONED_PATH : SPEECH_PATH, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
@@ -449,10 +461,12 @@ async function speak(ev) {
       showError(await errorText(resp));
       return;
     }
-    if (body.stream_format) {
+    if (captioned) {
+      await playCaptioned(resp, body, ctx, t0);
+    } else if (body.stream_format) {
       await playStream(resp, body, ctx, t0);
     } else {
-      await playWhole(resp, body, ctx, t0);
+      await playWhole(await resp.arrayBuffer(), resp.headers.get("content-type"), body, ctx, t0);
     }
   } catch (e) {
     if (!controller.signal.aborted) {
@@ -531,8 +545,8 @@ async function playStream(resp, body, ctx, t0) {
   showPlayer(wav);
 }
 
-async function playWhole(resp, body, ctx, t0) {
-  const data = await resp.arrayBuffer();
+// A whole file (`data`, an ArrayBuffer of media type `type`): stats, download, and the player.
+async function playWhole(data, type, body, ctx, t0) {
   const wall = (performance.now() - t0) / 1000;
   const fmt = body.response_format;
   let length = null;
@@ -545,7 +559,7 @@ async function playWhole(resp, body, ctx, t0) {
       length = null; // the browser cannot decode it; the download still works
     }
   }
-  const file = new Blob([data], { type: resp.headers.get("content-type") || "application/octet-stream" });
+  const file = new Blob([data], { type: type || "application/octet-stream" });
   if (fmt === "pcm") {
     const wav = new Blob([wavHeader(PCM_RATE, data.byteLength), data], { type: "audio/wav" });
     finishResult(body, length, wall, wall, wav, file);
@@ -559,6 +573,155 @@ async function playWhole(resp, body, ctx, t0) {
   } catch (e) {
     setStatus("Done: press play", "done");
   }
+}
+
+// -- captions: /dev/captioned_speech's answer, shown under the player and followed as it plays ----
+
+async function playCaptioned(resp, body, ctx, t0) {
+  const answer = await resp.json();
+  const text = atob(answer.audio);
+  const bytes = new Uint8Array(text.length);
+  for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
+  showCaptions(answer, `speech-${body.voice}-${body.seed}`);
+  await playWhole(bytes.buffer, answer.audio_format, body, ctx, t0);
+}
+
+function clock(x) {
+  const m = Math.floor(x / 60);
+  return `${m}:${(x - 60 * m).toFixed(1).padStart(4, "0")}`;
+}
+
+// One line per segment (a button: it seeks there), its words as spans where their times are known.
+function showCaptions(answer, name) {
+  const list = $("caption-lines");
+  list.textContent = "";
+  const lines = [];
+  const missing = []; // [line number, why] of the segments without word times
+  answer.segments.forEach((seg, i) => {
+    const li = document.createElement("li");
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "caption-line";
+    const time = document.createElement("span");
+    time.className = "caption-time";
+    time.textContent = clock(seg.start);
+    button.append(time, " ");
+    const line = { el: button, start: seg.start, end: seg.end, words: [] };
+    if (seg.words && seg.words.length) {
+      line.words = wordSpans(button, seg.text, seg.words);
+    } else {
+      button.append(seg.text);
+      if (!seg.words) missing.push([i + 1, seg.words_why || "the server made none"]);
+    }
+    button.addEventListener("click", () => seek(line.start));
+    li.append(button);
+    list.append(li);
+    lines.push(line);
+  });
+  state.captions = { lines, line: null, word: null };
+  const note = $("caption-note");
+  const why = [...new Set(missing.map(([, w]) => w))].join("; ");
+  note.textContent = !missing.length ? ""
+    : missing.length === lines.length ? `No word times: ${why}`
+      : `No word times for sentence${missing.length > 1 ? "s" : ""} ${missing.map(([n]) => n).join(", ")}: ${why}`;
+  note.hidden = !missing.length;
+  const files = [["caption-srt", answer.srt, "application/x-subrip", "srt"],
+    ["caption-vtt", answer.vtt, "text/vtt", "vtt"]];
+  for (const [id, data, type, ext] of files) {
+    const url = URL.createObjectURL(new Blob([data], { type }));
+    state.captionUrls.push(url);
+    $(id).href = url;
+    $(id).download = `${name}.${ext}`; // beside the audio's download, of the same name
+  }
+  $("caption-area").hidden = false;
+}
+
+// The segment's text into `button`, each aligned word a span (the words are the text's own
+// whitespace-separated tokens, in order; a token of punctuation only has no time and stays text).
+function wordSpans(button, text, words) {
+  const out = [];
+  const span = (w) => {
+    const el = document.createElement("span");
+    el.className = "caption-word";
+    el.textContent = w.word;
+    out.push({ el, start: w.start, end: w.end });
+    return el;
+  };
+  let k = 0;
+  const nodes = text.split(/(\s+)/)
+    .map((part) => (k < words.length && part === words[k].word ? span(words[k++]) : part));
+  if (k < words.length) { // not the text's own tokens: the words alone
+    out.length = 0;
+    words.forEach((w, j) => {
+      if (j) button.append(" ");
+      button.append(span(w));
+    });
+  } else {
+    button.append(...nodes);
+  }
+  return out;
+}
+
+function seek(t) {
+  const player = $("player");
+  player.currentTime = t;
+  highlight();
+  player.play().catch(() => {}); // a click: allowed to play
+}
+
+// Mark the sentence and the word at the player's time: a word stays marked until the next one starts.
+function highlight() {
+  const cap = state.captions;
+  if (!cap) return;
+  const t = $("player").currentTime;
+  const line = cap.lines.find((l) => t >= l.start && t < l.end) || null;
+  let word = null;
+  if (line) {
+    for (let j = 0; j < line.words.length && line.words[j].start <= t; j++) word = line.words[j];
+  }
+  mark(cap, "line", line);
+  mark(cap, "word", word);
+}
+
+function mark(cap, kind, item) {
+  const old = cap[kind];
+  if (old === item) return;
+  if (old) {
+    old.el.classList.remove("current");
+    old.el.removeAttribute("aria-current");
+  }
+  if (item) {
+    item.el.classList.add("current");
+    item.el.setAttribute("aria-current", "true");
+    if (kind === "line") keepInView(item.el);
+  }
+  cap[kind] = item;
+}
+
+// Scroll the captions' own box (not the page) to show the current sentence.
+function keepInView(el) {
+  const box = $("caption-lines");
+  const top = el.offsetTop - box.offsetTop;
+  if (top < box.scrollTop || top + el.offsetHeight > box.scrollTop + box.clientHeight) {
+    box.scrollTop = top;
+  }
+}
+
+function follow() {
+  highlight();
+  state.raf = $("player").paused ? 0 : requestAnimationFrame(follow);
+}
+
+function clearCaptions() {
+  if (state.raf) cancelAnimationFrame(state.raf);
+  state.raf = 0;
+  state.captions = null;
+  $("caption-area").hidden = true;
+  $("caption-lines").textContent = "";
+  $("caption-note").textContent = "";
+  for (const url of state.captionUrls) URL.revokeObjectURL(url);
+  state.captionUrls = [];
+  for (const id of ["caption-srt", "caption-vtt"]) $(id).removeAttribute("href");
 }
 
 // The finished audio in the player, to replay (a stream has played through Web Audio already).
@@ -602,6 +765,7 @@ function resetResult() {
     if (url) URL.revokeObjectURL(url);
   }
   state.downloadUrl = state.rawUrl = state.playerUrl = null;
+  clearCaptions();
 }
 
 // `file`: the download (a wav for pcm); `raw`: pcm's own bytes, offered beside it.
@@ -687,10 +851,13 @@ function updateForm() {
   $("instructions").disabled = mode !== "instruct";
   const fmt = $("format").value;
   const speed = Number($("speed").value || "1");
+  const captioned = $("captions").checked;
+  $("stream").disabled = captioned; // captions: the whole file, not streamed
+  const streamed = $("stream").checked && !captioned;
   let hint = "";
-  if ($("stream").checked && !(fmt === "wav" || fmt === "pcm")) {
+  if (streamed && !(fmt === "wav" || fmt === "pcm")) {
     hint = `${fmt} is fetched whole and played when done; streamed playback takes wav or pcm.`;
-  } else if ($("stream").checked && speed !== 1) {
+  } else if (streamed && speed !== 1) {
     hint = "A speed other than 1 applies to the finished audio: this request is not streamed.";
   }
   $("stream-hint").textContent = hint;
@@ -718,12 +885,14 @@ function init() {
       delete $("record-status").dataset.state;
     }
   });
-  for (const el of document.querySelectorAll('input[name="mode"], #voice, #format, #speed, #stream')) {
+  for (const el of document.querySelectorAll('input[name="mode"], #voice, #format, #speed, #stream, #captions')) {
     el.addEventListener("change", updateForm);
   }
   $("player").addEventListener("play", () => {
     stopSources(); // replaying a stream that still sounds through Web Audio: one voice at a time
+    if (state.captions && !state.raf) state.raf = requestAnimationFrame(follow);
   });
+  for (const ev of ["timeupdate", "seeked"]) $("player").addEventListener(ev, highlight);
   $("player").addEventListener("playing", () => {
     setStatus("Playing…", "playing");
     refreshButtons();
