@@ -155,6 +155,7 @@ def test_word_times_leave_the_audio_as_it_is_and_come_after_each_segment(tts):
     plain = tts.cross_lingual(TEXT, PROMPT, seed=3).audio()
     s = tts.cross_lingual(TEXT, PROMPT, seed=3, word_times=True)
     first = next(s)
+    assert s.timings.align == 0  # nothing was aligned before the first audio
     assert first.is_final and len(s.segments) == 1 and s.segments[0].words is None  # not aligned before it went
     assert s.segments[0].words_why is None
     s.finish_words()
