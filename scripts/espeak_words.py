@@ -41,47 +41,58 @@ class SpokenWord:
 
 
 class Espeak:
-    """One libespeak-ng instance (the library keeps global state: make one per process)."""
+    """libespeak-ng, initialized once per process (the library keeps global state, and initializing it again
+    changes what it speaks); ``voice`` and ``rate`` are set again for every sentence."""
+
+    _lib = None
+    sample_rate = 0
 
     def __init__(self, voice: str = "en-us", rate: int = 160):
-        name = ctypes.util.find_library("espeak-ng")
-        if not name:
-            raise OSError("libespeak-ng not found (apt-get install libespeak-ng1 espeak-ng-data)")
-        self._lib = ctypes.CDLL(name)
-        self.sample_rate = self._lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 200, None, 0)
-        if self.sample_rate <= 0:
-            raise OSError("espeak_Initialize failed")
-        if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
-            raise ValueError(f"espeak-ng has no voice {voice!r}")
-        self._lib.espeak_SetParameter(1, rate, 0)  # espeakRATE, words per minute
-        self._pieces: list[np.ndarray] = []
-        self._events: list[tuple[int, int]] = []
-        self._cb = _CALLBACK(self._collect)  # held: the library calls it for the instance's life
-        self._lib.espeak_SetSynthCallback(self._cb)
+        self.voice, self.rate = voice, rate
+        if Espeak._lib is None:
+            name = ctypes.util.find_library("espeak-ng")
+            if not name:
+                raise OSError("libespeak-ng not found (apt-get install libespeak-ng1 espeak-ng-data)")
+            lib = ctypes.CDLL(name)
+            Espeak.sample_rate = lib.espeak_Initialize(_AUDIO_OUTPUT_SYNCHRONOUS, 200, None, 0)
+            if Espeak.sample_rate <= 0:
+                raise OSError("espeak_Initialize failed")
+            Espeak._lib = lib
+            Espeak._cb = _CALLBACK(Espeak._collect)  # held: the library calls it for the process's life
+            lib.espeak_SetSynthCallback(Espeak._cb)
+        self._lib = Espeak._lib
 
-    def _collect(self, wav, n, events) -> int:
+    _pieces: list = []
+    _events: list = []
+
+    @staticmethod
+    def _collect(wav, n, events) -> int:
         if n > 0:
-            self._pieces.append(np.ctypeslib.as_array(wav, shape=(n,)).copy())
+            Espeak._pieces.append(np.ctypeslib.as_array(wav, shape=(n,)).copy())
         i = 0
         while events[i].type != _EVENT_LIST_TERMINATED:
             if events[i].type == _EVENT_WORD:
-                self._events.append((events[i].text_position, events[i].sample))
+                Espeak._events.append((events[i].text_position, events[i].sample))
             i += 1
         return 0
 
     def speak(self, text: str) -> tuple[np.ndarray, int, list[SpokenWord]]:
         """``text`` spoken: float32 samples, the sample rate, and each whitespace-separated word of ``text`` with
         its onset in seconds."""
-        self._pieces, self._events = [], []
+        if self._lib.espeak_SetVoiceByName(self.voice.encode()) != 0:
+            raise ValueError(f"espeak-ng has no voice {self.voice!r}")
+        self._lib.espeak_SetParameter(1, self.rate, 0)  # espeakRATE, words per minute
+        Espeak._pieces, Espeak._events = [], []
         data = text.encode("utf-8")
         buf = ctypes.create_string_buffer(data)
         if self._lib.espeak_Synth(buf, len(data) + 1, 0, _POS_CHARACTER, 0, _CHARS_UTF8, None, None) != 0:
             raise RuntimeError("espeak_Synth failed")
         self._lib.espeak_Synchronize()
-        audio = (np.concatenate(self._pieces) if self._pieces else np.zeros(0, np.int16)).astype(np.float32) / 32768
+        pieces = Espeak._pieces
+        audio = (np.concatenate(pieces) if pieces else np.zeros(0, np.int16)).astype(np.float32) / 32768
         # text_position counts characters from 1; map each word's first character to its onset
         onset_at = {}
-        for pos, sample in self._events:
+        for pos, sample in Espeak._events:
             onset_at.setdefault(pos - 1, sample / self.sample_rate)
         words = [SpokenWord(m.group(), onset_at.get(m.start())) for m in re.finditer(r"\S+", text)]
         return audio, self.sample_rate, words
