@@ -12,7 +12,8 @@ import pytest
 from docs_run import ROOT, SERVE_PORT, STAND_INS, WYOMING_PORT, DocsError, Session, blocks
 from helpers import FIXTURES, MODEL_DIR
 
-DOCS = ["README.md", "docs/usage.md", "docs/server.md", "docs/wyoming.md", "docs/batch.md", "docs/captions.md"]
+DOCS = ["README.md", "docs/usage.md", "docs/server.md", "docs/wyoming.md", "docs/batch.md", "docs/captions.md",
+        "docs/dialogue.md"]
 # The README runs in the default suite; the other documents' runs (a minute or more together) are slow.
 RUNS = [pytest.param(doc, marks=[] if doc == "README.md" else [pytest.mark.slow]) for doc in DOCS]
 

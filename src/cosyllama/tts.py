@@ -89,6 +89,18 @@ class Synthesis(Iterator[AudioChunk]):
         return np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
 
 
+class _CurrentWords:
+    """``Synthesis.finish_words`` of a dialogue: the running turn's, then its segments placed again."""
+
+    def __init__(self, current: list):
+        self._current = current
+
+    def finish(self) -> None:
+        for syn, place in list(self._current):
+            syn.finish_words()
+            place()
+
+
 def _timed(it: Iterator, acc: list[float]) -> Iterator:
     """Yield from ``it``, adding the time spent inside ``next`` to ``acc[0]``."""
     while True:
@@ -293,6 +305,33 @@ class TTS:
         ``prompt_text``) has a transcript, else cross-lingual."""
         return self.run(SynthesisRequest(text, mode, voice, prompt_wav, prompt_text, instruction,
                                          options=self._options(options, kw)), cancel=cancel)
+
+    def dialogue(self, turns, *, pause: float = 0.0, options: SynthesisOptions | None = None,
+                 cancel: CancelToken | None = None, **kw) -> Synthesis:
+        """Speak a script of :class:`~cosyllama.dialogue.Turn` (each its voice: a registered id or
+        :class:`PromptFeatures`, its text, instruction, speed) as one output, ``pause`` seconds of silence
+        between turns (exactly ``round(pause * sample_rate)`` samples), each turn run when the one before it
+        ends (:mod:`cosyllama.dialogue`: the seed rule, captions naming the speaker). ``options`` (and
+        ``**kw``) apply to every turn. Every turn is checked, and every voice looked up, before any audio: a
+        bad turn is a :class:`~cosyllama.dialogue.ScriptError` naming it."""
+        from .dialogue import check_turns, turn_requests
+
+        opts = self._options(options, kw)
+        turns = list(turns)
+        check_turns(turns, pause)
+        requests = turn_requests(turns, opts, self.limits, self.voices)
+        return self.run_turns(requests, [t.speaker for t in turns], pause, cancel=cancel)
+
+    def run_turns(self, requests: list[SynthesisRequest], speakers: list[str | None], pause: float, *,
+                  cancel: CancelToken | None = None) -> Synthesis:
+        """:meth:`dialogue` of requests already made and checked (a server's turns, each with its voice's
+        features): ``speakers`` name each turn's speaker in its segments."""
+        from .dialogue import dialogue_chunks
+
+        timings, segments, current = Timings(), [], []
+        chunks = dialogue_chunks(self, speakers, requests, pause, timings, segments, current, cancel)
+        word_times = any(r.options.word_times for r in requests)
+        return Synthesis(chunks, timings, segments, _CurrentWords(current) if word_times else None)
 
     def run(self, request: SynthesisRequest, *, cancel: CancelToken | None = None) -> Synthesis:
         """Synthesize ``request`` (every front door comes through here): its voice looked up, its

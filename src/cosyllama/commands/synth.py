@@ -21,7 +21,10 @@ def add_parser(sub) -> None:
     """The ``synth`` command's arguments (``sub``: the CLI's sub-parsers)."""
     s = sub.add_parser("synth", help="synthesize speech to a WAV file")
     s.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
-    s.add_argument("--text", required=True, help="text to speak")
+    what = s.add_mutually_exclusive_group(required=True)
+    what.add_argument("--text", help="text to speak")
+    what.add_argument("--script", help="a dialogue: a file of 'name: text' lines or JSON turns, each turn in its "
+                                       "voice (docs/dialogue.md)")
     s.add_argument("--out", required=True, help="output .wav (24 kHz mono)")
     s.add_argument("--out-format", choices=tuple(WAV_SUBTYPES), default="pcm16",
                    help="16-bit PCM (default) or 32-bit float WAV")
@@ -45,6 +48,10 @@ def add_parser(sub) -> None:
                             "each kept only if a fidelity check on the loaded weights passes, else fp32 (the "
                             "reference)")
     add_llm_weights_option(s)
+    s.add_argument("--voices", help="with --script: the voices its turns name, a voice file (*.pt) or a directory "
+                                    "of them and of voice folders (NAME/ref.wav), as batch takes")
+    s.add_argument("--pause", type=float, default=None, help="with --script: seconds of silence between turns "
+                                                             "(default: the script's pause_between_turns, else 0)")
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.add_argument("--captions", help="write captions: FILE.srt, FILE.vtt or FILE.json (the suffix names the "
                                       "format); word times where they can be aligned, else sentence times "
@@ -90,17 +97,26 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     from ..tts import TTS
     from .options import load_options
 
-    try:
-        request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
-                                   instruction=args.instruct,
-                                   options=SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy,
-                                                            seed=args.seed, word_times=bool(args.captions)))
-    except RequestError as e:
-        raise e.as_flag() from None
+    synthesis_options = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed,
+                                         word_times=bool(args.captions))
+    script = None
+    if args.script is not None:
+        from .dialogue_flags import read_script
+
+        script = read_script(args, synthesis_options)
+    else:
+        if args.voices is not None or args.pause is not None:
+            raise InputError("--voices and --pause go with --script")
+        try:
+            request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
+                                       instruction=args.instruct, options=synthesis_options)
+        except RequestError as e:
+            raise e.as_flag() from None
     options = load_options(args)
     llm = options.llm
-    if not Path(args.prompt_wav).is_file():
-        raise InputError(f"prompt audio {args.prompt_wav!r} does not exist")
+    if script is None and (args.prompt_wav is None or not Path(args.prompt_wav).is_file()):
+        raise InputError(f"prompt audio {args.prompt_wav!r} does not exist" if args.prompt_wav else
+                         "--prompt-wav is needed with --text (the voice to speak in)")
     if args.gguf and not Path(args.gguf).is_file():
         raise InputError(f"GGUF file {args.gguf!r} does not exist")
     check_out_path(args.out)
@@ -118,7 +134,12 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
         progress(line)
 
     try:
-        syn = tts.run(request)
+        if script is not None:
+            from .dialogue_flags import run_script
+
+            syn = run_script(tts, script, args, synthesis_options, progress)
+        else:
+            syn = tts.run(request)
     except RequestError as e:
         raise e.as_flag() from None
 

@@ -51,6 +51,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
 from .captioned import router as captioned_router  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from .dialogue import router as dialogue_router  # noqa: E402
 from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
@@ -186,6 +187,7 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
     app.include_router(router)
     app.include_router(speech_router)
     app.include_router(captioned_router)
+    app.include_router(dialogue_router)
     app.include_router(speech_stream_router)
     app.include_router(voices_router)
     add_page(app)

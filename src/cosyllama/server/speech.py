@@ -282,13 +282,20 @@ async def speech(body: SpeechRequest, request: Request):
     state = state_of(request.app)
     streaming, synthesis = await check_request(body, state)
     job = SpeechJob(state.tts, synthesis, streaming, body.response_format)
+    return await run_speech_job(request, state, job)
+
+
+async def run_speech_job(request: Request, state: AppState, job: SpeechJob) -> Response:
+    """:func:`run_job` of a speech job, answered as ``/v1/audio/speech`` answers: the whole file, the raw
+    stream, or Server-Sent Events, as the job's ``streaming`` says."""
+    streaming, fmt = job.streaming, job.response_format
 
     def respond(first: bytes | None, cleanup) -> Response:
         if streaming == "sse":
             return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache"})
         if streaming:
-            return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[body.response_format])
-        return Response(first, media_type=MEDIA_TYPES[body.response_format])
+            return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[fmt])
+        return Response(first, media_type=MEDIA_TYPES[fmt])
 
     return await run_job(request, state, job, job.next_bytes if streaming else job.whole_file, respond,
                          streams=streaming is not None)

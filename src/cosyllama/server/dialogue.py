@@ -1,0 +1,138 @@
+"""``POST /v1/audio/dialogue``: a script of turns, each in its voice, as one audio answer (docs/dialogue.md).
+Needs the ``server`` extra.
+
+The body takes the turns in Kokoro-FastAPI's shape (``turns: [{"voice", "text"}]`` with
+``pause_between_turns`` in seconds) or ElevenLabs' (``inputs: [{"text", "voice_id"}]``), a turn's own
+``instructions`` and ``speed`` where it asks, and every other field of ``POST /v1/audio/speech`` (format,
+``stream_format``/``stream``, seed, greedy, speed, mode) but ``input`` and ``voice``, which the turns carry. A
+turn's voice is found as ``/v1/audio/speech`` finds one (registered ids, voice folders, ``--voice-alias``,
+OpenAI's names with ``--default-voice``); a voice that is not there is a 404 naming its turn. Every turn is
+checked, and every voice found, before any audio. The audio is :meth:`cosyllama.tts.TTS.run_turns`: the turns
+in order, each when the one before has ended, an exact pause between them; it is sent as ``/v1/audio/speech``
+sends (a whole file, a raw stream, or Server-Sent Events).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..dialogue import MAX_PAUSE_S, MAX_TURNS, turn_seed
+from ..limits import LimitExceeded
+from .common import state_of
+from .errors import ApiError, api_error
+from .speech import CustomVoice, SpeechJob, SpeechRequest, check_request, run_speech_job
+
+PATH = "/v1/audio/dialogue"
+
+
+class DialogueTurn(BaseModel):
+    """One turn: Kokoro's ``{voice, text}`` or ElevenLabs' ``{text, voice_id}``, with an optional
+    ``instructions`` (instruct mode) and ``speed``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: str = Field(description="what this turn says")
+    voice: str | CustomVoice | None = Field(None, description="the turn's voice (Kokoro's field)")
+    voice_id: str | None = Field(None, description="the turn's voice (ElevenLabs' field)")
+    instructions: str | None = Field(None, description="a style instruction for this turn (instruct mode)")
+    speed: float | None = Field(None, description="this turn's speed, as /v1/audio/speech's")
+
+    def voice_name(self) -> str | None:
+        v = self.voice if self.voice is not None else self.voice_id
+        return v.id if isinstance(v, CustomVoice) else v
+
+
+class DialogueRequest(SpeechRequest):
+    """Body of ``POST /v1/audio/dialogue`` (the module docstring)."""
+
+    input: str = Field("", description="not used: the turns carry the text")
+    voice: str | CustomVoice = Field("", description="not used: each turn names its voice")
+    turns: list[DialogueTurn] | None = Field(None, max_length=MAX_TURNS, description="Kokoro-FastAPI's turns")
+    inputs: list[DialogueTurn] | None = Field(None, max_length=MAX_TURNS, description="ElevenLabs' turns")
+    pause_between_turns: float = Field(0.0, ge=0.0, le=MAX_PAUSE_S, description="seconds of silence between turns")
+    model_id: str | None = Field(None, description="ElevenLabs' model field: accepted, ignored")
+    settings: dict | None = Field(None, description="ElevenLabs' settings: accepted, not used")
+
+
+def _turns(body: DialogueRequest) -> list[DialogueTurn]:
+    if "input" in body.model_fields_set or "voice" in body.model_fields_set:
+        field = "input" if "input" in body.model_fields_set else "voice"
+        raise ApiError(422, f"{field} is not a field of a dialogue; give turns (each with voice and text)",
+                       param=field, code="unsupported_field")
+    if (body.turns is None) == (body.inputs is None):
+        raise ApiError(422, "give the dialogue as turns ([{voice, text}]) or as inputs ([{text, voice_id}]), one of "
+                       "them", param="turns", code="missing_field" if body.turns is None else "conflicting_fields")
+    turns = body.turns if body.turns is not None else body.inputs
+    where = "turns" if body.turns is not None else "inputs"
+    if not turns:
+        raise ApiError(422, f"{where} is empty; give at least one turn", param=where, code="empty_list")
+    for k, t in enumerate(turns):
+        if not t.voice_name():
+            raise ApiError(422, f"{where}[{k}] has no voice", param=f"{where}[{k}].voice", code="missing_field")
+        if not t.text.strip():
+            raise ApiError(422, f"{where}[{k}] ({t.voice_name()}) has no text", param=f"{where}[{k}].text",
+                           code="empty_string")
+    return turns
+
+
+async def _requests(body: DialogueRequest, state) -> tuple[str | None, list, list[str]]:
+    """Each turn's checked synthesis request, its voice found (a 404 names the turn), in order."""
+    turns = _turns(body)
+    where = "turns" if body.turns is not None else "inputs"
+    try:
+        state.limits.check_chars("input", "\n".join(t.text for t in turns))  # the script, bounded as one input
+    except LimitExceeded as e:
+        raise api_error(e) from None
+    streaming, requests = None, []
+    for k, t in enumerate(turns):
+        update = {"input": t.text, "voice": t.voice_name(), "seed": turn_seed(body.seed, k)}
+        if t.speed is not None:
+            update["speed"] = t.speed
+        if t.instructions is not None:
+            update["instructions"] = t.instructions
+        turn_body = SpeechRequest.model_validate({**body.model_dump(include=set(SpeechRequest.model_fields),
+                                                                    exclude_unset=True), **update})
+        try:
+            streaming, request = await check_request(turn_body, state)
+        except ApiError as e:
+            e.message = f"{where}[{k}] ({t.voice_name()}): {e.message}"
+            if e.param in ("voice", "input", "speed", "instructions"):
+                e.param = f"{where}[{k}].{'text' if e.param == 'input' else e.param}"
+            raise
+        requests.append(request)
+    return streaming, requests, [t.voice_name() for t in turns]
+
+
+class DialogueJob(SpeechJob):
+    """A speech job whose synthesis is the dialogue's turns (:meth:`cosyllama.tts.TTS.run_turns`)."""
+
+    def __init__(self, tts, requests, speakers, pause: float, streaming: str | None, response_format: str):
+        super().__init__(tts, requests[0], streaming, response_format)
+        self.requests, self.speakers, self.pause = requests, speakers, pause
+
+    def open(self) -> None:
+        with self.lock:
+            self.syn = self.tts.run_turns(self.requests, self.speakers, self.pause, cancel=self.token)
+            self._opened()
+
+    def usage(self) -> dict:
+        tokenize = self.tts.frontend.tokenize
+        n_in = sum(len(tokenize(r.text)) + (len(tokenize(r.instruction)) if r.instruction else 0)
+                   for r in self.requests)
+        n_out = sum(len(t) for t in self.syn.timings.tokens)
+        return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+router = APIRouter()
+
+
+@router.post(PATH)
+async def dialogue(body: DialogueRequest, request: Request):
+    state = state_of(request.app)
+    streaming, requests, speakers = await _requests(body, state)
+    job = DialogueJob(state.tts, requests, speakers, body.pause_between_turns, streaming, body.response_format)
+    return await run_speech_job(request, state, job)
+
+
+__all__ = ["PATH", "DialogueRequest", "router"]
