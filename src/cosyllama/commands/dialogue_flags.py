@@ -25,7 +25,7 @@ def read_script(args, options) -> ReadScript:
     given = [flag for flag, value in (("--prompt-wav", args.prompt_wav), ("--prompt-text", args.prompt_text),
                                       ("--instruct", args.instruct), ("--mode", args.mode)) if value is not None]
     if given:
-        raise InputError(f"{', '.join(given)} belong with --text; a script's turns name their voices (and instructions)")
+        raise InputError(f"{', '.join(given)} belong with --text; a script's turns name their voices")
     path = Path(args.script)
     try:
         text = path.read_text(encoding="utf-8")
