@@ -451,10 +451,17 @@ def _download(page, selector: str) -> tuple[str, str]:
     return dl.value.suggested_filename, Path(dl.value.path()).read_text(encoding="utf-8")
 
 
-def test_captions_show_each_sentence_their_files_and_why_words_are_missing(page, server):
+def test_captions_show_each_sentence_their_files_and_why_words_are_missing(page, server, monkeypatch):
     """With "Captions" the page asks /dev/captioned_speech for the whole file, plays it in its player and
-    lists the sentences under it, with SRT and VTT downloads; the tiny model speaks noise, so no word
-    aligns and the page says why, in the server's words. Unticked, Speak streams again."""
+    lists the sentences under it, with SRT and VTT downloads; where no word aligns (here an aligner that
+    always refuses: the tiny model speaks noise, which may or may not align) the page says why, in the
+    server's words. Unticked, Speak streams again."""
+    import cosyllama.alignment as alignment
+
+    def refuse(*args, **kwargs):
+        raise alignment.AlignError("the text does not match the audio (a stand-in aligner)")
+
+    monkeypatch.setattr(alignment, "align", refuse)  # what WordTimer calls, at call time
     _register(page, "anna")
     expect(page.locator("#caption-area")).to_be_hidden()
     answer = _speak_captioned(page, "Hello there. This is a test of captions.", 7)
