@@ -37,6 +37,7 @@ from .errors import InputError
 from .flow import DEFAULT_STREAM_CACHE_MB, FlowStreamCache
 from .vocoder import VocoderStream
 
+PROMPT_LEVELS = 1024  # voices whose measured prompt loudness a Token2Wav keeps (prompt_level: a few bytes each)
 DEFAULT_PROMPT_CACHE_MB = 512.0  # frames shared between streaming requests of one prompt (see Token2Wav)
 # The reference's streaming hops, fixed in its model wrapper whatever the yaml's chunk_size says (only the
 # DiT's attention blocks follow the yaml): see docs/reference.md#chunk-schedule and #yaml-values-the-reference-ignores.
@@ -146,6 +147,7 @@ class Token2Wav:
         self.prompt_cache_mb = prompt_cache_mb
         self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
         self._prompt_lock = threading.Lock()
+        self._prompt_levels: OrderedDict[bytes, object] = OrderedDict()  # prompt_level's, LRU, newest last
 
     @classmethod
     def from_config(cls, config, flow, hift, *, stream_cache_mb: float | None = None,
@@ -244,6 +246,30 @@ class Token2Wav:
             return False
         self._prompt_prefix(prompt, shared)
         return self._prompt_frames_for(self._prompt_key(prompt)) is not None
+
+    def prompt_level(self, prompt: FlowPrompt):
+        """The loudness of ``prompt``'s voice as this model renders it (a :class:`cosyllama.loudness.Level`):
+        its prompt mel vocoded once (the flow's conditioning, so the level the model's speech in that voice
+        starts from), measured by BS.1770, kept for the next request of the voice (:data:`PROMPT_LEVELS` voices,
+        least recently used go first). What a stream's loudness gain is computed from (docs/loudness.md)."""
+        from .loudness import Level
+
+        feat = prompt.feat.detach().cpu().contiguous()
+        key = hashlib.sha256(repr(tuple(feat.shape)).encode() + feat.numpy().tobytes()).digest()
+        with self._prompt_lock:
+            level = self._prompt_levels.get(key)
+            if level is not None:
+                self._prompt_levels.move_to_end(key)
+                return level
+        mel = prompt.feat.reshape(1, -1, prompt.feat.shape[-1]).transpose(1, 2).contiguous()  # (1, 80, 2P)
+        with torch.inference_mode():
+            samples = self.hift.inference(mel, finalize=True)[0]
+        level = Level.of(samples.float().cpu().numpy(), self.sample_rate)
+        with self._prompt_lock:
+            self._prompt_levels[key] = level
+            while len(self._prompt_levels) > PROMPT_LEVELS:
+                self._prompt_levels.popitem(last=False)
+        return level
 
     def prompt_cache_info(self) -> dict:
         """Prompts whose shared frames are kept, and the bytes they hold."""

@@ -32,15 +32,18 @@ MODES = ("zero-shot", "cross-lingual", "instruct")  # the modes a text request c
 FRONTEND_MODES = {"zero-shot": "zero_shot", "cross-lingual": "cross_lingual", "instruct": "instruct2"}
 VC_MODE = "vc"
 SEED_RANGE = (0, 2**31 - 1)  # seeds every door takes (OpenAI-style JSON integers, torch's generator)
+# loudness targets every door takes, LUFS (cosyllama.loudness.LOUDNESS_RANGE; kept here so a request is checked
+# without importing numpy's side of it)
+LOUDNESS_RANGE = (-70.0, -5.0)
 
 # the fields a RequestError may name (SynthesisRequest's, with the options' by their own names)
-FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream")
+FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream", "loudness")
 # how each door names them: the Python API (the keywords), `cosyllama synth` (flags), the HTTP body,
 # a batch manifest row
 API_NAMES = {f: f for f in FIELDS}
 FLAG_NAMES = {**API_NAMES, "text": "--text", "mode": "--mode", "voice": "a voice", "prompt_wav": "--prompt-wav",
               "prompt_text": "--prompt-text", "instruction": "--instruct", "speed": "--speed", "seed": "--seed",
-              "stream": "--stream"}
+              "stream": "--stream", "loudness": "--loudness"}
 HTTP_NAMES = {**API_NAMES, "text": "input", "instruction": "instructions", "stream": "stream_format"}
 BATCH_NAMES = {**API_NAMES, "instruction": "instructions"}
 
@@ -83,7 +86,10 @@ class SynthesisOptions:
     russian_numbers: spell numbers in Russian sentences in Russian (else English, as the reference does).
     max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
     after its audio has been yielded (``Segment.words``; :mod:`cosyllama.alignment`); the audio is the same.
-    word_language: the aligner's language code (None: from each segment's script).
+    word_language: the aligner's language code (None: from each segment's script). loudness: an integrated
+    loudness target in LUFS (ITU-R BS.1770, -70 to -5), reached by one gain for the whole output with a -1 dBFS
+    true-peak ceiling (a stream's gain from its voice's prompt, fixed before the first chunk;
+    :mod:`cosyllama.loudness`, docs/loudness.md); None (default): the audio as the model made it.
     """
 
     stream: bool = False
@@ -96,6 +102,7 @@ class SynthesisOptions:
     ignore_stop: bool = False
     word_times: bool = False
     word_language: str | None = None
+    loudness: float | None = None
 
 
 @dataclass(frozen=True)
@@ -222,7 +229,7 @@ def check_mode(mode: str | None) -> None:
 
 
 def check_options(o: SynthesisOptions) -> None:
-    """The rules of the options alone (speed, seed), as :class:`RequestError`."""
+    """The rules of the options alone (speed, seed, loudness), as :class:`RequestError`."""
     speed = o.speed
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
         raise RequestError("speed", f"{{speed}} must be a number, got {_shown(speed)}", "float_type")
@@ -245,7 +252,20 @@ def check_options(o: SynthesisOptions) -> None:
         if not lo <= seed <= hi:
             raise RequestError("seed", f"{{seed}} must be an integer from {lo} to {hi}, got {seed}",
                                "less_than_equal" if seed > hi else "greater_than_equal")
+    loudness = o.loudness
+    if loudness is not None:
+        lo, hi = LOUDNESS_RANGE
+        if isinstance(loudness, bool) or not isinstance(loudness, (int, float)):
+            raise RequestError("loudness", f"{{loudness}} must be a number of LUFS from {lo:g} to {hi:g}, got "
+                               f"{_shown(loudness)}", "float_type")
+        if not math.isfinite(loudness):
+            raise RequestError("loudness", f"{{loudness}} must be a finite number of LUFS from {lo:g} to {hi:g}, "
+                               f"got {loudness}", "finite_number")
+        if not lo <= loudness <= hi:
+            raise RequestError("loudness", f"{{loudness}} must be from {lo:g} to {hi:g} LUFS (e.g. -16 for speech "
+                               f"on the web, -23 for broadcast), got {loudness:g}",
+                               "less_than_equal" if loudness > hi else "greater_than_equal")
 
 
-__all__ = ["BATCH_NAMES", "FLAG_NAMES", "FRONTEND_MODES", "HTTP_NAMES", "MODES", "SEED_RANGE", "RequestError",
-           "SynthesisOptions", "SynthesisRequest", "check_mode", "check_options", "resolve_mode"]
+__all__ = ["BATCH_NAMES", "FLAG_NAMES", "FRONTEND_MODES", "HTTP_NAMES", "LOUDNESS_RANGE", "MODES", "SEED_RANGE",
+           "RequestError", "SynthesisOptions", "SynthesisRequest", "check_mode", "check_options", "resolve_mode"]

@@ -13,6 +13,7 @@ calls may run from several threads or be interleaved. Several pipelines may shar
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, 
 from .text.normalize import TextNormalizer
 from .voices import VoiceStore
 
+log = logging.getLogger("cosyllama")
+
 __all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOptions", "SynthesisRequest", "TTS",
            "Timings", "choose_mode", "load"]
 
@@ -55,6 +58,14 @@ class Timings:
     first_chunk: float | None = None
     align: float = 0.0  # word alignment (SynthesisOptions.word_times), after each segment's audio
     tokens: list[list[int]] = field(default_factory=list)
+    # SynthesisOptions.loudness: the one gain applied (dB; set before the first chunk is yielded), why
+    # ("target", "ceiling", "short", "silent"; cosyllama.loudness.Gain), the loudness it was computed from
+    # (LUFS: the whole output's, or a stream's prompt's; None: too short to measure) and the samples a stream had
+    # to hold at the ceiling (its gain comes from the prompt, which does not foretell every peak)
+    loudness_gain_db: float | None = None
+    loudness_why: str | None = None
+    loudness_measured: float | None = None
+    loudness_held: int = 0
 
 
 class Synthesis(Iterator[AudioChunk]):
@@ -421,8 +432,51 @@ class TTS:
         timings = Timings(frontend=frontend_s)
         segments: list[Segment] = []
         words = WordTimer(segments, timings, opts.word_language) if opts.word_times else None
-        return Synthesis(self._placed(self._generate(inputs, opts, timings, cancel), inputs, segments, words),
-                         timings, segments, words)
+        chunks = self._generate(inputs, opts, timings, cancel)
+        if opts.loudness is not None:
+            from . import loudness
+
+            loudness.require()  # the install hint before any model work
+            chunks = self._even(chunks, inputs, opts, timings)
+        return Synthesis(self._placed(chunks, inputs, segments, words), timings, segments, words)
+
+    def _even(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], opts: SynthesisOptions,
+              timings: Timings) -> Iterator[AudioChunk]:
+        """``chunks`` scaled by one gain to ``opts.loudness`` (docs/loudness.md): non-streamed, the whole output is
+        measured first (every segment's chunk waits for the last); streamed, the gain comes from the voice's
+        prompt (:meth:`Token2Wav.prompt_level`), fixed when the first chunk arrives, before it is yielded."""
+        from . import loudness
+
+        gain = None
+        try:
+            if not opts.stream:
+                parts = list(chunks)
+                whole = np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
+                level = loudness.Level.of(whole, self.sample_rate)
+                gain = loudness.gain_for(level, opts.loudness)
+                self._note_gain(timings, gain, level)
+                for c in parts:
+                    samples, held = loudness.apply(c.samples, gain.factor)
+                    timings.loudness_held += held
+                    yield replace(c, samples=samples)
+                return
+            for c in chunks:
+                if gain is None:
+                    with self._flow_work(False):
+                        level = self.token2wav.prompt_level(self._flow_prompt(inputs[0]))
+                    gain = loudness.gain_for(level, opts.loudness)
+                    self._note_gain(timings, gain, level)
+                samples, held = loudness.apply(c.samples, gain.factor)
+                timings.loudness_held += held
+                yield replace(c, samples=samples)
+        finally:
+            chunks.close()
+
+    @staticmethod
+    def _note_gain(timings: Timings, gain, level) -> None:
+        timings.loudness_gain_db, timings.loudness_why = gain.db, gain.why
+        timings.loudness_measured = level.lufs
+        log.debug("loudness gain %.2f dB (%s; measured %s LUFS)", gain.db, gain.why, level.lufs)
 
     def _placed(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], segments: list[Segment],
                 words: WordTimer | None = None) -> Iterator[AudioChunk]:

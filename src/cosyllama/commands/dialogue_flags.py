@@ -35,6 +35,12 @@ def read_script(args, options) -> ReadScript:
         raise InputError(f"--script {args.script!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:
         raise InputError(f"--script {args.script!r} cannot be read: {e.strerror or e}") from None
+    from ..request import RequestError, check_options
+
+    try:
+        check_options(options)
+    except RequestError as e:
+        raise e.as_flag() from None
     script = parse_script(text, source=f"--script {args.script!r}")
     pause = script.pause if args.pause is None else args.pause
     check_turns(script.turns, pause)

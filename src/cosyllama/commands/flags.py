@@ -102,9 +102,18 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--stream-cache-mb", type=float, default=None,
                    help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
                         "off at fp32; 0 = off)")
+    add_loudness_option(v, "the loudness target (LUFS, ITU-R BS.1770, e.g. -16) of every request that gives none "
+                           "(HTTP's field loudness; Wyoming requests, which carry none, all get it): one gain per "
+                           "request, never past a -1 dBFS true peak (docs/loudness.md; needs the loudness extra); "
+                           "default: off")
     v.add_argument("--prompt-cache-mb", type=float, default=None,
                    help="bound of the flow blocks shared between requests of one voice in MiB "
                         "(default 512 when the streaming cache is on; 0 = off)")
+
+
+def add_loudness_option(p: argparse.ArgumentParser, help: str) -> None:
+    """``--loudness LUFS`` (:attr:`~cosyllama.request.SynthesisOptions.loudness`; checked with the request)."""
+    p.add_argument("--loudness", type=float, default=None, metavar="LUFS", help=help)
 
 
 def add_wyoming_voice_option(p: argparse.ArgumentParser, http: bool = False) -> None:

@@ -14,7 +14,13 @@ from ..defaults import LLM_CHOICES, SPEED_RANGE
 from ..errors import InputError
 from ..progress import to_stderr
 from ..request import MODES, RequestError, SynthesisOptions, SynthesisRequest
-from .flags import add_gpu_options, add_llm_weights_option, add_precision_option, add_threads_option
+from .flags import (
+    add_gpu_options,
+    add_llm_weights_option,
+    add_loudness_option,
+    add_precision_option,
+    add_threads_option,
+)
 
 
 def add_parser(sub) -> None:
@@ -41,6 +47,9 @@ def add_parser(sub) -> None:
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     s.add_argument("--speed", type=float, default=1.0,
                    help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (non-streaming)")
+    add_loudness_option(s, "bring the output to this integrated loudness (LUFS, ITU-R BS.1770, e.g. -16) with one "
+                           "gain, never past a -1 dBFS true peak; a stream's gain comes from the voice's prompt "
+                           "(docs/loudness.md; needs the loudness extra)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     add_gpu_options(s)
     add_threads_option(s)
@@ -91,6 +100,13 @@ def check_out_path(path: str | Path) -> Path:
     return path
 
 
+def loudness_line(t) -> str:
+    """What ``--loudness`` did, from a synthesis' timings."""
+    measured = "too short to measure" if t.loudness_measured is None else f"{t.loudness_measured:.1f} LUFS"
+    held = f"; {t.loudness_held} sample(s) held at the ceiling" if t.loudness_held else ""
+    return f"loudness gain {t.loudness_gain_db:+.2f} dB ({t.loudness_why}; measured {measured}){held}"
+
+
 def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     """One synthesis: check every argument (the request's rules, said with the flags), load, synthesize,
     write ``--out``, report timings."""
@@ -98,7 +114,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     from .options import load_options
 
     synthesis_options = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed,
-                                         word_times=bool(args.captions))
+                                         word_times=bool(args.captions), loudness=args.loudness)
     script = None
     if args.script is not None:
         from .dialogue_flags import read_script
@@ -112,6 +128,10 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
                                        instruction=args.instruct, options=synthesis_options)
         except RequestError as e:
             raise e.as_flag() from None
+    if args.loudness is not None:
+        from ..loudness import require
+
+        require()  # the install hint before loading a model
     options = load_options(args)
     llm = options.llm
     if script is None and (args.prompt_wav is None or not Path(args.prompt_wav).is_file()):
@@ -173,5 +193,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
              + (f" | word times {t.align:.2f} s" if args.captions else ""))
     first = f" | first audio after {t.first_chunk:.2f} s" if args.stream and t.first_chunk is not None else ""
     progress(f"{secs:.2f} s of audio in {wall:.2f} s: RTF {rtf:.3f}{first}")
+    if t.loudness_gain_db is not None:
+        progress(loudness_line(t))
     print(f"wrote {args.out}")
     return 0

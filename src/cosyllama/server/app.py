@@ -205,11 +205,11 @@ def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFA
     """The serving core and HTTP options ``create_app(tts, **keywords)`` builds: a
     :class:`~cosyllama.server.serving.Serving` over ``tts.models`` (decoding through ``scheduler``, else
     ``tts.token_source`` when that is a :class:`BatchScheduler`, else one of its own), speaking with
-    ``voices`` (default ``tts.voices``); ``speech_defaults``: ``seed`` and ``greedy`` of requests that
+    ``voices`` (default ``tts.voices``); ``speech_defaults``: ``seed``, ``greedy`` and ``loudness`` of requests that
     give none; the other keywords are fields of :class:`ServingOptions` and :class:`ServeOptions`."""
     speech_defaults = dict(speech_defaults or {})
-    if not set(speech_defaults) <= {"seed", "greedy"}:
-        raise ValueError(f"speech_defaults takes seed and greedy, got {sorted(speech_defaults)}")
+    if not set(speech_defaults) <= {"seed", "greedy", "loudness"}:
+        raise ValueError(f"speech_defaults takes seed, greedy and loudness, got {sorted(speech_defaults)}")
     if scheduler is None and isinstance(tts.token_source, BatchScheduler):
         scheduler = tts.token_source
     fields = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None else {}

@@ -45,7 +45,7 @@ from ..defaults import SPEED_RANGE
 from ..errors import InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
-from ..request import MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
+from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import AppState, admit, client_gone, state_of
 from .errors import ApiError, error_body
@@ -132,6 +132,11 @@ class SpeechRequest(BaseModel):
     stream: bool = Field(False, description="true: the same as stream_format 'audio' (the older field)")
     seed: int | None = Field(None, description=f"{SEED_RANGE[0]} to {SEED_RANGE[1]}: reproducible sampling")
     greedy: bool = False
+    loudness: float | None = Field(
+        None, description=f"cosyllama's: bring the audio to this integrated loudness, LUFS (ITU-R BS.1770), "
+        f"{LOUDNESS_RANGE[0]:g} to {LOUDNESS_RANGE[1]:g}, by one gain never past a -1 dBFS true peak; a stream's "
+        "gain comes from the voice's prompt (the X-Loudness-Gain-dB header says the gain); omitted: the "
+        "server's --loudness, else off")
     instructions: str | None = Field(None, description="style instruction: selects instruct mode")
     mode: Literal[MODES] | None = Field(
         None, description="cosyllama's: the synthesis mode; omitted: instruct with instructions, else zero-shot "
@@ -242,7 +247,7 @@ async def check_request(body: SpeechRequest, state: AppState,
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
     (:mod:`cosyllama.server.speech_stream`)."""
     defaults = state.serving.options.defaults  # for clients that cannot send cosyllama's fields
-    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy)):
+    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy), ("loudness", defaults.loudness)):
         if value != SpeechRequest.model_fields[name].default and name not in body.model_fields_set:
             setattr(body, name, value)
     streaming = body.streaming()
@@ -266,7 +271,8 @@ def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
     time stretch applies to the finished audio) and a streamable format (flac writes its header last);
     other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport)."""
     synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
-    options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed)
+    options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed,
+                               loudness=body.loudness)
     try:
         return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
                                 instruction=body.instructions, options=options, limits=limits)
@@ -291,14 +297,27 @@ async def run_speech_job(request: Request, state: AppState, job: SpeechJob) -> R
     streaming, fmt = job.streaming, job.response_format
 
     def respond(first: bytes | None, cleanup) -> Response:
+        headers = loudness_headers(job)
         if streaming == "sse":
-            return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache"})
+            return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache", **headers})
         if streaming:
-            return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[fmt])
-        return Response(first, media_type=MEDIA_TYPES[fmt])
+            return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[fmt], headers)
+        return Response(first, media_type=MEDIA_TYPES[fmt], headers=headers)
 
     return await run_job(request, state, job, job.next_bytes if streaming else job.whole_file, respond,
                          streams=streaming is not None)
+
+
+LOUDNESS_HEADER = "X-Loudness-Gain-dB"
+
+
+def loudness_headers(job: SynthesisJob) -> dict[str, str]:
+    """``X-Loudness-Gain-dB``: the gain a request with ``loudness`` got (known before its first byte is sent: a
+    stream's is fixed before its first chunk); none without ``loudness``."""
+    t = job.syn.timings if job.syn is not None else None
+    if t is None or t.loudness_gain_db is None:
+        return {}
+    return {LOUDNESS_HEADER: f"{t.loudness_gain_db:.2f}"}
 
 
 async def run_job(request: Request, state: AppState, job: SynthesisJob, first_part, respond, *,
