@@ -241,3 +241,15 @@ def test_http_dialogue_refuses_naming_the_turn(client, body, status, param, word
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"]
+
+
+def test_with_loudness_each_turn_is_brought_to_the_target(tts):
+    pyln = pytest.importorskip("pyloudnorm")
+    s = tts.dialogue([Turn("anna", "Hello there, Bob."), Turn("bob", "Hi Anna! How are you?")], pause=0.2, seed=5,
+                     loudness=-30.0)
+    audio = s.audio()
+    meter = pyln.Meter(RATE)
+    for seg in s.segments:  # one segment a turn here
+        assert meter.integrated_loudness(audio[seg.start_sample:seg.end_sample].astype(np.float64)) == \
+            pytest.approx(-30.0, abs=0.1)
+    assert s.timings.loudness_gain_db is None  # no single gain: each turn has its own

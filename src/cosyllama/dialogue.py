@@ -221,5 +221,6 @@ def dialogue_chunks(tts, speakers: Sequence[str | None], requests: Sequence[Synt
             timings.align += t.align
             timings.audio_seconds += t.audio_seconds
             timings.tokens.extend(t.tokens)
+            timings.loudness_held += t.loudness_held  # each turn has its own gain (docs/dialogue.md)
         base += len(syn.segments)
         offset += syn.segments[-1].end_sample if syn.segments else 0

@@ -101,7 +101,10 @@ def check_out_path(path: str | Path) -> Path:
 
 
 def loudness_line(t) -> str:
-    """What ``--loudness`` did, from a synthesis' timings."""
+    """What ``--loudness`` did, from a synthesis' timings (a dialogue's turns each have their own gain)."""
+    if t.loudness_gain_db is None:
+        held = f"; {t.loudness_held} sample(s) held at the ceiling" if t.loudness_held else ""
+        return f"loudness: each turn brought to the target on its own{held}"
     measured = "too short to measure" if t.loudness_measured is None else f"{t.loudness_measured:.1f} LUFS"
     held = f"; {t.loudness_held} sample(s) held at the ceiling" if t.loudness_held else ""
     return f"loudness gain {t.loudness_gain_db:+.2f} dB ({t.loudness_why}; measured {measured}){held}"
@@ -193,7 +196,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
              + (f" | word times {t.align:.2f} s" if args.captions else ""))
     first = f" | first audio after {t.first_chunk:.2f} s" if args.stream and t.first_chunk is not None else ""
     progress(f"{secs:.2f} s of audio in {wall:.2f} s: RTF {rtf:.3f}{first}")
-    if t.loudness_gain_db is not None:
+    if args.loudness is not None:
         progress(loudness_line(t))
     print(f"wrote {args.out}")
     return 0
