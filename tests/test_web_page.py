@@ -11,8 +11,13 @@ With "Captions" ticked the page calls /dev/captioned_speech: the sentences under
 and VTT, why words have no times; with a stand-in aligner, the sentence and word at the player's time
 are marked and a sentence seeks there.
 
+"Dialogue" sends its turns (a voice menu and a text each, added and removed from the keyboard) and the pause
+to /v1/audio/dialogue and plays the answer as speech's; a refusal names the turn as the page counts turns and
+marks its field (aria-invalid); on a phone each turn's text goes under its voice.
+
 ``COSYLLAMA_PAGE_SCREENSHOT=PATH`` also saves a screenshot of the page after a synthesis (docs/web-page.png),
-``COSYLLAMA_CAPTIONS_SCREENSHOT=PATH`` one with captions, a word marked.
+``COSYLLAMA_CAPTIONS_SCREENSHOT=PATH`` one with captions, a word marked, ``COSYLLAMA_DIALOGUE_SCREENSHOT=PATH``
+one of a dialogue spoken (and ``PATH`` with ``-phone`` before its suffix: the dialogue on a phone).
 """
 
 from __future__ import annotations
@@ -565,3 +570,128 @@ def test_captions_follow_the_player_word_by_word(page, server, monkeypatch):
     expect(lines.nth(0)).to_have_attribute("aria-current", "true")
     page.evaluate("document.getElementById('player').pause()")
     assert page.problems == []
+
+
+# -- dialogue -----------------------------------------------------------------------------------
+
+DIALOGUE_PATH = "/v1/audio/dialogue"
+TURNS = [("anna", "Good morning! Did you sleep well?"), ("bob", "Not really.")]
+
+
+def _dialogue(page, server):
+    """Two voices on the server, listed by the page, and the page in "Dialogue": its turn rows."""
+    _post_voice(server.url, "anna", text=TRANSCRIPT)
+    _post_voice(server.url, "bob")
+    page.click("#refresh-voices")
+    expect(page.locator("#voice option[value='bob']")).to_have_count(1)
+    page.get_by_label("Dialogue", exact=True).check()
+    expect(page.locator("#dialogue")).to_be_visible()
+    expect(page.locator("#text")).to_be_hidden()
+    rows = page.locator("#turns > li")
+    expect(rows).to_have_count(2)  # a dialogue to start from
+    for k, (voice, text) in enumerate(TURNS, 1):
+        page.get_by_label(f"Turn {k} voice").select_option(voice)
+        page.get_by_label(f"Turn {k} text").fill(text)
+    return rows
+
+
+def test_a_dialogue_sends_its_turns_and_plays_them(page, server):
+    """Turns added and removed from the keyboard; Speak sends the turns, the pause and the page's options to
+    /v1/audio/dialogue, streams the answer through Web Audio and downloads the API's samples."""
+    rows = _dialogue(page, server)
+    expect(page.get_by_role("button", name="Remove turn 1")).to_be_enabled()
+    expect(page.locator("#captions")).to_be_hidden()  # captions are the one text's
+    page.focus("#add-turn")
+    page.keyboard.press("Enter")
+    expect(rows).to_have_count(3)
+    expect(page.get_by_label("Turn 3 text")).to_be_focused()  # type the new turn's words at once
+    expect(page.get_by_label("Turn 3 voice")).to_have_value("anna")  # the speakers alternate
+    page.keyboard.type("A turn too many.")
+    page.get_by_role("button", name="Remove turn 3").focus()
+    page.keyboard.press("Enter")
+    expect(rows).to_have_count(2)
+    expect(page.get_by_role("button", name="Remove turn 2")).to_be_focused()  # the focus stays in the list
+    expect(page.locator("#pause")).to_have_value("0.4")
+    page.fill("#pause", "0.3")
+    page.fill("#seed", "7")
+    page.select_option("#format", "wav")
+    expect(page.locator("#stream")).to_be_checked()
+    page.get_by_label("Turn 2 text").focus()
+    with page.expect_request(lambda r: r.url.endswith(DIALOGUE_PATH)) as req:
+        page.keyboard.press("Control+Enter")
+    sent = req.value.post_data_json
+    assert sent == {"turns": [{"voice": v, "text": t} for v, t in TURNS], "pause_between_turns": 0.3,
+                    "response_format": "wav", "greedy": False, "seed": 7, "stream_format": "audio"}, sent
+    expect(page.locator("#status")).to_have_attribute("data-state", "playing")
+    assert page.evaluate("window.cosyllamaPage.scheduled") >= 1
+    expect(page.locator("#download")).to_be_visible()
+    assert page.locator("#stat-seed").inner_text() == "7"
+    with page.expect_download() as dl:
+        page.click("#download")
+    assert dl.value.suggested_filename == "dialogue-7.wav"
+    got = Path(dl.value.path()).read_bytes()
+    api = httpx.post(server.url + DIALOGUE_PATH, json=sent, timeout=60).content
+    assert len(api) > 44 + 2 * int(0.3 * 24_000)  # the pause at least
+    assert got == wav_header(24_000, len(api) - 44) + api[44:]  # the API's samples, with their real sizes
+    expect(page.locator("#player")).to_be_visible()
+    expect(page.locator("#error")).to_be_hidden()
+    if os.environ.get("COSYLLAMA_DIALOGUE_SCREENSHOT"):
+        page.screenshot(path=os.environ["COSYLLAMA_DIALOGUE_SCREENSHOT"], full_page=True)
+    page.get_by_label("One text", exact=True).check()  # back: the one text, its voice menu, /v1/audio/speech
+    expect(page.locator("#text")).to_be_visible()
+    expect(page.locator("#dialogue")).to_be_hidden()
+    assert page.problems == []
+
+
+def test_a_refused_dialogue_names_its_turn_and_marks_it(page, server):
+    """The server's refusal in the error area, its turn counted as the page counts (Turn 2, not turns[1]),
+    and that turn's voice or text marked aria-invalid until it is changed."""
+    _dialogue(page, server)
+    voice2, text1 = page.get_by_label("Turn 2 voice"), page.get_by_label("Turn 1 text")
+    page.evaluate("""() => { const o = document.createElement('option'); o.value = 'zed'; o.textContent = 'zed';
+        document.getElementById('turns').children[1].querySelector('select').append(o); }""")
+    voice2.select_option("zed")  # a voice deleted since the menu was filled
+    page.click("#speak")
+    error = page.locator("#error")
+    expect(error).to_contain_text("Turn 2 (zed)")
+    assert error.inner_text().startswith("404") and "turns[1]" not in error.inner_text()
+    assert "POST /v1/voices" not in error.inner_text()  # in the page's words: a voice is added below
+    assert _state(page) == "error"
+    expect(voice2).to_have_attribute("aria-invalid", "true")
+    expect(voice2).to_have_attribute("aria-describedby", "error")
+    expect(page.locator("#dialogue [aria-invalid]")).to_have_count(1)
+    voice2.select_option("bob")  # changed: no longer marked
+    expect(voice2).not_to_have_attribute("aria-invalid", "true")
+    text1.fill("  ")
+    page.click("#speak")
+    expect(error).to_contain_text("Turn 1 (anna) has no text")
+    assert error.inner_text().startswith("422")
+    expect(text1).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#dialogue [aria-invalid]")).to_have_count(1)
+    expect(page.locator("#download")).to_be_hidden()
+    assert [p for p in page.problems if "status of 40" not in p and "status of 42" not in p] == []
+
+
+def test_the_dialogue_fits_a_phone(browser, server):
+    """390 px: a turn's number, voice and Remove on one line, its text under them; nothing scrolls sideways."""
+    _post_voice(server.url, "anna", text=TRANSCRIPT)
+    _post_voice(server.url, "bob")
+    context, page = _phone(browser)
+    try:
+        page.goto(server.url + "/")
+        page.get_by_label("Dialogue", exact=True).check()
+        expect(page.get_by_label("Turn 2 voice")).not_to_have_value("")
+        assert page.get_by_label("Turn 1 voice").input_value() != page.get_by_label("Turn 2 voice").input_value()
+        box = {name: page.get_by_label(f"Turn 1 {name}").bounding_box() for name in ("voice", "text")}
+        remove = page.get_by_role("button", name="Remove turn 1").bounding_box()
+        assert remove["y"] == box["voice"]["y"] and remove["x"] > box["voice"]["x"], (remove, box)
+        assert box["text"]["y"] >= box["voice"]["y"] + box["voice"]["height"], box
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        unlabelled = page.evaluate("""() => [...document.querySelectorAll('#dialogue :is(input, select, textarea)')]
+            .filter(e => !e.labels.length).map(e => e.id)""")
+        assert unlabelled == []
+        if os.environ.get("COSYLLAMA_DIALOGUE_SCREENSHOT"):
+            path = Path(os.environ["COSYLLAMA_DIALOGUE_SCREENSHOT"])
+            page.screenshot(path=str(path.with_stem(path.stem + "-phone")), full_page=True)
+    finally:
+        context.close()

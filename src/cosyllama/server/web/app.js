@@ -1,6 +1,7 @@
 // The page served at / by `cosyllama serve`: the server's public API from a browser.
 // POST /v1/audio/speech (streamed wav/pcm is played with Web Audio as it arrives),
 // POST /dev/captioned_speech (with "Captions": the whole file and its sentences' and words' times),
+// POST /v1/audio/dialogue ("Dialogue": turns, each in its voice, played as speech is),
 // GET/POST/DELETE /v1/voices. No build step, no dependency.
 "use strict";
 
@@ -10,6 +11,8 @@ const KEY_STORE = "cosyllama.apiKey"; // sessionStorage: this tab only
 const MAX_RECORD_S = 30; // the server refuses longer prompt clips
 const SPEECH_PATH = "/v1/audio/speech";
 const CAPTIONED_PATH = "/dev/captioned_speech"; // one JSON object: audio (base64), segments, srt, vtt
+const DIALOGUE_PATH = "/v1/audio/dialogue";
+const FIRST_TURNS = ["Good morning! Did you sleep well?", "Not really. The neighbours had a party."];
 
 const $ = (id) => document.getElementById(id);
 
@@ -27,6 +30,8 @@ const state = {
   recorded: null, // Blob (wav) from the microphone
   recorder: null,
   playing: 0, // sources not yet ended
+  voices: null, // the server's voices, as last listed (null: not yet)
+  turnIds: 0, // for the ids of the dialogue's fields
 };
 
 // -- small helpers ------------------------------------------------------------------------------
@@ -80,12 +85,13 @@ async function refusal(resp) {
   } catch (e) {
     text = "";
   }
-  const out = { status: resp.status, message: text.trim(), code: null };
+  const out = { status: resp.status, message: text.trim(), code: null, param: null };
   try {
     const j = JSON.parse(text);
     if (j && j.error && typeof j.error.message === "string") {
       out.message = j.error.message;
       out.code = j.error.code || null;
+      out.param = typeof j.error.param === "string" ? j.error.param : null;
     } else if (j && j.detail) {
       out.message = typeof j.detail === "string" ? j.detail : JSON.stringify(j.detail);
     }
@@ -166,6 +172,7 @@ async function loadVoices(select) {
       opt.value = "";
       opt.textContent = "enter the API key above first";
       menu.append(opt);
+      turnRows().forEach((row, k) => fillTurnMenu(row, k));
       updateForm();
     }
     return false;
@@ -176,12 +183,23 @@ async function loadVoices(select) {
   }
   clearError("voices");
   const { voices } = await resp.json();
-  const keep = select || menu.value;
+  state.voices = voices;
+  fillMenu(menu, voices, select || menu.value);
+  turnRows().forEach((row, k) => fillTurnMenu(row, k));
+  updateForm();
+  return true;
+}
+
+// A voice menu (the one text's, or a turn's) with the server's voices, `keep` selected if it is one;
+// `short`: their ids only (a turn's narrow menu), the length and transcript as its tooltip.
+function fillMenu(menu, voices, keep, short = false) {
   menu.textContent = "";
   for (const v of voices) {
     const opt = document.createElement("option");
     opt.value = v.id;
-    opt.textContent = `${v.id} (${v.seconds.toFixed(1)} s${v.has_transcript ? ", transcript" : ""})`;
+    const about = `${v.seconds.toFixed(1)} s${v.has_transcript ? ", transcript" : ""}`;
+    opt.textContent = short ? v.id : `${v.id} (${about})`;
+    if (short) opt.title = about;
     opt.dataset.transcript = v.has_transcript ? "1" : "";
     menu.append(opt);
   }
@@ -194,8 +212,6 @@ async function loadVoices(select) {
   if (voices.some((v) => v.id === keep)) {
     menu.value = keep;
   }
-  updateForm();
-  return true;
 }
 
 async function deleteVoice() {
@@ -376,19 +392,151 @@ function encodeWav(samples, rate) {
   return new Blob([wavHeader(rate, pcm.byteLength), pcm.buffer]);
 }
 
+// -- dialogue: a list of turns, each a voice menu and a text ------------------------------------
+
+function dialogueMode() {
+  return document.querySelector('input[name="kind"]:checked').value === "dialogue";
+}
+
+function turnRows() {
+  return [...$("turns").children];
+}
+
+// A turn's menu: the voice picked for it (by hand, or copied from the turn two before), else the
+// voices in turn (1st, 2nd, 1st ... for two), so that a new dialogue alternates its speakers.
+function fillTurnMenu(row, k) {
+  const menu = row.querySelector("select");
+  if (!state.voices) { // not listed yet: what the one text's menu says
+    const opt = document.createElement("option");
+    opt.value = "";
+    opt.textContent = $("voice").options.length ? $("voice").options[0].textContent : "…";
+    menu.replaceChildren(opt);
+    return;
+  }
+  const voices = state.voices;
+  const auto = voices.length ? voices[k % voices.length].id : "";
+  fillMenu(menu, voices, menu.dataset.picked ? menu.dataset.picked : auto, true);
+}
+
+function addTurn(text = "", focus = true) {
+  const rows = turnRows();
+  const k = rows.length;
+  const id = ++state.turnIds;
+  const row = document.createElement("li");
+  row.className = "turn";
+  row.innerHTML = `<span class="turn-n" aria-hidden="true"></span>
+    <label class="sr-only" for="turn-voice-${id}"></label>
+    <select id="turn-voice-${id}" class="turn-voice"></select>
+    <label class="sr-only" for="turn-text-${id}"></label>
+    <textarea id="turn-text-${id}" class="turn-text" rows="2"></textarea>
+    <button type="button" class="remove-turn">Remove</button>`;
+  const menu = row.querySelector("select");
+  const area = row.querySelector("textarea");
+  area.value = text;
+  if (k >= 2 && rows[k - 2].querySelector("select").value) {
+    menu.dataset.picked = rows[k - 2].querySelector("select").value; // A, B, A, B ...
+  }
+  menu.addEventListener("change", () => {
+    menu.dataset.picked = menu.value;
+    valid(menu);
+  });
+  area.addEventListener("input", () => valid(area));
+  row.querySelector(".remove-turn").addEventListener("click", () => removeTurn(row));
+  $("turns").append(row);
+  fillTurnMenu(row, k);
+  numberTurns();
+  if (focus) area.focus();
+}
+
+function removeTurn(row) {
+  const rows = turnRows();
+  if (rows.length < 2) return; // a dialogue has a turn at least
+  const k = rows.indexOf(row);
+  row.remove();
+  numberTurns();
+  // the focus stays in the list: the turn now in its place, else the one before
+  const left = turnRows();
+  const next = left[Math.min(k, left.length - 1)];
+  const remove = next.querySelector(".remove-turn");
+  (remove.disabled ? next.querySelector("textarea") : remove).focus();
+}
+
+// The turns' numbers, in their labels too ("Turn 2 voice"), after an add or a remove.
+function numberTurns() {
+  const rows = turnRows();
+  rows.forEach((row, k) => {
+    const n = k + 1;
+    row.querySelector(".turn-n").textContent = `${n}`;
+    const [voiceLabel, textLabel] = row.querySelectorAll("label");
+    voiceLabel.textContent = `Turn ${n} voice`;
+    textLabel.textContent = `Turn ${n} text`;
+    row.querySelector("textarea").placeholder = `What turn ${n} says`;
+    const remove = row.querySelector(".remove-turn");
+    remove.setAttribute("aria-label", `Remove turn ${n}`);
+    remove.disabled = rows.length < 2;
+  });
+}
+
+// A field the server named (`turns[1].voice`, pydantic's `turns.1.text`, `pause_between_turns`):
+// marked invalid (aria-invalid, described by the error) until it is changed. The field, or null.
+function fieldOf(param) {
+  if (!param) return null;
+  if (param === "pause_between_turns") return $("pause");
+  const m = /^(?:turns|inputs)(?:\[(\d+)\]|\.(\d+))\.(voice|voice_id|text)$/.exec(param);
+  const row = m && turnRows()[Number(m[1] || m[2])];
+  return row ? row.querySelector(m[3] === "text" ? "textarea" : "select") : null;
+}
+
+function invalid(el) {
+  el.setAttribute("aria-invalid", "true");
+  el.setAttribute("aria-describedby", "error");
+}
+
+function valid(el) {
+  if (el.getAttribute("aria-invalid") !== "true") return;
+  el.removeAttribute("aria-invalid");
+  el.removeAttribute("aria-describedby");
+}
+
+function clearInvalid() {
+  for (const el of $("dialogue").querySelectorAll('[aria-invalid="true"]')) valid(el);
+}
+
+// The server's words with its turns counted as the page counts them ("turns[1] (bob): ..." is "Turn 2 (bob): ..."),
+// and a voice added on this page, not with the API's POST.
+function pageWords(message) {
+  return message.replace(/\b(?:turns|inputs)(?:\[(\d+)\]|\.(\d+))/g, (_, a, b) => `Turn ${Number(a || b) + 1}`)
+    .replace(/add one with POST \/v1\/voices/, "add one below");
+}
+
 // -- speech -------------------------------------------------------------------------------------
 
-function requestBody(captioned) {
-  const body = {
-    input: $("text").value,
-    voice: $("voice").value,
-    response_format: $("format").value,
-    greedy: $("greedy").checked,
-  };
+// The options both kinds share: format, greedy, speed, seed.
+function options(body) {
+  body.response_format = $("format").value;
+  body.greedy = $("greedy").checked;
   const speed = Number($("speed").value || "1");
   if (speed !== 1) body.speed = speed;
   const seedText = $("seed").value.trim();
   body.seed = seedText === "" ? Math.floor(Math.random() * 2 ** 31) : Number(seedText);
+  return body;
+}
+
+function dialogueBody() {
+  const pause = $("pause").value.trim();
+  const body = options({
+    turns: turnRows().map((row) => ({
+      voice: row.querySelector("select").value,
+      text: row.querySelector("textarea").value,
+    })),
+    pause_between_turns: pause === "" ? 0 : Number(pause),
+  });
+  if (streams(body)) body.stream_format = "audio";
+  return body;
+}
+
+function requestBody(captioned) {
+  const body = options({ input: $("text").value, voice: $("voice").value });
   const mode = document.querySelector('input[name="mode"]:checked').value;
   if (mode) body.mode = mode;
   if (mode === "instruct") body.instructions = $("instructions").value;
@@ -428,10 +576,15 @@ async function speak(ev) {
   state.controller = null;
   stopPlayback();
   clearError();
-  const captioned = $("captions").checked;
-  const body = requestBody(captioned);
-  if (!body.voice) {
-    showError("Pick a voice first, or add one below.");
+  clearInvalid();
+  const dialogue = dialogueMode();
+  const captioned = !dialogue && $("captions").checked;
+  const body = dialogue ? dialogueBody() : requestBody(captioned);
+  const unvoiced = dialogue ? body.turns.findIndex((t) => !t.voice) : body.voice ? -1 : 0;
+  if (unvoiced >= 0) {
+    showError(dialogue ? `Turn ${unvoiced + 1} has no voice: add one below.`
+      : "Pick a voice first, or add one below.");
+    if (dialogue) invalid(turnRows()[unvoiced].querySelector("select"));
     return;
   }
   const ctx = audioContext(); // inside the click: allowed to start
@@ -443,13 +596,21 @@ async function speak(ev) {
   setStatus("Synthesizing…", "busy");
   const t0 = performance.now();
   try {
-    const resp = await api(captioned ? CAPTIONED_PATH : SPEECH_PATH, {
+    const resp = await api(dialogue ? DIALOGUE_PATH : captioned ? CAPTIONED_PATH : SPEECH_PATH, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
       signal: controller.signal,
     }, "speak");
     if (!resp) return;
+    if (dialogue && !resp.ok) {
+      // the server names the turn (and its field): said as the page counts turns, the field marked
+      const why = await refusal(resp);
+      const field = fieldOf(why.param);
+      showError(pageWords(why.text));
+      if (field) invalid(field);
+      return;
+    }
     if (resp.status === 404) {
       // the voice was deleted since the menu was filled (another tab, another client)
       showError(`The voice ${body.voice} is no longer on the server (it was deleted elsewhere). ` +
@@ -582,7 +743,7 @@ async function playCaptioned(resp, body, ctx, t0) {
   const text = atob(answer.audio);
   const bytes = new Uint8Array(text.length);
   for (let i = 0; i < text.length; i++) bytes[i] = text.charCodeAt(i);
-  showCaptions(answer, `speech-${body.voice}-${body.seed}`);
+  showCaptions(answer, fileName(body));
   await playWhole(bytes.buffer, answer.audio_format, body, ctx, t0);
 }
 
@@ -768,13 +929,18 @@ function resetResult() {
   clearCaptions();
 }
 
+// The downloads' name, without its extension: speech-VOICE-SEED, or dialogue-SEED.
+function fileName(body) {
+  return body.turns ? `dialogue-${body.seed}` : `speech-${body.voice}-${body.seed}`;
+}
+
 // `file`: the download (a wav for pcm); `raw`: pcm's own bytes, offered beside it.
 function finishResult(body, length, first, wall, file, raw) {
   stat("stat-first", first === null ? "none" : seconds(first));
   stat("stat-length", length === null ? "?" : seconds(length));
   stat("stat-rtf", length ? (wall / length).toFixed(2) : "?");
   stat("stat-seed", String(body.seed));
-  const name = `speech-${body.voice}-${body.seed}`;
+  const name = fileName(body);
   const ext = body.response_format === "pcm" ? "wav" : body.response_format;
   state.downloadUrl = URL.createObjectURL(file);
   const a = $("download");
@@ -851,7 +1017,13 @@ function updateForm() {
   $("instructions").disabled = mode !== "instruct";
   const fmt = $("format").value;
   const speed = Number($("speed").value || "1");
-  const captioned = $("captions").checked;
+  const dialogue = dialogueMode();
+  $("single-fields").hidden = dialogue;
+  $("mode-fields").hidden = dialogue; // each turn in its voice's auto mode
+  $("dialogue").hidden = !dialogue;
+  $("captions-choice").hidden = dialogue; // captions are the one text's (/dev/captioned_speech)
+  $("captions-hint").hidden = dialogue;
+  const captioned = !dialogue && $("captions").checked;
   $("stream").disabled = captioned; // captions: the whole file, not streamed
   const streamed = $("stream").checked && !captioned;
   let hint = "";
@@ -885,7 +1057,8 @@ function init() {
       delete $("record-status").dataset.state;
     }
   });
-  for (const el of document.querySelectorAll('input[name="mode"], #voice, #format, #speed, #stream, #captions')) {
+  const choices = 'input[name="kind"], input[name="mode"], #voice, #format, #speed, #stream, #captions';
+  for (const el of document.querySelectorAll(choices)) {
     el.addEventListener("change", updateForm);
   }
   $("player").addEventListener("play", () => {
@@ -905,9 +1078,14 @@ function init() {
   document.addEventListener("keydown", (e) => {
     if (e.key === "Escape" && !$("stop").disabled) stop();
   });
-  $("text").addEventListener("keydown", (e) => {
+  const submitKey = (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) $("speak-form").requestSubmit();
-  });
+  };
+  $("text").addEventListener("keydown", submitKey);
+  $("turns").addEventListener("keydown", submitKey);
+  $("add-turn").addEventListener("click", () => addTurn());
+  $("pause").addEventListener("input", () => valid($("pause")));
+  for (const text of FIRST_TURNS) addTurn(text, false);
   updateForm();
   loadVoices();
 }
