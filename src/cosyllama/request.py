@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import SPEED_RANGE
+from .defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
 from .errors import InputError
 from .limits import RequestLimits
 from .text.normalize import text_problem
@@ -34,13 +34,13 @@ VC_MODE = "vc"
 SEED_RANGE = (0, 2**31 - 1)  # seeds every door takes (OpenAI-style JSON integers, torch's generator)
 
 # the fields a RequestError may name (SynthesisRequest's, with the options' by their own names)
-FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream")
+FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream", "retries")
 # how each door names them: the Python API (the keywords), `cosyllama synth` (flags), the HTTP body,
 # a batch manifest row
 API_NAMES = {f: f for f in FIELDS}
 FLAG_NAMES = {**API_NAMES, "text": "--text", "mode": "--mode", "voice": "a voice", "prompt_wav": "--prompt-wav",
               "prompt_text": "--prompt-text", "instruction": "--instruct", "speed": "--speed", "seed": "--seed",
-              "stream": "--stream"}
+              "stream": "--stream", "retries": "--retries"}
 HTTP_NAMES = {**API_NAMES, "text": "input", "instruction": "instructions", "stream": "stream_format"}
 BATCH_NAMES = {**API_NAMES, "instruction": "instructions"}
 
@@ -84,6 +84,8 @@ class SynthesisOptions:
     max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
     after its audio has been yielded (``Segment.words``; :mod:`cosyllama.alignment`); the audio is the same.
     word_language: the aligner's language code (None: from each segment's script).
+    retries: how many times a text segment's take that loops or runs away is made again, 0 to 5 (0: caught
+    takes are only reported); attempt k of segment i is seeded seed + i + k * 2**20 (docs/retries.md).
     """
 
     stream: bool = False
@@ -96,6 +98,7 @@ class SynthesisOptions:
     ignore_stop: bool = False
     word_times: bool = False
     word_language: str | None = None
+    retries: int = RETRIES
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ def check_mode(mode: str | None) -> None:
 
 
 def check_options(o: SynthesisOptions) -> None:
-    """The rules of the options alone (speed, seed), as :class:`RequestError`."""
+    """The rules of the options alone (speed, seed, retries), as :class:`RequestError`."""
     speed = o.speed
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
         raise RequestError("speed", f"{{speed}} must be a number, got {_shown(speed)}", "float_type")
@@ -245,6 +248,14 @@ def check_options(o: SynthesisOptions) -> None:
         if not lo <= seed <= hi:
             raise RequestError("seed", f"{{seed}} must be an integer from {lo} to {hi}, got {seed}",
                                "less_than_equal" if seed > hi else "greater_than_equal")
+    retries = o.retries
+    if isinstance(retries, bool) or not isinstance(retries, int):
+        raise RequestError("retries", f"{{retries}} must be an integer from 0 to {MAX_RETRIES}, got {_shown(retries)}",
+                           "int_type")
+    if not 0 <= retries <= MAX_RETRIES:
+        raise RequestError("retries", f"{{retries}} must be an integer from 0 to {MAX_RETRIES} (each is one more take "
+                           f"of a segment that loops or runs away), got {retries}",
+                           "less_than_equal" if retries > MAX_RETRIES else "greater_than_equal")
 
 
 __all__ = ["BATCH_NAMES", "FLAG_NAMES", "FRONTEND_MODES", "HTTP_NAMES", "MODES", "SEED_RANGE", "RequestError",
