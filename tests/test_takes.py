@@ -262,3 +262,104 @@ def test_normal_take_identical_with_and_without_detection(base, voice):
         a_off = base.zero_shot(TEXT, voice=voice, seed=SEED, stream=stream, retries=0).audio()
         assert on.timings.retries == []
         assert a_on.tobytes() == a_off.tobytes()
+
+
+# -- the server: a request field, a header, the log -------------------------------------------------
+
+
+class Forced:
+    """An LLM backend over ``inner`` whose sequence k puts all probability on the tokens of ``takes[k]`` (the
+    last one again after), then on a stop id: the server's batching scheduler decodes scripted takes."""
+
+    STOP = 6562
+
+    def __init__(self, inner, takes):
+        self.inner, self.takes, self.name, self.cfg = inner, takes, inner.name, inner.cfg
+        self.n_seq_max, self.max_seq_tokens, self.n_threads = inner.n_seq_max, inner.max_seq_tokens, inner.n_threads
+        self.script: dict[int, tuple[list[int], list[int]]] = {}  # id(handle) -> (take, position)
+        self.started = 0
+
+    def _logp(self, handle):
+        import torch
+
+        take, pos = self.script[id(handle)]
+        tok = take[pos[0]] if pos[0] < len(take) else self.STOP
+        pos[0] += 1
+        logp = torch.full((self.cfg.vocab_size,), -1e9)
+        logp[tok] = 0.0
+        return logp
+
+    def _new(self, handle):
+        self.script[id(handle)] = (self.takes[min(self.started, len(self.takes) - 1)], [0])
+        self.started += 1
+
+    def start(self, prefill, max_new_tokens):
+        h, _ = self.inner.start(prefill, max_new_tokens)
+        self._new(h)
+        return h, self._logp(h)
+
+    def begin(self, prefill, max_new_tokens):
+        h = self.inner.begin(prefill, max_new_tokens)
+        self._new(h)
+        return h
+
+    def prefill_step(self, handle, max_positions):
+        return None if self.inner.prefill_step(handle, max_positions) is None else self._logp(handle)
+
+    def step(self, batch):
+        self.inner.step(batch)
+        return [self._logp(h) for h, _ in batch]
+
+    def release(self, handle):
+        self.script.pop(id(handle), None)
+        self.inner.release(handle)
+
+    def stats(self):
+        return self.inner.stats()
+
+
+def test_server_retries_header_field_and_log(base, voice, caplog):
+    import dataclasses
+    import logging
+
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from cosyllama.server.app import create_app
+    from helpers import LoopbackServer
+    from server_helpers import PROMPT_TEXT, PROMPT_WAV
+
+    assert LOOPING[30:42] == PATTERN and len(set(PATTERN)) == 12  # period 12: RAS's window of 10 lets it through
+    tts = TTS.from_models(dataclasses.replace(base.models, llm=Forced(base.llm, [LOOPING, GOOD])))
+    srv = LoopbackServer(create_app(tts))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            r = c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
+                       data={"text": PROMPT_TEXT, "id": "en"})
+            assert r.status_code == 200
+            with caplog.at_level(logging.WARNING, logger="cosyllama.server"):
+                r = c.post("/v1/audio/speech", json={"input": TEXT, "voice": "en", "seed": SEED,
+                                                     "response_format": "wav"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-cosyllama-retries"] == (
+                f"segment=0 attempt=0 seed={SEED} reason=loop tokens=67 action=retried period=12 start=30")
+            assert "bad take: segment 0 take 0 (seed 7): loop of 12 tokens from token 30" in caplog.text
+            r = c.post("/v1/audio/speech", json={"input": TEXT, "voice": "en", "response_format": "wav"})
+            assert r.status_code == 200 and "x-cosyllama-retries" not in r.headers  # GOOD: nothing caught
+            for bad in (-1, 6):
+                r = c.post("/v1/audio/speech", json={"input": TEXT, "voice": "en", "retries": bad})
+                assert r.status_code == 422, r.text
+                err = r.json()["error"]
+                assert err["param"] == "retries" and "retries must be an integer from 0 to 5" in err["message"]
+    finally:
+        srv.stop()
+
+
+def test_serve_and_synth_flags(tmp_path, capsys):
+    from cosyllama.cli import main
+    from server_helpers import PROMPT_WAV
+
+    for cmd in (["serve", "--model-dir", "x", "--retries", "9"],
+                ["synth", "--model-dir", "x", "--text", "hi", "--prompt-wav", str(PROMPT_WAV),
+                 "--out", str(tmp_path / "o.wav"), "--retries", "-1"]):
+        assert main(cmd) == 2
+        assert "--retries must be an integer from 0 to 5" in capsys.readouterr().err

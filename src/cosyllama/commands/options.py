@@ -53,13 +53,20 @@ def interleave_choice(mode: str) -> str | None:
 def serving_options(args):
     """The options ``serve`` and ``wyoming`` share (:class:`~cosyllama.server.startup.ServingOptions`),
     checked before the minutes of loading a model."""
+    from ..request import RequestError, SynthesisOptions, check_options
     from ..server.options import ServingOptions
 
+    try:
+        defaults = SynthesisOptions(retries=args.retries)  # what requests that give no retries get
+        check_options(defaults)
+    except RequestError as e:
+        raise e.as_flag() from None
     return ServingOptions(
         load=load_options(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}),
         limits=request_limits(args), prefill_chunk=args.prefill_chunk, interleave=interleave_choice(args.interleave),
         max_queue=args.max_queue, voices=args.voices, default_voice=args.default_voice,
-        languages=tuple(args.language) if args.language else None, connection_limits=connection_limits(args))
+        languages=tuple(args.language) if args.language else None, connection_limits=connection_limits(args),
+        defaults=defaults)
 
 
 def serve_options(args):

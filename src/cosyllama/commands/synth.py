@@ -14,7 +14,13 @@ from ..defaults import LLM_CHOICES, SPEED_RANGE
 from ..errors import InputError
 from ..progress import to_stderr
 from ..request import MODES, RequestError, SynthesisOptions, SynthesisRequest
-from .flags import add_gpu_options, add_llm_weights_option, add_precision_option, add_threads_option
+from .flags import (
+    add_gpu_options,
+    add_llm_weights_option,
+    add_precision_option,
+    add_retries_option,
+    add_threads_option,
+)
 
 
 def add_parser(sub) -> None:
@@ -36,6 +42,7 @@ def add_parser(sub) -> None:
     s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
     s.add_argument("--greedy", action="store_true", help="argmax decoding (deterministic)")
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_retries_option(s)
     s.add_argument("--speed", type=float, default=1.0,
                    help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (non-streaming)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -94,7 +101,8 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
         request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
                                    instruction=args.instruct,
                                    options=SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy,
-                                                            seed=args.seed, word_times=bool(args.captions)))
+                                                            seed=args.seed, word_times=bool(args.captions),
+                                                            retries=args.retries))
     except RequestError as e:
         raise e.as_flag() from None
     options = load_options(args)
@@ -144,6 +152,8 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
         print(f"wrote {args.captions}: {_caption_summary(syn.segments)}")
 
     t = syn.timings
+    for r in t.retries:
+        progress(f"bad take: {r.describe()}")
     secs = audio.size / tts.sample_rate
     rtf = wall / secs if secs else float("nan")
     n_tok = sum(len(x) for x in t.tokens)
