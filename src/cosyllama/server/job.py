@@ -30,7 +30,7 @@ class SynthesisJob:
         self.token = CancelToken()
         self.lock = threading.Lock()
         self.syn = None  # the Synthesis, once opened
-        self._told = 0  # caught takes already in the log
+        self._takes_logged = 0  # caught takes already in the log
 
     def open(self) -> None:
         """Start the synthesis (the frontend runs here; the LLM at the first chunk)."""
@@ -47,9 +47,9 @@ class SynthesisJob:
         chunk = next(self.syn, None) if self.syn is not None else None
         if self.syn is not None:
             caught = self.syn.timings.retries
-            for r in caught[self._told:]:
+            for r in caught[self._takes_logged:]:
                 log.warning("bad take: %s", r.describe())
-            self._told = len(caught)
+            self._takes_logged = len(caught)
         return chunk
 
     def next(self) -> np.ndarray | None:
