@@ -222,5 +222,6 @@ def dialogue_chunks(tts, speakers: Sequence[str | None], requests: Sequence[Synt
             timings.audio_seconds += t.audio_seconds
             timings.tokens.extend(t.tokens)
             timings.loudness_held += t.loudness_held  # each turn has its own gain (docs/dialogue.md)
+            timings.retries.extend(replace(b, segment=base + b.segment) for b in t.retries)
         base += len(syn.segments)
         offset += syn.segments[-1].end_sample if syn.segments else 0

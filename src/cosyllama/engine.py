@@ -298,10 +298,12 @@ class Token2Wav:
         return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
     def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
-               pause: FlowPause = no_pause) -> Iterator[AudioChunk]:
+               pause: FlowPause = no_pause, cut: Callable[[], int | None] | None = None) -> Iterator[AudioChunk]:
         """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``pause(first)``
         (the pipeline's flow pause) is held around each chunk's flow and vocoder work (``first``: no audio
-        yielded yet), never while waiting for tokens."""
+        yielded yet), never while waiting for tokens. ``cut()``, asked once the tokens end: keep only that many
+        (a loop cut, docs/retries.md), or None: all; tokens whose audio went out already stay, and so do the
+        look-ahead tokens after them, so the final call has the new tokens it always has."""
         p = prompt.tokens.shape[1]
         first_hop = self.token_hop
         st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
@@ -330,6 +332,9 @@ class Token2Wav:
                     if samples.size:
                         st.emitted = True
                         yield AudioChunk(samples, self.sample_rate, segment, False)
+            keep = cut() if cut is not None else None
+            if keep is not None and keep < len(st.tokens):
+                del st.tokens[max(keep, min(len(st.tokens), st.token_offset + self.lookahead)):]
             # The final call uses full attention (see docs/reference.md#q4-full-attention-final-call): nothing cached
             # applies to it.
             self._drop_cache(st)

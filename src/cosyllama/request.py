@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import SPEED_RANGE
+from .defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
 from .errors import InputError
 from .limits import RequestLimits
 from .text.normalize import text_problem
@@ -37,13 +37,14 @@ SEED_RANGE = (0, 2**31 - 1)  # seeds every door takes (OpenAI-style JSON integer
 LOUDNESS_RANGE = (-70.0, -5.0)
 
 # the fields a RequestError may name (SynthesisRequest's, with the options' by their own names)
-FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream", "loudness")
+FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream", "loudness",
+          "retries")
 # how each door names them: the Python API (the keywords), `cosyllama synth` (flags), the HTTP body,
 # a batch manifest row
 API_NAMES = {f: f for f in FIELDS}
 FLAG_NAMES = {**API_NAMES, "text": "--text", "mode": "--mode", "voice": "a voice", "prompt_wav": "--prompt-wav",
               "prompt_text": "--prompt-text", "instruction": "--instruct", "speed": "--speed", "seed": "--seed",
-              "stream": "--stream", "loudness": "--loudness"}
+              "stream": "--stream", "loudness": "--loudness", "retries": "--retries"}
 HTTP_NAMES = {**API_NAMES, "text": "input", "instruction": "instructions", "stream": "stream_format"}
 BATCH_NAMES = {**API_NAMES, "instruction": "instructions"}
 
@@ -90,6 +91,8 @@ class SynthesisOptions:
     loudness target in LUFS (ITU-R BS.1770, -70 to -5), reached by one gain for the whole output with a -1 dBFS
     true-peak ceiling (a stream's gain from its voice's prompt, fixed before the first chunk;
     :mod:`cosyllama.loudness`, docs/loudness.md); None (default): the audio as the model made it.
+    retries: how many times a text segment's take that loops or runs away is made again, 0 to 5 (0: caught
+    takes are only reported); attempt k of segment i is seeded seed + i + k * 2**20 (docs/retries.md).
     """
 
     stream: bool = False
@@ -103,6 +106,7 @@ class SynthesisOptions:
     word_times: bool = False
     word_language: str | None = None
     loudness: float | None = None
+    retries: int = RETRIES
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ def check_mode(mode: str | None) -> None:
 
 
 def check_options(o: SynthesisOptions) -> None:
-    """The rules of the options alone (speed, seed, loudness), as :class:`RequestError`."""
+    """The rules of the options alone (speed, seed, loudness, retries), as :class:`RequestError`."""
     speed = o.speed
     if isinstance(speed, bool) or not isinstance(speed, (int, float)):
         raise RequestError("speed", f"{{speed}} must be a number, got {_shown(speed)}", "float_type")
@@ -265,6 +269,14 @@ def check_options(o: SynthesisOptions) -> None:
             raise RequestError("loudness", f"{{loudness}} must be from {lo:g} to {hi:g} LUFS (e.g. -16 for speech "
                                f"on the web, -23 for broadcast), got {loudness:g}",
                                "less_than_equal" if loudness > hi else "greater_than_equal")
+    retries = o.retries
+    if isinstance(retries, bool) or not isinstance(retries, int):
+        raise RequestError("retries", f"{{retries}} must be an integer from 0 to {MAX_RETRIES}, got {_shown(retries)}",
+                           "int_type")
+    if not 0 <= retries <= MAX_RETRIES:
+        raise RequestError("retries", f"{{retries}} must be an integer from 0 to {MAX_RETRIES} (each is one more take "
+                           f"of a segment that loops or runs away), got {retries}",
+                           "less_than_equal" if retries > MAX_RETRIES else "greater_than_equal")
 
 
 __all__ = ["BATCH_NAMES", "FLAG_NAMES", "FRONTEND_MODES", "HTTP_NAMES", "LOUDNESS_RANGE", "MODES", "SEED_RANGE",

@@ -35,6 +35,7 @@ from .limits import RequestLimits
 from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, CancelToken, DecodeOptions, DirectTokens, SilentTokenFilter, TokenSource
 from .llm.factory import make_token_source
+from .llm.takes import BadTake, RetryTake, Take, retry_seed
 from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
@@ -66,6 +67,9 @@ class Timings:
     loudness_why: str | None = None
     loudness_measured: float | None = None
     loudness_held: int = 0
+    # every caught take (a loop or a runaway) in the order caught, each with what was done (docs/retries.md);
+    # a segment's entries are in before its final chunk is yielded
+    retries: list[BadTake] = field(default_factory=list)
 
 
 class Synthesis(Iterator[AudioChunk]):
@@ -119,9 +123,9 @@ def _timed(it: Iterator, acc: list[float]) -> Iterator:
         try:
             x = next(it)
         except StopIteration:
-            acc[0] += time.perf_counter() - t0
             return
-        acc[0] += time.perf_counter() - t0
+        finally:
+            acc[0] += time.perf_counter() - t0
         yield x
 
 
@@ -410,6 +414,30 @@ class TTS:
             if flt.keep(tok):
                 yield tok
 
+    def _take(self, inp: ModelInput, opts: SynthesisOptions, segment: int, attempt: int,
+              cancel: CancelToken | None = None) -> Take:
+        """Attempt ``attempt`` (0: the first) at a text segment's speech tokens, seeded by :func:`retry_seed`
+        and watched for a loop or a runaway (docs/retries.md): with ``opts.retries`` 0 a caught take is only
+        noted; greedy decoding is never retried (the same take would come back); the benchmarks' forced-length
+        decoding (``ignore_stop``) is not judged."""
+        prefill = Prefill(inp.llm_text_ids, tuple(int(t) for t in inp.llm_prompt_speech_tokens.tolist()))
+        dec = DecodeOptions(greedy=opts.greedy, seed=retry_seed(opts.seed, segment, attempt), max_len=opts.max_tokens,
+                            ignore_stop=opts.ignore_stop)
+        tokens = self.token_source.generate(prefill, len(inp.text_ids), dec, cancel=cancel)
+        max_len = int(MAX_LEN_RATIO * len(inp.text_ids)) if opts.max_tokens is None else None
+        return Take(tokens, max_len=max_len, act=opts.retries > 0, detect=not opts.ignore_stop,
+                    retry=attempt < opts.retries and not opts.greedy)
+
+    @staticmethod
+    def _caught(take: Take, segment: int, attempt: int, opts: SynthesisOptions, action: str | None = None) -> BadTake:
+        """The report of a caught take (``action``: what was done; None: cut or kept, as the take says)."""
+        if action is None:
+            action = "cut" if take.cut is not None else "kept"
+        loop = take.loop if take.reason == "loop" else None
+        return BadTake(segment, attempt, retry_seed(opts.seed, segment, attempt), take.reason,
+                       loop.end if loop is not None else take.n, action,
+                       loop.period if loop is not None else None, loop.start if loop is not None else None)
+
     def _check_tokens(self, inputs: list[ModelInput], opts: SynthesisOptions) -> None:
         """Refuse, before any LLM work, inputs over the token limits or a segment whose sequence
         (prompt + the speech tokens it may decode) is over the per-sequence budget."""
@@ -527,24 +555,43 @@ class TTS:
             if i == 1:  # only the first segment's first chunk is the request's first audio
                 pause = self._later_flow_work
             prompt = self._flow_prompt(inp)
-            tokens = _timed(self.segment_tokens(inp, opts, i, cancel), llm_acc)
-            if opts.stream:
-                for chunk in self.token2wav.stream(tokens, prompt, i, pause=pause):
-                    timings.audio_seconds += chunk.samples.size / self.sample_rate
-                    if timings.first_chunk is None and chunk.samples.size:
-                        timings.first_chunk = time.perf_counter() - start + timings.frontend
-                    if chunk.is_final:
-                        timings.tokens.append(list(chunk.tokens))
-                    yield chunk
-            else:
-                toks = list(tokens)
-                with pause(False):
-                    samples = self.token2wav.full(toks, prompt, opts.speed)
-                timings.tokens.append(toks)
-                timings.audio_seconds += samples.size / self.sample_rate
-                if timings.first_chunk is None:
-                    timings.first_chunk = time.perf_counter() - start + timings.frontend
-                yield AudioChunk(samples, self.sample_rate, i, True, tuple(toks))
+            attempt = 0
+            while True:  # takes of segment i: a caught take is made again while retries are left (docs/retries.md)
+                take = None if inp.mode == "vc" else self._take(inp, opts, i, attempt, cancel)
+                tokens = _timed(iter(take) if take is not None else self.segment_tokens(inp, opts, i), llm_acc)
+                try:
+                    if opts.stream:
+                        cut = take.cut_at if take is not None else None
+                        for chunk in self.token2wav.stream(tokens, prompt, i, pause=pause, cut=cut):
+                            timings.audio_seconds += chunk.samples.size / self.sample_rate
+                            if chunk.samples.size:
+                                if take is not None:
+                                    take.audio_out = True  # from now on a caught take is cut, not made again
+                                if timings.first_chunk is None:
+                                    timings.first_chunk = time.perf_counter() - start + timings.frontend
+                            if chunk.is_final:
+                                timings.tokens.append(list(chunk.tokens))
+                                if take is not None and take.caught:
+                                    timings.retries.append(self._caught(take, i, attempt, opts))
+                            yield chunk
+                    else:
+                        toks = list(tokens)
+                        if take is not None and take.cut is not None:
+                            toks = toks[:take.cut]
+                        with pause(False):
+                            samples = self.token2wav.full(toks, prompt, opts.speed)
+                        timings.tokens.append(toks)
+                        timings.audio_seconds += samples.size / self.sample_rate
+                        if timings.first_chunk is None:
+                            timings.first_chunk = time.perf_counter() - start + timings.frontend
+                        if take is not None and take.caught:
+                            timings.retries.append(self._caught(take, i, attempt, opts))
+                        yield AudioChunk(samples, self.sample_rate, i, True, tuple(toks))
+                except RetryTake:
+                    timings.retries.append(self._caught(take, i, attempt, opts, "retried"))
+                    attempt += 1
+                    continue
+                break
         timings.llm = llm_acc[0]
         timings.token2wav = time.perf_counter() - start - timings.llm
 

@@ -13,9 +13,11 @@ from ..defaults import (
     LLM_PRECISIONS,
     LLM_WEIGHTS,
     MAX_QUEUE,
+    MAX_RETRIES,
     PRECISION,
     PRECISIONS,
     PREFILL_CHUNK,
+    RETRIES,
     SERVE_PARALLEL,
 )
 
@@ -72,6 +74,16 @@ def add_threads_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+def add_retries_option(p: argparse.ArgumentParser, served: bool = False) -> None:
+    """``--retries N``: takes made again when one loops or runs away (``synth``; ``serve`` and ``wyoming``: the
+    default of requests that give none)."""
+    p.add_argument("--retries", type=int, default=RETRIES, metavar="N",
+                   help=("requests that give no retries: " if served else "")
+                   + f"make a text segment again with the next seed when its speech tokens loop or run to the "
+                     f"length limit, at most N times (0-{MAX_RETRIES}; 0: only report it; default {RETRIES}; "
+                     "docs/retries.md)")
+
+
 def add_serving_options(v: argparse.ArgumentParser) -> None:
     """The model, precision, concurrency, limits and voices options of ``serve`` and ``wyoming``."""
     v.add_argument("--model-dir", required=True)
@@ -86,6 +98,7 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help=f"requests that may wait; more are refused as busy (default {MAX_QUEUE})")
     add_limit_options(v)
+    add_retries_option(v, served=True)
     v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
                         f"prompt does not stall them (default {PREFILL_CHUNK})")

@@ -58,7 +58,7 @@ def serving_options(args):
 
     loudness = getattr(args, "loudness", None)
     try:
-        defaults = SynthesisOptions(loudness=loudness)
+        defaults = SynthesisOptions(loudness=loudness, retries=args.retries)  # what requests that give none get
         check_options(defaults)
     except RequestError as e:
         raise e.as_flag() from None

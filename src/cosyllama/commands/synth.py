@@ -19,6 +19,7 @@ from .flags import (
     add_llm_weights_option,
     add_loudness_option,
     add_precision_option,
+    add_retries_option,
     add_threads_option,
 )
 
@@ -45,6 +46,7 @@ def add_parser(sub) -> None:
     s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
     s.add_argument("--greedy", action="store_true", help="argmax decoding (deterministic)")
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_retries_option(s)
     s.add_argument("--speed", type=float, default=1.0,
                    help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (non-streaming)")
     add_loudness_option(s, "bring the output to this integrated loudness (LUFS, ITU-R BS.1770, e.g. -16) with one "
@@ -117,7 +119,8 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     from .options import load_options
 
     synthesis_options = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed,
-                                         word_times=bool(args.captions), loudness=args.loudness)
+                                         word_times=bool(args.captions), loudness=args.loudness,
+                                         retries=args.retries)
     script = None
     if args.script is not None:
         from .dialogue_flags import read_script
@@ -188,6 +191,8 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
         print(f"wrote {args.captions}: {_caption_summary(syn.segments)}")
 
     t = syn.timings
+    for r in t.retries:
+        progress(f"bad take: {r.describe()}")
     secs = audio.size / tts.sample_rate
     rtf = wall / secs if secs else float("nan")
     n_tok = sum(len(x) for x in t.tokens)

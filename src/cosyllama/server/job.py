@@ -4,6 +4,7 @@ Wyoming share it)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -12,6 +13,8 @@ from ..engine import AudioChunk
 from ..llm.decode import CancelToken
 from ..memory import trim_heap
 from ..request import SynthesisRequest
+
+log = logging.getLogger("cosyllama.server")
 
 
 class SynthesisJob:
@@ -27,6 +30,7 @@ class SynthesisJob:
         self.token = CancelToken()
         self.lock = threading.Lock()
         self.syn = None  # the Synthesis, once opened
+        self._takes_logged = 0  # caught takes already in the log
 
     def open(self) -> None:
         """Start the synthesis (the frontend runs here; the LLM at the first chunk)."""
@@ -38,8 +42,15 @@ class SynthesisJob:
         """Called under the lock once the synthesis exists (a subclass adds what it sends with)."""
 
     def next_chunk(self) -> AudioChunk | None:
-        """The next chunk, or None at the end; call with :attr:`lock` held."""
-        return next(self.syn, None) if self.syn is not None else None
+        """The next chunk, or None at the end; call with :attr:`lock` held. Each caught take (docs/retries.md)
+        goes to the server log as its segment ends."""
+        chunk = next(self.syn, None) if self.syn is not None else None
+        if self.syn is not None:
+            caught = self.syn.timings.retries
+            for r in caught[self._takes_logged:]:
+                log.warning("bad take: %s", r.describe())
+            self._takes_logged = len(caught)
+        return chunk
 
     def next(self) -> np.ndarray | None:
         """The next chunk's float32 samples, or None at the end."""

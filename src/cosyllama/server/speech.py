@@ -41,7 +41,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from ..defaults import SPEED_RANGE
+from ..defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
 from ..errors import InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
@@ -137,6 +137,8 @@ class SpeechRequest(BaseModel):
         f"{LOUDNESS_RANGE[0]:g} to {LOUDNESS_RANGE[1]:g}, by one gain never past a -1 dBFS true peak; a stream's "
         "gain comes from the voice's prompt (the X-Loudness-Gain-dB header says the gain); omitted: the "
         "server's --loudness, else off")
+    retries: int = Field(RETRIES, description=f"cosyllama's: 0 to {MAX_RETRIES}, how many times a text segment whose "
+                         "take loops or runs away is made again (docs/retries.md); omitted: the server's --retries")
     instructions: str | None = Field(None, description="style instruction: selects instruct mode")
     mode: Literal[MODES] | None = Field(
         None, description="cosyllama's: the synthesis mode; omitted: instruct with instructions, else zero-shot "
@@ -209,10 +211,25 @@ class SpeechJob(SynthesisJob):
         n_out = sum(len(t) for t in self.syn.timings.tokens)
         return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
 
+    def retries(self) -> list[dict]:
+        """The takes caught so far (docs/retries.md), as :meth:`~cosyllama.llm.takes.BadTake.as_dict`."""
+        return [r.as_dict() for r in self.syn.timings.retries] if self.syn is not None else []
+
     def _closed(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
             self.encoder = None
+
+
+RETRIES_HEADER = "X-Cosyllama-Retries"
+
+
+def retries_header(job: SpeechJob) -> dict[str, str]:
+    """``X-Cosyllama-Retries`` for a whole-file answer when a take was caught: one entry per caught take,
+    ``, ``-separated, each ``key=value`` pairs (segment, attempt, seed, reason, tokens, action, and period and start
+    for a loop); no header when none was."""
+    entries = [" ".join(f"{k}={'none' if v is None else v}" for k, v in r.items()) for r in job.retries()]
+    return {RETRIES_HEADER: ", ".join(entries)} if entries else {}
 
 
 async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
@@ -247,7 +264,8 @@ async def check_request(body: SpeechRequest, state: AppState,
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
     (:mod:`cosyllama.server.speech_stream`)."""
     defaults = state.serving.options.defaults  # for clients that cannot send cosyllama's fields
-    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy), ("loudness", defaults.loudness)):
+    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy), ("loudness", defaults.loudness),
+                        ("retries", defaults.retries)):
         if value != SpeechRequest.model_fields[name].default and name not in body.model_fields_set:
             setattr(body, name, value)
     streaming = body.streaming()
@@ -272,7 +290,7 @@ def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
     other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport)."""
     synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
     options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed,
-                               loudness=body.loudness)
+                               loudness=body.loudness, retries=body.retries)
     try:
         return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
                                 instruction=body.instructions, options=options, limits=limits)
@@ -302,7 +320,7 @@ async def run_speech_job(request: Request, state: AppState, job: SpeechJob) -> R
             return AudioStream(_sse_body(job, first), cleanup, SSE_MEDIA_TYPE, {"Cache-Control": "no-cache", **headers})
         if streaming:
             return AudioStream(_audio_body(job, first), cleanup, MEDIA_TYPES[fmt], headers)
-        return Response(first, media_type=MEDIA_TYPES[fmt], headers=headers)
+        return Response(first, media_type=MEDIA_TYPES[fmt], headers={**headers, **retries_header(job)})
 
     return await run_job(request, state, job, job.next_bytes if streaming else job.whole_file, respond,
                          streams=streaming is not None)
@@ -425,6 +443,7 @@ async def _sse_body(job: SpeechJob, first: bytes | None):
         async for data in _pieces(job, first):
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
         usage = await run_in_threadpool(job.usage)
+        retries = job.retries()
     except RequestCancelled:
         return
     except Exception as e:  # the status line is gone: say so in the stream, and in the log
@@ -432,4 +451,4 @@ async def _sse_body(job: SpeechJob, first: bytes | None):
         log.error("stream ended early: %s", err.message)
         yield _event({"type": "error", **error_body(err.message, err.type, err.param, err.code)})
         return
-    yield _event({"type": "speech.audio.done", "usage": usage})
+    yield _event({"type": "speech.audio.done", "usage": usage, **({"retries": retries} if retries else {})})
