@@ -83,7 +83,9 @@ class SynthesisOptions:
     russian_numbers: spell numbers in Russian sentences in Russian (else English, as the reference does).
     max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
     after its audio has been yielded (``Segment.words``; :mod:`cosyllama.alignment`); the audio is the same.
-    word_language: the aligner's language code (None: from each segment's script).
+    word_language: the aligner's language code (None: from each segment's script). lexicon: a
+    :class:`~cosyllama.text.lexicon.Lexicon` whose words this call speaks as their pronunciation tokens
+    (with the pipeline's own ``TTS.lexicon``, this one's entries winning; docs/pronunciation.md).
     """
 
     stream: bool = False
@@ -96,6 +98,7 @@ class SynthesisOptions:
     ignore_stop: bool = False
     word_times: bool = False
     word_language: str | None = None
+    lexicon: Any = None  # cosyllama.text.lexicon.Lexicon | None
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,12 @@ def check_options(o: SynthesisOptions) -> None:
     if o.stream and speed != 1.0:
         raise RequestError("speed", "{speed} other than 1.0 needs non-streaming synthesis (the reference only "
                            "time-stretches the finished mel); drop {stream} or use speed 1.0", "conflicting_fields")
+    if o.lexicon is not None:
+        from .text.lexicon import Lexicon
+
+        if not isinstance(o.lexicon, Lexicon):
+            raise TypeError(f"lexicon must be a cosyllama.text.lexicon.Lexicon (Lexicon.load(path)), "
+                            f"got {type(o.lexicon).__name__}")
     seed = o.seed
     if seed is not None:
         lo, hi = SEED_RANGE

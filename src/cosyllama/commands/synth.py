@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
                             "each kept only if a fidelity check on the loaded weights passes, else fp32 (the "
                             "reference)")
     add_llm_weights_option(s)
+    s.add_argument("--lexicon", metavar="FILE",
+                   help="pronunciation lexicon: word<TAB>tokens per line, e.g. 几<TAB>[j][ǐ] (docs/pronunciation.md)")
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.add_argument("--captions", help="write captions: FILE.srt, FILE.vtt or FILE.json (the suffix names the "
                                       "format); word times where they can be aligned, else sentence times "
@@ -90,11 +92,17 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     from ..tts import TTS
     from .options import load_options
 
+    lexicon = None
+    if getattr(args, "lexicon", None):
+        from ..text.lexicon import Lexicon
+
+        lexicon = Lexicon.load(args.lexicon)
     try:
         request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
                                    instruction=args.instruct,
                                    options=SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy,
-                                                            seed=args.seed, word_times=bool(args.captions)))
+                                                            seed=args.seed, word_times=bool(args.captions),
+                                                            lexicon=lexicon))
     except RequestError as e:
         raise e.as_flag() from None
     options = load_options(args)
