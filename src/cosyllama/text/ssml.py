@@ -1,4 +1,4 @@
-"""An SSML subset: a ``<speak>`` document -> a list of parts to synthesize (docs/pronunciation.md#ssml).
+"""An SSML subset: a ``<speak>`` document -> a list of parts to synthesize (docs/pronunciation.md#ssml-subset).
 
 :func:`parse_ssml` returns data and synthesizes nothing: an :class:`SsmlDocument` whose ``parts`` are
 
