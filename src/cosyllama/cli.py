@@ -22,11 +22,11 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cosyllama`` parser: each command module adds its sub-parser, whose ``func`` is its ``run``."""
-    from .commands import align, batch, bench, convert, demo, make_model, serve, synth, wyoming
+    from .commands import align, batch, bench, convert, demo, lexicon, make_model, serve, synth, wyoming
 
     p = _Parser(prog="cosyllama", description="CosyVoice3 text-to-speech with the LLM on llama.cpp or PyTorch")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for command in (synth, align, batch, convert, make_model, bench, demo, serve, wyoming):
+    for command in (synth, align, lexicon, batch, convert, make_model, bench, demo, serve, wyoming):
         command.add_parser(sub)
     return p
 

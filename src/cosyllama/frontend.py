@@ -34,6 +34,7 @@ from .config import PROMPT_MEL_PER_TOKEN, ModelConfig
 from .errors import InputError
 from .prompt import PromptEncoder
 from .request import FRONTEND_MODES, VC_MODE
+from .text.lexicon import Lexicon, take_inline
 from .text.normalize import (
     DEFAULT_PROMPT_PREFIX,
     TextNormalizer,
@@ -168,7 +169,7 @@ class Frontend:
         return tuple(self.tokenizer.encode(text))
 
     def normalize_and_split(self, text: str, text_frontend: bool = True, russian_numbers: bool = True,
-                            normalizer: TextNormalizer | None = None) -> list[str]:
+                            normalizer: TextNormalizer | None = None, lexicon: Lexicon | None = None) -> list[str]:
         """Target text -> segments (see docs/reference.md#segment-splitting); each segment is synthesized by its own
         LLM call.
 
@@ -177,12 +178,22 @@ class Frontend:
         Raises :class:`InputError` when nothing speakable is left. The text's own rules (a string, not
         empty, no control characters) are :class:`~cosyllama.request.SynthesisRequest`'s, checked before.
         ``normalizer``: the pipeline's (e.g. one with a helper process); None: this frontend's.
+        ``lexicon``: words to speak as its pronunciation tokens (docs/pronunciation.md). Inline forms
+        ``{word|[tokens]}`` are taken out before normalization and put back as tokens after it; the
+        lexicon is applied to each segment after normalization and splitting, so that no token is
+        spelled out and the segments are those of the same text without entries.
         """
         normalizer = self.normalizer if normalizer is None else normalizer
-        segments = normalizer.normalize(text, split=True, text_frontend=text_frontend, russian_numbers=russian_numbers)
+        inline = take_inline(text, self.tokenizer)
+        segments = normalizer.normalize(inline.text, split=True, text_frontend=text_frontend,
+                                        russian_numbers=russian_numbers)
         segments = [s for s in segments if s.strip()]
         if not segments:
             raise InputError(f"text {text[:60]!r} has nothing to speak (only punctuation or symbols)")
+        if lexicon is not None and len(lexicon):
+            segments = [lexicon.apply(s) for s in segments]
+        if inline.tokens:
+            segments = [inline.restore(s) for s in segments]
         return segments
 
     # -- prompt audio ----------------------------------------------------------------------------
@@ -223,7 +234,8 @@ class Frontend:
     # -- modes -----------------------------------------------------------------------------------
 
     def zero_shot(self, text: str, voice: Voice, prompt_text: str | None = None, *, text_frontend: bool = True,
-                  russian_numbers: bool = True, normalizer: TextNormalizer | None = None) -> list[ModelInput]:
+                  russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
+                  lexicon: Lexicon | None = None) -> list[ModelInput]:
         """Clone ``voice`` saying ``text``: the LLM continues the prompt's transcript and speech.
 
         ``voice``: a :class:`PromptFeatures` (its ``prompt_text`` is used unless ``prompt_text`` is
@@ -236,20 +248,22 @@ class Frontend:
         full_prompt = voice.prompt_text if prompt_text is None else zero_shot_prompt_text(prompt_text)
         prompt_ids = voice.prompt_text_ids if full_prompt == voice.prompt_text else self.tokenize(full_prompt)
         return [self._input("zero_shot", seg, voice, prompt_ids, voice.speech_tokens)
-                for seg in self.normalize_and_split(text, text_frontend, russian_numbers, normalizer)]
+                for seg in self.normalize_and_split(text, text_frontend, russian_numbers, normalizer, lexicon)]
 
     def cross_lingual(self, text: str, voice: Voice, *, text_frontend: bool = True,
-                      russian_numbers: bool = True, normalizer: TextNormalizer | None = None) -> list[ModelInput]:
+                      russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
+                      lexicon: Lexicon | None = None) -> list[ModelInput]:
         """Speak ``text`` (any language) in the voice, without the prompt's transcript or speech
         tokens in the LLM. Text containing ``<|endofprompt|>`` is one segment, used verbatim."""
         voice = self._voice(voice)
-        segments = self.normalize_and_split(text, text_frontend, russian_numbers, normalizer)
+        segments = self.normalize_and_split(text, text_frontend, russian_numbers, normalizer, lexicon)
         if ENDOFPROMPT not in text:
             segments = [DEFAULT_PROMPT_PREFIX + s for s in segments]
         return [self._input("cross_lingual", seg, voice, (), _EMPTY_TOKENS) for seg in segments]
 
     def instruct2(self, text: str, instruction: str, voice: Voice, *, text_frontend: bool = True,
-                  russian_numbers: bool = True, normalizer: TextNormalizer | None = None) -> list[ModelInput]:
+                  russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
+                  lexicon: Lexicon | None = None) -> list[ModelInput]:
         """Speak ``text`` in the voice following ``instruction`` (dialect, speed, emotion ...).
 
         The instruction replaces the transcript as LLM prompt text and is never normalized.
@@ -257,7 +271,7 @@ class Frontend:
         voice = self._voice(voice)
         instruct_ids = self.tokenize(instruct_prompt_text(instruction))
         return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS)
-                for seg in self.normalize_and_split(text, text_frontend, russian_numbers, normalizer)]
+                for seg in self.normalize_and_split(text, text_frontend, russian_numbers, normalizer, lexicon)]
 
     def vc(self, source_wav: AudioSource, prompt_wav: AudioSource) -> ModelInput:
         """Voice conversion: the speech tokens of ``source_wav`` rendered in the voice of

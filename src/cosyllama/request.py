@@ -93,6 +93,8 @@ class SynthesisOptions:
     :mod:`cosyllama.loudness`, docs/loudness.md); None (default): the audio as the model made it.
     retries: how many times a text segment's take that loops or runs away is made again, 0 to 5 (0: caught
     takes are only reported); attempt k of segment i is seeded seed + i + k * 2**20 (docs/retries.md).
+    lexicon: a :class:`~cosyllama.text.lexicon.Lexicon` whose words this call speaks as their pronunciation
+    tokens (with the pipeline's own ``TTS.lexicon``, this one's entries winning; docs/pronunciation.md).
     """
 
     stream: bool = False
@@ -107,6 +109,7 @@ class SynthesisOptions:
     word_language: str | None = None
     loudness: float | None = None
     retries: int = RETRIES
+    lexicon: Any = None  # cosyllama.text.lexicon.Lexicon | None
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,12 @@ def check_options(o: SynthesisOptions) -> None:
     if o.stream and speed != 1.0:
         raise RequestError("speed", "{speed} other than 1.0 needs non-streaming synthesis (the reference only "
                            "time-stretches the finished mel); drop {stream} or use speed 1.0", "conflicting_fields")
+    if o.lexicon is not None:
+        from .text.lexicon import Lexicon
+
+        if not isinstance(o.lexicon, Lexicon):
+            raise TypeError(f"lexicon must be a cosyllama.text.lexicon.Lexicon (Lexicon.load(path)), "
+                            f"got {type(o.lexicon).__name__}")
     seed = o.seed
     if seed is not None:
         lo, hi = SEED_RANGE

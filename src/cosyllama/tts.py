@@ -39,6 +39,7 @@ from .llm.takes import BadTake, RetryTake, Take, retry_seed
 from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
+from .text.lexicon import Lexicon
 from .text.normalize import TextNormalizer
 from .voices import VoiceStore
 
@@ -176,7 +177,7 @@ class TTS:
     @classmethod
     def from_models(cls, models: Models, *, token_source: TokenSource | None = None,
                     limits: RequestLimits | None = _FROM_OPTIONS, voices: VoiceStore | None = None,
-                    text_worker: bool = False, flow_slots: int = 0) -> TTS:
+                    text_worker: bool = False, flow_slots: int = 0, lexicon: Lexicon | None = None) -> TTS:
         """A pipeline over ``models`` (nothing is loaded or copied; the models are shared):
 
         * ``token_source``: where its speech tokens come from (a :class:`~cosyllama.llm.decode.TokenSource`
@@ -188,7 +189,9 @@ class TTS:
         * ``text_worker``: normalize long texts in a helper process, started now (same text, but a long
           text no longer holds the GIL for seconds; :meth:`close` ends it);
         * ``flow_slots``: at most this many of its calls run the flow and vocoder at once (the rest keep
-          decoding; on a few CPU cores concurrent flows only split the same cores); 0: no limit.
+          decoding; on a few CPU cores concurrent flows only split the same cores); 0: no limit;
+        * ``lexicon``: words every call speaks as their pronunciation tokens (``TTS.lexicon``; a call's
+          ``SynthesisOptions.lexicon`` adds to it, its entries winning).
         """
         if flow_slots < 0:
             raise ValueError(f"flow_slots must be >= 0, got {flow_slots}")
@@ -197,6 +200,7 @@ class TTS:
         tts._build(models, token_source if token_source is not None else make_token_source(models.llm),
                    models.options.limits if limits is _FROM_OPTIONS else limits,
                    voices if voices is not None else VoiceStore(), normalizer, flow_slots)
+        tts.lexicon = lexicon
         return tts
 
     def _build(self, models: Models, token_source: TokenSource, limits: RequestLimits | None, voices: VoiceStore,
@@ -208,6 +212,8 @@ class TTS:
         # text normalization of this pipeline's calls: the frontend's, or one with a helper process (close())
         self.normalizer = normalizer if normalizer is not None else models.frontend.normalizer
         self._own_normalizer = normalizer is not None
+        # words every call speaks as their pronunciation tokens (a call's options.lexicon adds to it); None: none
+        self.lexicon: Lexicon | None = None
         self.flow_slots = flow_slots  # calls in the flow + vocoder at once; 0: no limit
         self._flow_sem = threading.Semaphore(flow_slots) if flow_slots > 0 else None
 
@@ -362,8 +368,10 @@ class TTS:
         opts = r.options
         t0 = time.perf_counter()
         v = voice if voice is not None else r.prompt_wav
+        lexicon = self.lexicon if opts.lexicon is None else (
+            opts.lexicon if self.lexicon is None else self.lexicon | opts.lexicon)
         how = {"text_frontend": opts.text_frontend, "russian_numbers": opts.russian_numbers,
-               "normalizer": self.normalizer}
+               "normalizer": self.normalizer, "lexicon": lexicon}
         if mode == "zero-shot":
             inputs = self.frontend.zero_shot(r.text, v, r.prompt_text, **how)
         elif mode == "instruct":

@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
                                     "of them and of voice folders (NAME/ref.wav), as batch takes")
     s.add_argument("--pause", type=float, default=None, help="with --script: seconds of silence between turns "
                                                              "(default: the script's pause_between_turns, else 0)")
+    s.add_argument("--lexicon", metavar="FILE",
+                   help="pronunciation lexicon: word<TAB>tokens per line, e.g. 几<TAB>[j][ǐ] (docs/pronunciation.md)")
     s.add_argument("--tokens-out", help="write the speech tokens per text segment as JSON")
     s.add_argument("--captions", help="write captions: FILE.srt, FILE.vtt or FILE.json (the suffix names the "
                                       "format); word times where they can be aligned, else sentence times "
@@ -118,9 +120,14 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
     from ..tts import TTS
     from .options import load_options
 
+    lexicon = None
+    if getattr(args, "lexicon", None):
+        from ..text.lexicon import Lexicon
+
+        lexicon = Lexicon.load(args.lexicon)
     synthesis_options = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed,
                                          word_times=bool(args.captions), loudness=args.loudness,
-                                         retries=args.retries)
+                                         retries=args.retries, lexicon=lexicon)
     script = None
     if args.script is not None:
         from .dialogue_flags import read_script

@@ -52,6 +52,9 @@ _PINYIN_TOKENS = tuple("""
 # eos/pad first, then the reference's `additional_special_tokens`, in this exact order (see
 # docs/reference.md#tokenizer).
 SPECIAL_TOKENS = ("<|endoftext|>",) + _CONTROL_TOKENS + _ARPABET_TOKENS + _PINYIN_TOKENS
+# the pronunciation tokens (what a lexicon entry or an SSML <phoneme> may spell a word with)
+ARPABET_TOKENS = _ARPABET_TOKENS
+PINYIN_TOKENS = _PINYIN_TOKENS
 
 
 # ----------------------------------------------------------------------------------------------
