@@ -253,3 +253,66 @@ def test_with_loudness_each_turn_is_brought_to_the_target(tts):
         assert meter.integrated_loudness(audio[seg.start_sample:seg.end_sample].astype(np.float64)) == \
             pytest.approx(-30.0, abs=0.1)
     assert s.timings.loudness_gain_db is None  # no single gain: each turn has its own
+
+
+# -- SSML: spans as turns, breaks as exact silences ------------------------------------------------------------
+
+DOC = ('<speak>Hello <emphasis>there</emphasis>.<break time="500ms"/><voice name="bob"><prosody rate="slow">'
+       'I am Bob.</prosody></voice><p>A new paragraph.</p><break strength="strong"/></speak>')
+
+
+def test_ssml_spans_are_turns_and_breaks_exact_silences(tts):
+    s = tts.ssml(DOC, "anna", seed=1)
+    chunks = list(s)
+    audio = np.concatenate([c.samples for c in chunks])
+    assert [c.samples.size for c in chunks if c.segment == PAUSE_SEGMENT] == [12000, 18000]  # 0.5 s, strong 0.75 s
+    assert [seg.voice for seg in s.segments] == ["anna", "bob", "anna"]
+    first = tts.synthesize("Hello <strong>there</strong>.", voice="anna", seed=turn_seed(1, 0)).audio()
+    np.testing.assert_array_equal(audio[:first.size], first)
+    bob = tts.synthesize("I am Bob.", voice="bob", seed=turn_seed(1, 1), speed=0.75).audio()
+    at = first.size + 12000
+    np.testing.assert_array_equal(audio[at:at + bob.size], bob)
+    assert not audio[-18000:].any() and s.segments[-1].end_sample == audio.size - 18000
+
+
+@pytest.mark.parametrize("doc,message", [
+    ('<speak>Hi <break time="3x"/></speak>', "SSML line 1, column 11: break time '3x'"),
+    ('<?xml version="1.0"?><!DOCTYPE s [<!ENTITY a "aaaa">]><speak>&a;</speak>', "SSML"),
+    ('<speak><p>unclosed</speak>', "malformed XML"),
+    ('<speak> <break time="1s"/> </speak>', "says nothing"),
+    ('<speak><voice name="zed">Hi.</voice></speak>', "turn 1 (voice 'zed'): unknown voice 'zed'"),
+])
+def test_ssml_that_cannot_be_spoken_is_refused(tts, doc, message):
+    from cosyllama.errors import InputError
+
+    with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tts.ssml(doc, "anna")
+
+
+def test_http_speech_takes_an_ssml_input(client):
+    doc = '<speak>Hello there.<break time="500ms"/><voice name="bob">I am Bob.</voice></speak>'
+    r = client.post("/v1/audio/speech", json={"input": doc, "voice": "en", "response_format": "wav", "seed": 3})
+    assert r.status_code == 200
+    whole = _wav(r.content)
+    first = _wav(client.post("/v1/audio/speech", json={"input": "Hello there.", "voice": "en", "seed": 3,
+                                                        "response_format": "wav"}).content)
+    np.testing.assert_array_equal(whole[:first.size], first)
+    assert not whole[first.size:first.size + 12000].any()
+    r = client.post("/v1/audio/speech", json={"input": '<speak>Hi <voice name="zed">there</voice></speak>',
+                                              "voice": "en"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "input[1].voice"
+    r = client.post("/v1/audio/speech", json={"input": '<!DOCTYPE x><speak>Hi</speak>', "voice": "en"})
+    assert r.status_code == 200  # not an SSML document (it does not start with <speak>): spoken as text
+    r = client.post("/v1/audio/speech", json={"input": '<speak>Hi <break time="x"/></speak>', "voice": "en"})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_ssml"
+
+
+def test_synth_ssml_in_one_line_errors_and_captions(tmp_path):
+    r = run_cli("synth", "--model-dir", str(MODEL_DIR), "--prompt-wav", str(PROMPT), "--ssml", "--text",
+                '<speak>Hello.<break time="300ms"/>Again.</speak>', "--out", "o.wav", "--captions", "o.srt",
+                "--precision", "fp32", "--threads", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "o.srt").read_text().count("-->") == 2
+    bad = run_cli("synth", "--model-dir", str(MODEL_DIR), "--prompt-wav", str(PROMPT), "--ssml", "--text",
+                  "<speak>Hi", "--out", "o.wav", cwd=tmp_path)
+    assert bad.returncode == 2 and "malformed XML" in bad.stderr and "Traceback" not in bad.stderr

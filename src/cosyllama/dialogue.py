@@ -181,20 +181,37 @@ def _shifted(seg: Segment, index: int, offset: int, speaker: str | None) -> Segm
                    words=words, voice=speaker)
 
 
-def dialogue_chunks(tts, speakers: Sequence[str | None], requests: Sequence[SynthesisRequest], pause: float,
-                    timings, segments: list, current: list, cancel=None) -> Iterator:
+def gaps(pause: float | Sequence[float], n_turns: int) -> list[float]:
+    """The silences of a script: before each turn and after the last (``n_turns + 1`` of them). A number is the
+    pause between turns (none before the first or after the last); a sequence gives every gap."""
+    if isinstance(pause, (int, float)):
+        return [0.0] + [float(pause)] * (n_turns - 1) + [0.0]
+    out = [float(x) for x in pause]
+    if len(out) != n_turns + 1:
+        raise ValueError(f"{n_turns} turns have {n_turns + 1} gaps, got {len(out)}")
+    return out
+
+
+def dialogue_chunks(tts, speakers: Sequence[str | None], requests: Sequence[SynthesisRequest],
+                    pause: float | Sequence[float], timings, segments: list, current: list, cancel=None) -> Iterator:
     """The chunks of every turn in order, a pause chunk (segment :data:`PAUSE_SEGMENT`) of exactly
-    ``round(pause * sample_rate)`` samples between turns; ``segments`` gets each turn's segments, placed in
-    the whole output and naming the speaker; ``current`` holds the running turn's synthesis and the function
-    that places its segments again (for ``finish_words``). ``timings`` sums the turns'."""
+    ``round(seconds * sample_rate)`` samples for each gap (:func:`gaps`); ``segments`` gets each turn's
+    segments, placed in the whole output and naming the speaker; ``current`` holds the running turn's synthesis
+    and the function that places its segments again (for ``finish_words``). ``timings`` sums the turns'."""
     from .engine import AudioChunk
 
     offset, base = 0, 0
     rate = tts.sample_rate
+    silences = gaps(pause, len(requests))
+
+    def silence(seconds: float):
+        n = int(round(seconds * rate))
+        return AudioChunk(np.zeros(n, np.float32), rate, PAUSE_SEGMENT, False, start=offset), n
+
     for k, (speaker, request) in enumerate(zip(speakers, requests)):
-        if k and pause > 0:
-            n = int(round(pause * rate))
-            yield AudioChunk(np.zeros(n, np.float32), rate, PAUSE_SEGMENT, False, start=offset)
+        if silences[k] > 0:
+            chunk, n = silence(silences[k])
+            yield chunk
             offset += n
         syn = tts.run(request, cancel=cancel)
         start, first = len(segments), True
@@ -225,3 +242,25 @@ def dialogue_chunks(tts, speakers: Sequence[str | None], requests: Sequence[Synt
             timings.retries.extend(replace(b, segment=base + b.segment) for b in t.retries)
         base += len(syn.segments)
         offset += syn.segments[-1].end_sample if syn.segments else 0
+    if silences[-1] > 0:
+        yield silence(silences[-1])[0]
+
+
+def ssml_turns(document, voice) -> tuple[list[Turn], list[float]]:
+    """The turns and gaps (:func:`gaps`) of a parsed SSML document (:class:`cosyllama.text.ssml.SsmlDocument`):
+    a span is a turn in its ``<voice>`` (``voice``, the request's, where none is named) at its speed; a span
+    after a ``<p>``/``<s>`` boundary or in another voice or speed is a turn of its own (so a segment of its
+    own); each ``<break>`` adds its seconds to the gap where it stands. Spans with nothing to say are dropped."""
+    turns: list[Turn] = []
+    silences = [0.0]
+    for part in document.parts:
+        if part.kind == "break":
+            silences[-1] += part.seconds
+        elif part.kind == "text" and part.text.strip():
+            turns.append(Turn(part.voice if part.voice is not None else voice, part.text.strip(),
+                              speed=None if part.speed == 1.0 else part.speed,
+                              name=part.voice))
+            silences.append(0.0)
+    if not turns:
+        raise ScriptError("the SSML document says nothing (no text outside its markup)")
+    return turns, silences

@@ -343,10 +343,27 @@ class TTS:
         requests = turn_requests(turns, opts, self.limits, self.voices)
         return self.run_turns(requests, [t.speaker for t in turns], pause, cancel=cancel)
 
-    def run_turns(self, requests: list[SynthesisRequest], speakers: list[str | None], pause: float, *,
+    def ssml(self, document: str, voice: PromptFeatures | str, *, options: SynthesisOptions | None = None,
+             cancel: CancelToken | None = None, **kw) -> Synthesis:
+        """Speak an SSML ``<speak>`` document (the subset of docs/pronunciation.md) in ``voice`` (a registered id
+        or :class:`PromptFeatures`; ``<voice name>`` switches to a registered voice): its spans are the turns of
+        a :meth:`dialogue` (a ``<p>``/``<s>`` or a change of voice or rate starts a new one), its breaks exact
+        silences. Raises :class:`~cosyllama.text.ssml.SsmlError` for a document that cannot be used."""
+        from .dialogue import check_turns, ssml_turns, turn_requests
+        from .text.ssml import parse_ssml
+
+        opts = self._options(options, kw)
+        doc = parse_ssml(document, self.frontend.tokenizer)
+        turns, silences = ssml_turns(doc, voice)
+        check_turns(turns, 0.0)
+        requests = turn_requests(turns, opts, self.limits, self.voices)
+        return self.run_turns(requests, [t.speaker for t in turns], silences, cancel=cancel)
+
+    def run_turns(self, requests: list[SynthesisRequest], speakers: list[str | None], pause, *,
                   cancel: CancelToken | None = None) -> Synthesis:
         """:meth:`dialogue` of requests already made and checked (a server's turns, each with its voice's
-        features): ``speakers`` name each turn's speaker in its segments."""
+        features): ``speakers`` name each turn's speaker in its segments; ``pause`` is the seconds between turns,
+        or every gap (:func:`cosyllama.dialogue.gaps`)."""
         from .dialogue import dialogue_chunks
 
         timings, segments, current = Timings(), [], []

@@ -59,8 +59,11 @@ def add_parser(sub) -> None:
                             "each kept only if a fidelity check on the loaded weights passes, else fp32 (the "
                             "reference)")
     add_llm_weights_option(s)
-    s.add_argument("--voices", help="with --script: the voices its turns name, a voice file (*.pt) or a directory "
-                                    "of them and of voice folders (NAME/ref.wav), as batch takes")
+    s.add_argument("--ssml", action="store_true", help="--text is an SSML <speak> document (the subset of "
+                                                       "docs/pronunciation.md), spoken in the --prompt-wav voice")
+    s.add_argument("--voices", help="with --script or --ssml: the voices its turns (or <voice name>) name, a voice "
+                                    "file (*.pt) or a directory of them and of voice folders (NAME/ref.wav), as batch "
+                                    "takes")
     s.add_argument("--pause", type=float, default=None, help="with --script: seconds of silence between turns "
                                                              "(default: the script's pause_between_turns, else 0)")
     s.add_argument("--lexicon", metavar="FILE",
@@ -129,13 +132,27 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
                                          word_times=bool(args.captions), loudness=args.loudness,
                                          retries=args.retries, lexicon=lexicon)
     script = None
+    if args.script is not None and args.ssml:
+        raise InputError("--ssml goes with --text; a --script's turns are plain text")
     if args.script is not None:
         from .dialogue_flags import read_script
 
         script = read_script(args, synthesis_options)
+    elif args.ssml:
+        from ..text.ssml import parse_ssml
+
+        if args.pause is not None:
+            raise InputError("--pause goes with --script; SSML says its pauses with <break>")
+        if args.mode is not None or args.instruct is not None:
+            raise InputError("--mode and --instruct do not go with --ssml: its spans take the voice's own mode")
+        parse_ssml(args.text)  # its syntax, before any model loads (its phoneme tokens once the tokenizer is)
+        if args.voices is not None:
+            from ..batch.engine import voice_files
+
+            voice_files(args.voices)
     else:
         if args.voices is not None or args.pause is not None:
-            raise InputError("--voices and --pause go with --script")
+            raise InputError("--voices and --pause go with --script (or --voices with --ssml)")
         try:
             request = SynthesisRequest(args.text, args.mode, prompt_wav=args.prompt_wav, prompt_text=args.prompt_text,
                                        instruction=args.instruct, options=synthesis_options)
@@ -171,6 +188,12 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
             from .dialogue_flags import run_script
 
             syn = run_script(tts, script, args, synthesis_options, progress)
+        elif args.ssml:
+            from ..batch.engine import load_voices
+            from ..voices import ClipEncoder
+
+            load_voices(tts.voices, args.voices, ClipEncoder.of(tts))
+            syn = tts.ssml(args.text, tts.make_voice(args.prompt_wav, args.prompt_text), options=synthesis_options)
         else:
             syn = tts.run(request)
     except RequestError as e:

@@ -18,10 +18,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..dialogue import MAX_PAUSE_S, MAX_TURNS, turn_seed
+from ..errors import InputError
 from ..limits import LimitExceeded
 from .common import state_of
 from .errors import ApiError, api_error
-from .speech import CustomVoice, SpeechJob, SpeechRequest, check_request, run_speech_job
+from .speech import CustomVoice, SpeechJob, SpeechRequest, check_request, log, run_speech_job
 
 PATH = "/v1/audio/dialogue"
 
@@ -84,6 +85,13 @@ async def _requests(body: DialogueRequest, state) -> tuple[str | None, list, lis
         state.limits.check_chars("input", "\n".join(t.text for t in turns))  # the script, bounded as one input
     except LimitExceeded as e:
         raise api_error(e) from None
+    return await turn_requests(body, state, turns, where)
+
+
+async def turn_requests(body: SpeechRequest, state, turns: list[DialogueTurn], where: str):
+    """Each turn of ``turns`` as ``body`` with the turn's text, voice, speed and instructions, checked as
+    ``/v1/audio/speech`` checks a request (its voice found: a 404 names the turn ``where[k]``) and seeded by
+    the dialogue's seed rule; returns how it streams, the requests and the turns' voice names."""
     streaming, requests = None, []
     for k, t in enumerate(turns):
         update = {"input": t.text, "voice": t.voice_name(), "seed": turn_seed(body.seed, k)}
@@ -107,7 +115,7 @@ async def _requests(body: DialogueRequest, state) -> tuple[str | None, list, lis
 class DialogueJob(SpeechJob):
     """A speech job whose synthesis is the dialogue's turns (:meth:`cosyllama.tts.TTS.run_turns`)."""
 
-    def __init__(self, tts, requests, speakers, pause: float, streaming: str | None, response_format: str):
+    def __init__(self, tts, requests, speakers, pause, streaming: str | None, response_format: str):
         super().__init__(tts, requests[0], streaming, response_format)
         self.requests, self.speakers, self.pause = requests, speakers, pause
 
@@ -122,6 +130,29 @@ class DialogueJob(SpeechJob):
                    for r in self.requests)
         n_out = sum(len(t) for t in self.syn.timings.tokens)
         return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+async def ssml_speech(body: SpeechRequest, request: Request, state):
+    """``POST /v1/audio/speech`` of an ``input`` that is an SSML ``<speak>`` document (docs/pronunciation.md):
+    its spans are turns in ``body.voice`` (or their ``<voice name>``), its breaks exact silences, answered as any
+    speech request is; a document that cannot be used is a 422 naming ``input`` and where it is wrong."""
+    from ..dialogue import ScriptError, ssml_turns
+    from ..text.ssml import parse_ssml
+
+    try:
+        doc = parse_ssml(body.input, state.tts.frontend.tokenizer)
+        spans, silences = ssml_turns(doc, body.voice_name())
+    except (ScriptError, InputError) as e:
+        raise ApiError(422, str(e), param="input", code="invalid_ssml") from None
+    if len(spans) > MAX_TURNS:
+        raise ApiError(422, f"the SSML document has {len(spans)} parts to speak; at most {MAX_TURNS}",
+                       param="input", code="too_many_parts")
+    if doc.warnings:
+        log.info("SSML: %s", "; ".join(doc.warnings))
+    turns = [DialogueTurn(text=t.text, voice=t.voice, speed=t.speed) for t in spans]
+    streaming, requests, speakers = await turn_requests(body, state, turns, "input")
+    job = DialogueJob(state.tts, requests, [t.name for t in spans], silences, streaming, body.response_format)
+    return await run_speech_job(request, state, job)
 
 
 router = APIRouter()

@@ -46,6 +46,7 @@ from ..errors import InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
+from ..text.ssml import looks_like_ssml
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import AppState, admit, client_gone, state_of
 from .errors import ApiError, error_body
@@ -304,6 +305,10 @@ router = APIRouter()
 @router.post("/v1/audio/speech")
 async def speech(body: SpeechRequest, request: Request):
     state = state_of(request.app)
+    if looks_like_ssml(body.input):
+        from .dialogue import ssml_speech
+
+        return await ssml_speech(body, request, state)
     streaming, synthesis = await check_request(body, state)
     job = SpeechJob(state.tts, synthesis, streaming, body.response_format)
     return await run_speech_job(request, state, job)
