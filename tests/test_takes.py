@@ -329,7 +329,8 @@ def test_server_retries_header_field_and_log(base, voice, caplog):
     from server_helpers import PROMPT_TEXT, PROMPT_WAV
 
     assert LOOPING[30:42] == PATTERN and len(set(PATTERN)) == 12  # period 12: RAS's window of 10 lets it through
-    tts = TTS.from_models(dataclasses.replace(base.models, llm=Forced(base.llm, [LOOPING, GOOD])))
+    forced = Forced(base.llm, [LOOPING, GOOD])
+    tts = TTS.from_models(dataclasses.replace(base.models, llm=forced))
     srv = LoopbackServer(create_app(tts))
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
@@ -350,8 +351,34 @@ def test_server_retries_header_field_and_log(base, voice, caplog):
                 assert r.status_code == 422, r.text
                 err = r.json()["error"]
                 assert err["param"] == "retries" and "retries must be an integer from 0 to 5" in err["message"]
+        forced.started = 0  # the scripted LLM's next take loops again, the one after is good
+        _websocket_reports_the_retry(srv)
     finally:
         srv.stop()
+
+
+def _websocket_reports_the_retry(srv):
+    """The WebSocket's audio.done of a sentence whose take was caught carries the caught takes."""
+    import json
+
+    pytest.importorskip("websockets")
+    from websockets.sync.client import connect
+
+    with connect(f"ws://127.0.0.1:{srv.port}/v1/audio/speech/stream", open_timeout=60, max_size=None) as ws:
+        ws.send(json.dumps({"type": "session.config", "voice": "en", "seed": SEED, "response_format": "pcm"}))
+        ws.send(json.dumps({"type": "input.text", "text": TEXT}))
+        ws.send(json.dumps({"type": "input.done"}))
+        done = []
+        while True:
+            m = ws.recv(timeout=60)
+            if isinstance(m, str):
+                m = json.loads(m)
+                if m["type"] == "audio.done":
+                    done.append(m)
+                if m["type"] == "session.done":
+                    break
+    caught = [r for d in done for r in d.get("retries", [])]
+    assert caught and caught[0]["reason"] == "loop" and caught[0]["action"] == "retried"
 
 
 def test_serve_and_synth_flags(tmp_path, capsys):

@@ -80,6 +80,7 @@ class Audio:
 class SentenceDone:
     sentence: Sentence
     segments: tuple = ()  # its synthesis's cosyllama.captions.Segment list (times, words when asked)
+    retries: tuple = ()  # its synthesis's caught takes (cosyllama.llm.takes.BadTake), docs/retries.md
 
 
 @dataclass(frozen=True)
@@ -314,7 +315,9 @@ class Session:
                 if len(data):
                     await self.door.send(Audio(sentence, data))
                     sent = True
-            await self.door.send(SentenceDone(sentence, tuple(job.syn.segments) if job.syn is not None else ()))
+            syn = job.syn
+            await self.door.send(SentenceDone(sentence, tuple(syn.segments) if syn is not None else (),
+                                              tuple(syn.timings.retries) if syn is not None else ()))
         except BaseException:
             self.partial = sent
             raise

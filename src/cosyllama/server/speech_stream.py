@@ -22,7 +22,8 @@ differs). The client sends JSON text messages:
 The server answers, per sentence, ``audio.start`` (``utterance_index``, ``sentence_index``,
 ``sentence_text``, ``format``, ``sample_rate``, ``channels``), the audio as binary frames (one
 whole file, or pieces of one stream with ``stream_audio``), ``audio.done`` (``total_bytes``,
-``error``), with ``word_timestamps`` then a ``word_timestamps`` message (``utterance_index``,
+``error``; ``retries``, the takes caught while making it, when there were any: docs/retries.md), with
+``word_timestamps`` then a ``word_timestamps`` message (``utterance_index``,
 ``sentence_index``, ``word_timestamps``: ``[{word, start_ms, end_ms}]`` from the start of the sentence's
 audio, ``[]`` for a sentence with no words, ``null`` with a ``reason`` when they could not be aligned);
 per utterance ``session.done`` (``total_sentences``). A refusal or failure is an
@@ -239,8 +240,11 @@ class _Connection:
             s = event.sentence
             if not self.started:  # every token was silent: still a pair
                 await self._send_start(s)
-            await self._send_json({"type": "audio.done", "utterance_index": s.utterance, "sentence_index": s.index,
-                                   "total_bytes": self.sent, "error": False})
+            done = {"type": "audio.done", "utterance_index": s.utterance, "sentence_index": s.index,
+                    "total_bytes": self.sent, "error": False}
+            if event.retries:  # takes caught and made again or cut (docs/retries.md)
+                done["retries"] = [b.as_dict() for b in event.retries]
+            await self._send_json(done)
             self.started, self.sent = False, 0
             if s.door.word_timestamps:
                 await self._send_json({"type": "word_timestamps", "utterance_index": s.utterance,
