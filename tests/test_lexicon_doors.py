@@ -154,6 +154,17 @@ def test_captioned_speech_and_dialogue_take_it_too(server, client):
     assert err["param"] == "lexicon"
 
 
+def test_a_dialogues_lexicon_applies_to_every_turn_each_with_its_voices(server, client):
+    turns = [{"voice": "en", "text": "A banana and a tomato."}, {"voice": "lex", "text": "A tomato."}]
+    r = client.post("/v1/audio/dialogue", json={**BODY, "turns": turns, "lexicon": {"banana": "[B][AA1][N][AH0]"}})
+    assert r.status_code == 200, r.text
+    said = server.recorder.take()
+    assert said.count("[B][AA1][N][AH0]") == 1 and SERVER_LEX["tomato"] in said, said
+    assert said.index(SERVER_LEX["tomato"]) < said.index("[T][AH0][M][AA1][T][OW2]"), said  # the second turn's voice
+    err = json_error(client.post("/v1/audio/dialogue", json={**BODY, "turns": turns, "lexicon": {"a": 1}}), 422)
+    assert err["param"] == "lexicon", err
+
+
 def test_the_websocket_session_config_takes_a_lexicon(server):
     pytest.importorskip("websockets")
     from websockets.sync.client import connect
