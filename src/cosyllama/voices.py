@@ -437,7 +437,8 @@ class VoiceDirectory(VoiceStore):
     """Voices kept in ``directory``: one file per voice (``<id>.pt``, the format of
     :meth:`VoiceStore.save` holding that one voice), shared with every process that opens it, and
     voice folders (``<id>/ref.wav`` with ``ref.txt``, its transcript, or ``instruct.txt``, a style
-    instruction; both optional), which people drop in.
+    instruction; both optional; and ``lexicon.txt``, its pronunciation lexicon, optional), which people
+    drop in.
 
     Writes are atomic and durable: a voice is written to a temporary file, synced, and renamed
     into place (the directory synced too), so a crash or ``kill -9`` leaves each voice either
