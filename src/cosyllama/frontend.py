@@ -62,6 +62,9 @@ class PromptFeatures:
     prompt_text_ids: tuple[int, ...]  # token ids of prompt_text; () when None
     token_rate: int = 25  # speech tokens per second: the config's token_frame_rate (25 for CosyVoice3)
     instruction: str | None = None  # the voice's style instruction: instruct mode when a request gives none
+    # words this voice speaks as pronunciation tokens (a voice folder's lexicon.txt): added to the pipeline's
+    # TTS.lexicon, a call's options.lexicon adding to both; not kept in voice files
+    lexicon: Lexicon | None = None
 
     @property
     def duration(self) -> float:

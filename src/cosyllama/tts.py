@@ -144,6 +144,16 @@ def choose_mode(mode: str | None = None, instruction: str | None = None, has_tra
 _FROM_OPTIONS = object()  # TTS.from_models: the limits the models were loaded with
 
 
+def merge_lexicons(*lexicons: Lexicon | None) -> Lexicon | None:
+    """The lexicons given (None ones skipped) as one, a later one's entries winning where two have a word:
+    a call's lexicon is ``merge_lexicons(TTS.lexicon, voice.lexicon, options.lexicon)``."""
+    out = None
+    for lex in lexicons:
+        if lex is not None:
+            out = lex if out is None else out | lex
+    return out
+
+
 class TTS:
     """CosyVoice3 synthesis from an official model directory: a pipeline over loaded
     :class:`~cosyllama.models.Models`.
@@ -212,7 +222,8 @@ class TTS:
         # text normalization of this pipeline's calls: the frontend's, or one with a helper process (close())
         self.normalizer = normalizer if normalizer is not None else models.frontend.normalizer
         self._own_normalizer = normalizer is not None
-        # words every call speaks as their pronunciation tokens (a call's options.lexicon adds to it); None: none
+        # words every call speaks as their pronunciation tokens (a voice's lexicon, then a call's options.lexicon,
+        # add to it, each winning over the one before); None: none
         self.lexicon: Lexicon | None = None
         self.flow_slots = flow_slots  # calls in the flow + vocoder at once; 0: no limit
         self._flow_sem = threading.Semaphore(flow_slots) if flow_slots > 0 else None
@@ -385,8 +396,7 @@ class TTS:
         opts = r.options
         t0 = time.perf_counter()
         v = voice if voice is not None else r.prompt_wav
-        lexicon = self.lexicon if opts.lexicon is None else (
-            opts.lexicon if self.lexicon is None else self.lexicon | opts.lexicon)
+        lexicon = merge_lexicons(self.lexicon, getattr(voice, "lexicon", None), opts.lexicon)
         how = {"text_frontend": opts.text_frontend, "russian_numbers": opts.russian_numbers,
                "normalizer": self.normalizer, "lexicon": lexicon}
         if mode == "zero-shot":

@@ -43,6 +43,7 @@ SHOWN_ID_CHARS = 64  # characters of a client's id a message echoes (the longest
 # a voice folder <id>/ of a voice directory: the clip, its transcript or a style instruction, and the
 # voice made from them, kept beside them
 REF_WAV, REF_TXT, INSTRUCT_TXT, FOLDER_VOICE = "ref.wav", "ref.txt", "instruct.txt", "voice.pt"
+LEXICON_TXT = "lexicon.txt"  # a voice folder's pronunciation lexicon (docs/pronunciation.md), optional
 MAX_FOLDER_TEXT_BYTES = 64 * 1024  # ref.txt / instruct.txt read at most this much (the limits check the rest)
 SKIP_REASON_CHARS = 200  # a skipped file's reason, one line
 
@@ -279,11 +280,13 @@ class ClipEncoder:
 
     make: Callable[[bytes, str | None], PromptFeatures]
     key: str
+    # the text tokenizer a folder's lexicon.txt is checked against (None: CosyVoice3's token lists only)
+    tokenizer: object = None
 
     @classmethod
     def of(cls, tts) -> ClipEncoder:
         """The encoder of a :class:`cosyllama.TTS` (with its limits, when it has them)."""
-        return cls(tts.make_voice, model_voice_key(tts.config))
+        return cls(tts.make_voice, model_voice_key(tts.config), tts.frontend.tokenizer)
 
 
 def model_voice_key(config) -> str:
@@ -364,7 +367,9 @@ def read_voice_folder(folder: str | Path, encoder: ClipEncoder | None, *, lock: 
                       root: str | Path | None = None) -> PromptFeatures:
     """The voice of a voice folder: ``ref.wav``, with ``ref.txt`` (its transcript) or
     ``instruct.txt`` (a style instruction, kept as :attr:`PromptFeatures.instruction`), both
-    optional. Made by ``encoder`` once and kept in the folder as ``voice.pt``, keyed on the bytes of
+    optional, and ``lexicon.txt`` (words the voice speaks as pronunciation tokens, checked against
+    :attr:`ClipEncoder.tokenizer`, kept as :attr:`PromptFeatures.lexicon`; read each time, not part
+    of the kept voice), optional. Made by ``encoder`` once and kept in the folder as ``voice.pt``, keyed on the bytes of
     the three files and :attr:`ClipEncoder.key`; read from there while they are the same (``lock``:
     held while one is made, so two threads make it once). ``on_unkept``: called when ``voice.pt``
     cannot be written (a read-only folder: the voice is made each time). ``root``: the voice
@@ -375,7 +380,7 @@ def read_voice_folder(folder: str | Path, encoder: ClipEncoder | None, *, lock: 
     folder = Path(folder)
     root = folder.parent if root is None else Path(root)
     check_within(folder, root, "the folder")
-    for name in (REF_WAV, REF_TXT, INSTRUCT_TXT, FOLDER_VOICE):
+    for name in (REF_WAV, REF_TXT, INSTRUCT_TXT, LEXICON_TXT, FOLDER_VOICE):
         if os.path.lexists(folder / name):
             check_within(folder / name, root, name)
     if not (folder / REF_WAV).is_file():
@@ -384,6 +389,7 @@ def read_voice_folder(folder: str | Path, encoder: ClipEncoder | None, *, lock: 
     transcript, instruction = _read_text(folder / REF_TXT), _read_text(folder / INSTRUCT_TXT)
     if encoder is None:
         raise _NoEncoder
+    lexicon = _read_lexicon(folder / LEXICON_TXT, encoder.tokenizer)
     audio = _read_bounded(folder / REF_WAV, MAX_FOLDER_WAV_BYTES, REF_WAV)
     h = hashlib.sha256(encoder.key.encode())
     for part in (audio, transcript, instruction):
@@ -397,7 +403,7 @@ def read_voice_folder(folder: str | Path, encoder: ClipEncoder | None, *, lock: 
             if data.get("source") == source:
                 voices = _voices_of(data)
                 if len(voices) == 1:
-                    return next(iter(voices.values()))
+                    return _replace(next(iter(voices.values())), lexicon=lexicon)
         try:
             voice = encoder.make(audio, transcript)
         except InputError as e:
@@ -413,14 +419,26 @@ def read_voice_folder(folder: str | Path, encoder: ClipEncoder | None, *, lock: 
                     os.unlink(tmp)
             if on_unkept is not None:
                 on_unkept(e)
-    return voice
+    return _replace(voice, lexicon=lexicon)
+
+
+def _read_lexicon(path: Path, tokenizer):
+    """A voice folder's ``lexicon.txt`` (:meth:`~cosyllama.text.lexicon.Lexicon.load`, its messages naming
+    the file without the folder's path), or None when there is none or it holds no entry."""
+    if not path.is_file():
+        return None
+    from .text.lexicon import Lexicon
+
+    lexicon = Lexicon.load(path, tokenizer, name=LEXICON_TXT)
+    return lexicon if len(lexicon) else None
 
 
 class VoiceDirectory(VoiceStore):
     """Voices kept in ``directory``: one file per voice (``<id>.pt``, the format of
     :meth:`VoiceStore.save` holding that one voice), shared with every process that opens it, and
     voice folders (``<id>/ref.wav`` with ``ref.txt``, its transcript, or ``instruct.txt``, a style
-    instruction; both optional), which people drop in.
+    instruction; both optional; and ``lexicon.txt``, its pronunciation lexicon, optional), which people
+    drop in.
 
     Writes are atomic and durable: a voice is written to a temporary file, synced, and renamed
     into place (the directory synced too), so a crash or ``kill -9`` leaves each voice either
@@ -541,7 +559,7 @@ class VoiceDirectory(VoiceStore):
 
     def _folder_stamp(self, folder: Path) -> tuple:
         out = []
-        for name in (REF_WAV, REF_TXT, INSTRUCT_TXT):
+        for name in (REF_WAV, REF_TXT, INSTRUCT_TXT, LEXICON_TXT):
             try:
                 out.append(self._stamp(os.stat(folder / name)))
             except OSError:

@@ -112,6 +112,11 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
                         "survive restarts and are seen by every server sharing DIR), and serve its voice folders "
                         "NAME/ref.wav (+ ref.txt transcript or instruct.txt); FILE: a voice file "
                         "(VoiceStore.save) served read-only; default: voices in memory only")
+    v.add_argument("--lexicon", metavar="FILE",
+                   help="a pronunciation lexicon (word<TAB>tokens lines, or a .json object; docs/pronunciation.md) "
+                        "every request speaks, over HTTP, WebSocket and Wyoming; a voice folder's lexicon.txt and "
+                        "a request's lexicon field add to it, their entries winning; checked before the model "
+                        "loads")
     v.add_argument("--stream-cache-mb", type=float, default=None,
                    help="bound of each streaming request's flow K/V cache in MiB (default 2048 at bf16, "
                         "off at fp32; 0 = off)")

@@ -66,12 +66,17 @@ def serving_options(args):
         from ..loudness import require
 
         require()  # the install hint before loading a model
+    lexicon = None
+    if getattr(args, "lexicon", None) is not None:
+        from ..text.lexicon import Lexicon
+
+        lexicon = Lexicon.load(args.lexicon)  # a bad file is one line before the model loads
     return ServingOptions(
         load=load_options(args, defaults={"parallel": SERVE_PARALLEL, "max_seq_tokens": MAX_SEQ_TOKENS}),
         limits=request_limits(args), prefill_chunk=args.prefill_chunk, interleave=interleave_choice(args.interleave),
         max_queue=args.max_queue, voices=args.voices, default_voice=args.default_voice,
         languages=tuple(args.language) if args.language else None, connection_limits=connection_limits(args),
-        defaults=defaults)
+        defaults=defaults, lexicon=lexicon)
 
 
 def serve_options(args):

@@ -201,12 +201,13 @@ def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFA
                 voices: VoiceStore | None = None, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
                 api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
                 max_voices: int | None = DEFAULT_MAX_VOICES, voice_aliases: dict[str, str] | None = None,
-                ) -> tuple[Serving, ServeOptions]:
+                lexicon=None) -> tuple[Serving, ServeOptions]:
     """The serving core and HTTP options ``create_app(tts, **keywords)`` builds: a
     :class:`~cosyllama.server.serving.Serving` over ``tts.models`` (decoding through ``scheduler``, else
     ``tts.token_source`` when that is a :class:`BatchScheduler`, else one of its own), speaking with
     ``voices`` (default ``tts.voices``); ``speech_defaults``: ``seed``, ``greedy`` and ``loudness`` of requests that
-    give none; the other keywords are fields of :class:`ServingOptions` and :class:`ServeOptions`."""
+    give none; ``lexicon``: every request's (default ``tts.lexicon``); the other keywords are fields of
+    :class:`ServingOptions` and :class:`ServeOptions`."""
     speech_defaults = dict(speech_defaults or {})
     if not set(speech_defaults) <= {"seed", "greedy", "loudness"}:
         raise ValueError(f"speech_defaults takes seed, greedy and loudness, got {sorted(speech_defaults)}")
@@ -218,7 +219,8 @@ def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFA
             tts.options, limits=limits if limits is not None else RequestLimits(), interleave=interleave,
             max_queue=max_queue, default_voice=default_voice, max_concurrent=max_concurrent,
             connection_limits=connection_limits or ConnectionLimits(),
-            defaults=replace(SynthesisOptions(), **speech_defaults), **fields)
+            defaults=replace(SynthesisOptions(), **speech_defaults),
+            lexicon=lexicon if lexicon is not None else tts.lexicon, **fields)
         options = ServeOptions(serving_options, api_key=api_key, allow_origins=tuple(allow_origins), wyoming=wyoming,
                                max_voices=max_voices, voice_aliases=dict(voice_aliases or {}),
                                max_prompt_bytes=max_prompt_bytes)

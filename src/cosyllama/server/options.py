@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..defaults import INTERLEAVE_MODES, LANGUAGES, MAX_QUEUE, MAX_VOICES, PREFILL_CHUNK
 from ..errors import InputError
@@ -50,8 +51,17 @@ class ServingOptions:
     # (reproducible audio for clients that cannot send them); a Wyoming request, which can carry none of
     # them, takes all of it (always streaming)
     defaults: SynthesisOptions = field(default_factory=SynthesisOptions)
+    # --lexicon: words every request of every door speaks as pronunciation tokens (the served pipeline's
+    # TTS.lexicon; a voice folder's lexicon.txt and a request's lexicon field add to it, winning); a
+    # cosyllama.text.lexicon.Lexicon, checked against the model's vocabulary once it is loaded; None: none
+    lexicon: Any = None
 
     def __post_init__(self):
+        if self.lexicon is not None:
+            from ..text.lexicon import Lexicon
+
+            if not isinstance(self.lexicon, Lexicon):
+                raise TypeError(f"lexicon must be a cosyllama.text.lexicon.Lexicon, got {type(self.lexicon).__name__}")
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise InputError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
         check_options(self.defaults)

@@ -82,7 +82,8 @@ def prepare(models, options: ServingOptions, *, voices: VoiceStore | None = None
     ``max_concurrent`` requests wait), else through one made here over ``models.llm`` (prefilling
     ``options.prefill_chunk`` positions between two decode steps, pausing for flow work as
     ``options.interleave`` says; closed by :meth:`Serving.close`); they speak with the voices of
-    ``voices`` (default: a new store in memory), whose folders are made into voices here."""
+    ``voices`` (default: a new store in memory), whose folders are made into voices here; every request
+    speaks ``options.lexicon``'s words as their tokens (checked here against the model's vocabulary)."""
     from ..tts import TTS
 
     limits = options.limits
@@ -106,8 +107,11 @@ def prepare(models, options: ServingOptions, *, voices: VoiceStore | None = None
         raise ValueError(f"the scheduler lets {scheduler.max_waiting} requests wait, fewer than max_concurrent "
                          f"({max_concurrent}); make it with max_waiting >= {max_concurrent}")
     # long texts normalize beside, not in, the event loop
+    if options.lexicon is not None:  # loaded before the model: its tokens against this model's vocabulary now
+        options.lexicon.check(models.frontend.tokenizer)
     served = TTS.from_models(models, token_source=scheduler, limits=limits,
-                             voices=VoiceStore() if voices is None else voices, text_worker=True)
+                             voices=VoiceStore() if voices is None else voices, text_worker=True,
+                             lexicon=options.lexicon)
     served.voices.set_encoder(ClipEncoder.of(served))  # voice folders: made now (within the limits)
     report_voices(served.voices)
     return Serving(models, served, scheduler, options, max_concurrent, owns_scheduler)

@@ -38,7 +38,8 @@ import anyio
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from ..defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
@@ -46,6 +47,7 @@ from ..errors import InputError
 from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
+from ..text.lexicon import Lexicon, LexiconError
 from ..text.ssml import looks_like_ssml
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import AppState, admit, client_gone, state_of
@@ -70,6 +72,8 @@ SSE_MEDIA_TYPE = "text/event-stream"
 LISTED_BY = " (GET /v1/voices lists them)"  # where an HTTP client finds every voice id
 # the built-in voice names of OpenAI's speech API (its reference for POST /v1/audio/speech); some
 # clients (pipecat's OpenAITTSService) send nothing else
+# a request's lexicon: entries, characters of a word, characters of its tokens (the body is bounded too)
+MAX_LEXICON_ENTRIES, MAX_LEXICON_WORD_CHARS, MAX_LEXICON_TOKENS_CHARS = 1000, 64, 256
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
                  "shimmer", "verse")
 
@@ -144,6 +148,30 @@ class SpeechRequest(BaseModel):
     mode: Literal[MODES] | None = Field(
         None, description="cosyllama's: the synthesis mode; omitted: instruct with instructions, else zero-shot "
         "for a voice registered with its transcript, else cross-lingual")
+    lexicon: dict[str, str] | None = Field(
+        None, description=f"cosyllama's: words this request speaks as pronunciation tokens, {{\"word\": "
+        f"\"[T][AH0]...\"}} (docs/pronunciation.md); at most {MAX_LEXICON_ENTRIES} entries, a word of at most "
+        f"{MAX_LEXICON_WORD_CHARS} characters, its tokens at most {MAX_LEXICON_TOKENS_CHARS}; added to the voice "
+        "folder's and the server's lexicons, its entries winning")
+
+    @field_validator("lexicon", mode="before")
+    @classmethod
+    def _bounded_lexicon(cls, value):
+        """The lexicon's bounds and value types, named ``lexicon`` (its tokens are checked with the tokenizer)."""
+        if not isinstance(value, dict):
+            return value  # None, or pydantic's own dict_type error
+        if len(value) > MAX_LEXICON_ENTRIES:
+            _lexicon_invalid(f"{len(value)} entries; at most {MAX_LEXICON_ENTRIES}")
+        for word, tokens in value.items():
+            if not isinstance(tokens, str):
+                _lexicon_invalid(f"entry {show_id(word)}: its tokens must be a string, e.g. \"[T][AH0][M]\", "
+                                 f"not {type(tokens).__name__}")
+            if len(word) > MAX_LEXICON_WORD_CHARS:
+                _lexicon_invalid(f"entry {show_id(word)}: a word has at most {MAX_LEXICON_WORD_CHARS} characters")
+            if len(tokens) > MAX_LEXICON_TOKENS_CHARS:
+                _lexicon_invalid(f"entry {show_id(word)}: {len(tokens)} characters of tokens; at most "
+                                 f"{MAX_LEXICON_TOKENS_CHARS}")
+        return value
 
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, CustomVoice) else self.voice
@@ -156,6 +184,21 @@ class SpeechRequest(BaseModel):
                                "leave stream out", param="stream", code="conflicting_fields")
             return self.stream_format
         return "audio" if self.stream else None
+
+
+def _lexicon_invalid(message: str):
+    raise PydanticCustomError("invalid_lexicon", "{message}", {"message": message})
+
+
+def request_lexicon(body: SpeechRequest, tokenizer) -> Lexicon | None:
+    """The :class:`~cosyllama.text.lexicon.Lexicon` of a request's ``lexicon`` field, its tokens checked against
+    ``tokenizer`` (422 naming ``lexicon`` and the entry); None when it has no entry."""
+    if not body.lexicon:
+        return None
+    try:
+        return Lexicon.from_mapping(body.lexicon, tokenizer)
+    except LexiconError as e:
+        raise ApiError(422, str(e), param="lexicon", code="invalid_lexicon") from None
 
 
 class SpeechJob(SynthesisJob):
@@ -275,7 +318,8 @@ async def check_request(body: SpeechRequest, state: AppState,
         formats = ", ".join(f for f in FORMATS if f != "aac")
         raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
                        param="response_format", code="unsupported_value")
-    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits, text)
+    lexicon = request_lexicon(body, state.tts.frontend.tokenizer)
+    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits, text, lexicon)
     voice = await voice_of(state.tts, state.voice_names, body.voice_name())
     try:
         return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
@@ -284,14 +328,15 @@ async def check_request(body: SpeechRequest, state: AppState,
 
 
 def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
-                      text: str | None = None) -> SynthesisRequest:
+                      text: str | None = None, lexicon: Lexicon | None = None) -> SynthesisRequest:
     """The :class:`~cosyllama.request.SynthesisRequest` of ``body`` spoken by ``voice`` (a name, or
     its features), checked against ``limits``. Synthesis streams only when the stream can carry it: ``speed`` 1 (the
     time stretch applies to the finished audio) and a streamable format (flac writes its header last);
-    other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport)."""
+    other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport).
+    ``lexicon``: the request's (:func:`request_lexicon`)."""
     synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
     options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed,
-                               loudness=body.loudness, retries=body.retries)
+                               loudness=body.loudness, retries=body.retries, lexicon=lexicon)
     try:
         return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
                                 instruction=body.instructions, options=options, limits=limits)

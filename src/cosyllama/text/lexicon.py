@@ -73,6 +73,12 @@ def _hint(token: str) -> str:
     return "see docs/pronunciation.md for the token list (text.tokenizer.ARPABET_TOKENS, PINYIN_TOKENS)"
 
 
+def _clip(text: str, n: int = 64) -> str:
+    """A piece of a lexicon as a message quotes it: at most ``n`` characters (a message must not grow with
+    a request's lexicon)."""
+    return text if len(text) <= n else text[:n] + "..."
+
+
 def parse_tokens(spec: str, tokenizer=None) -> tuple[str, ...]:
     """The pronunciation tokens of ``spec`` (``"[j][ǐ]"`` or ``"[j] [ǐ]"``); each must be one of
     CosyVoice3's ARPAbet or pinyin tokens (and, with a ``tokenizer``, one id of it). Raises
@@ -85,17 +91,18 @@ def parse_tokens(spec: str, tokenizer=None) -> tuple[str, ...]:
     for m in _TOKEN_RE.finditer(spec):
         between = spec[pos:m.start()]
         if between.strip():
-            raise LexiconError(f"{between.strip()!r} is not a token: write each token in brackets, e.g. [j][ǐ]")
+            raise LexiconError(f"{_clip(between.strip())!r} is not a token: write each token in brackets, "
+                               "e.g. [j][ǐ]")
         tokens.append(m.group())
         pos = m.end()
     if spec[pos:].strip():
-        raise LexiconError(f"{spec[pos:].strip()!r} is not a token: write each token in brackets, e.g. [j][ǐ]")
+        raise LexiconError(f"{_clip(spec[pos:].strip())!r} is not a token: write each token in brackets, e.g. [j][ǐ]")
     if len(tokens) > MAX_ENTRY_TOKENS:
         raise LexiconError(f"{len(tokens)} tokens; an entry has at most {MAX_ENTRY_TOKENS}")
     for t in tokens:
         known = t in PRONUNCIATION_TOKENS and (tokenizer is None or tokenizer.token_to_id(t) is not None)
         if not known:
-            raise LexiconError(f"unknown token {t}: not one of CosyVoice3's pronunciation tokens ({_hint(t)})")
+            raise LexiconError(f"unknown token {_clip(t)}: not one of CosyVoice3's pronunciation tokens ({_hint(t)})")
     return tuple(tokens)
 
 
@@ -159,30 +166,34 @@ class Lexicon:
     # -- making one ---------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path: str | Path, tokenizer=None) -> Lexicon:
+    def load(cls, path: str | Path, tokenizer=None, *, name: str | None = None) -> Lexicon:
         """Read a lexicon file: UTF-8 text, one ``word<TAB>tokens`` or ``word tokens`` per line (a
         TAB lets the word hold spaces), ``#`` starts a comment line, blank lines are skipped; or a
         ``.json`` file holding one object ``{"word": "[t][o]..." or ["[t]", ...]}``. Every token is
         checked against CosyVoice3's pronunciation tokens (and the ``tokenizer``'s vocabulary, when
-        given). Raises :class:`LexiconError` naming the file, line and entry of the first problem."""
+        given). Raises :class:`LexiconError` naming the file, line and entry of the first problem
+        (``name``: how messages name the file, instead of ``lexicon PATH``: a voice folder's
+        ``lexicon.txt``, whose path is the operator's)."""
         path = Path(path)
+        file = str(path) if name is None else name
+        at = f"lexicon {file}" if name is None else file
         try:
             size = path.stat().st_size
             if size > MAX_FILE_BYTES:
-                raise LexiconError(f"lexicon {path}: {size} bytes; at most {MAX_FILE_BYTES}")
+                raise LexiconError(f"{at}: {size} bytes; at most {MAX_FILE_BYTES}")
             data = path.read_bytes()
         except OSError as e:
-            raise LexiconError(f"lexicon {path}: cannot read it: {e.strerror or e}") from e
+            raise LexiconError(f"{at}: cannot read it: {e.strerror or e}") from e
         if data.startswith(b"\xef\xbb\xbf"):
             data = data[3:]
         if path.suffix.lower() == ".json":
-            return cls._load_json(path, data, tokenizer)
+            return cls._load_json(path, data, tokenizer, file, at)
         entries = []
         for n, raw in enumerate(data.split(b"\n"), 1):
             try:
                 line = raw.decode("utf-8").rstrip("\r")
             except UnicodeDecodeError as e:
-                raise LexiconError(f"lexicon {path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                raise LexiconError(f"{at}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
                                    f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
@@ -193,36 +204,36 @@ class Lexicon:
                 word, spec = parts[0], parts[1] if len(parts) > 1 else ""
             if "#" in spec:  # a comment after the tokens (as `cosyllama lexicon suggest` writes them)
                 spec = spec[:spec.index("#")]
-            where = f"{path}:{n}"
+            where = f"{file}:{n}"
             try:
                 word = _check_word(word)
                 if not spec.strip():
                     raise LexiconError(f"entry {word!r} has no tokens; write word<TAB>tokens, e.g. 几\t[j][ǐ]")
                 entries.append(Entry(word, parse_tokens(spec, tokenizer), where))
             except LexiconError as e:
-                raise LexiconError(f"lexicon {where}: {e}") from None
+                raise LexiconError(f"{at}:{n}: {e}") from None
         try:
             return cls(entries)
         except LexiconError as e:
-            raise LexiconError(f"lexicon {e}") from None
+            raise LexiconError(f"lexicon {e}" if name is None else str(e)) from None
 
     @classmethod
-    def _load_json(cls, path: Path, data: bytes, tokenizer) -> Lexicon:
+    def _load_json(cls, path: Path, data: bytes, tokenizer, file: str, at: str) -> Lexicon:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as e:
             line = data[:e.start].count(b"\n") + 1
-            raise LexiconError(f"lexicon {path}:{line}: not UTF-8; save the file as UTF-8") from None
+            raise LexiconError(f"{at}:{line}: not UTF-8; save the file as UTF-8") from None
         seen: list[tuple[str, object]] = []
         try:
             obj = json.loads(text, object_pairs_hook=lambda pairs: seen.extend(pairs) or dict(pairs))
         except json.JSONDecodeError as e:
-            raise LexiconError(f"lexicon {path}:{e.lineno}: not JSON ({e.msg}, column {e.colno})") from None
+            raise LexiconError(f"{at}:{e.lineno}: not JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise LexiconError(f"lexicon {path}: a JSON lexicon is one object {{\"word\": \"[t][o]...\"}}")
+            raise LexiconError(f"{at}: a JSON lexicon is one object {{\"word\": \"[t][o]...\"}}")
         entries = []
         for word, spec in seen:
-            where = f"{path}: entry {word!r}"
+            where = f"{file}: entry {word!r}"
             try:
                 if isinstance(spec, list) and all(isinstance(t, str) for t in spec):
                     spec = "".join(spec)
@@ -233,11 +244,11 @@ class Lexicon:
                     raise LexiconError(f"entry {word!r} has no tokens")
                 entries.append(Entry(word, parse_tokens(spec, tokenizer), where))
             except LexiconError as e:
-                raise LexiconError(f"lexicon {where}: {e}") from None
+                raise LexiconError(f"{at}: entry {word!r}: {e}") from None
         try:
             return cls(entries)
         except LexiconError as e:
-            raise LexiconError(f"lexicon {e}") from None
+            raise LexiconError(f"lexicon {e}" if at != file else str(e)) from None
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, str | Iterable[str]], tokenizer=None) -> Lexicon:
@@ -253,6 +264,17 @@ class Lexicon:
             except LexiconError as e:
                 raise LexiconError(f"lexicon entry {word!r}: {e}") from None
         return cls(entries)
+
+    def check(self, tokenizer) -> Lexicon:
+        """This lexicon, once every entry's tokens are checked against ``tokenizer``'s vocabulary (a
+        lexicon loaded before the model, e.g. a server's ``--lexicon``); :class:`LexiconError` naming
+        the first entry that has a token the vocabulary lacks."""
+        for e in self:
+            for t in e.tokens:
+                if tokenizer.token_to_id(t) is None:
+                    raise LexiconError(f"lexicon {e.where or repr(e.word)}: token {t} is not in this model's "
+                                       "vocabulary")
+        return self
 
     def __or__(self, other: Lexicon) -> Lexicon:
         if not isinstance(other, Lexicon):
