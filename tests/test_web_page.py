@@ -15,6 +15,10 @@ are marked and a sentence seeks there.
 to /v1/audio/dialogue and plays the answer as speech's; a refusal names the turn as the page counts turns and
 marks its field (aria-invalid); on a phone each turn's text goes under its voice.
 
+"Pronunciations" (lines as a lexicon file's) is every request's ``lexicon`` object, and no field when empty; a line
+the page cannot read is named before anything is sent, the server's refusal of an entry with its line, the field
+marked either way.
+
 ``COSYLLAMA_PAGE_SCREENSHOT=PATH`` also saves a screenshot of the page after a synthesis (docs/web-page.png),
 ``COSYLLAMA_CAPTIONS_SCREENSHOT=PATH`` one with captions, a word marked, ``COSYLLAMA_DIALOGUE_SCREENSHOT=PATH``
 one of a dialogue spoken (and ``PATH`` with ``-phone`` before its suffix: the dialogue on a phone).
@@ -175,6 +179,9 @@ def test_the_page_loads_with_labels_and_fits_a_phone(browser, server):
             .filter(e => e.type !== 'hidden' && !e.labels.length).map(e => e.id || e.outerHTML)""")
         assert unlabelled == []
         assert page.evaluate("document.documentElement.scrollWidth") <= 360  # no sideways scrolling
+        page.click("#lexicon-box summary")  # Pronunciations, opened: it fits too
+        expect(page.locator("#lexicon")).to_be_visible()
+        assert page.evaluate("document.documentElement.scrollWidth") <= 360
         page.keyboard.press("Tab")  # keyboard: the first stop is a control of the page
         assert page.evaluate("document.activeElement.tagName") in ("A", "TEXTAREA", "INPUT", "SELECT", "BUTTON")
         assert errors == []  # also: nothing the page's Content-Security-Policy refused
@@ -695,3 +702,103 @@ def test_the_dialogue_fits_a_phone(browser, server):
             page.screenshot(path=str(path.with_stem(path.stem + "-phone")), full_page=True)
     finally:
         context.close()
+
+
+# -- pronunciations: the lexicon field --------------------------------------------------------------
+
+LEXICON_LINES = "# comments and blank lines are skipped\ntomato\t[T][AH0][M][EY1][T][OW2]\n\n几 [j][ǐ]  # a comment\n" \
+    "New York\t[N][UW1] [Y][AO1][R][K]\n"
+LEXICON = {"tomato": "[T][AH0][M][EY1][T][OW2]", "几": "[j][ǐ]", "New York": "[N][UW1] [Y][AO1][R][K]"}
+
+
+def _pronunciations(page, lines: str):
+    if not page.locator("#lexicon").is_visible():
+        page.click("#lexicon-box summary")  # the <details> opened
+    page.get_by_label("Words and their pronunciation tokens").fill(lines)
+
+
+def test_pronunciations_go_with_every_request(page, server):
+    """The Pronunciations field, read as a lexicon file, is the request's lexicon object for speech,
+    captioned speech and a dialogue (the server speaks it: 200); empty, no lexicon field is sent."""
+    _dialogue(page, server)
+    page.get_by_label("One text", exact=True).check()
+    page.select_option("#voice", "anna")
+    page.fill("#text", "A tomato.")
+    page.fill("#seed", "7")
+    page.check("#greedy")
+    with page.expect_request(lambda r: r.url.endswith("/v1/audio/speech")) as req:
+        page.click("#speak")
+    assert "lexicon" not in req.value.post_data_json  # empty: the request as before
+    page.click("#stop")
+    _pronunciations(page, LEXICON_LINES)
+    expect(page.locator("#lexicon-count")).to_have_text("(3 entries)")
+    with page.expect_response(lambda r: r.url.endswith("/v1/audio/speech")) as resp:
+        page.click("#speak")
+    assert resp.value.request.post_data_json["lexicon"] == LEXICON
+    assert resp.value.status == 200
+    page.click("#stop")
+    page.check("#captions")
+    with page.expect_request(lambda r: r.url.endswith("/dev/captioned_speech")) as req:
+        page.click("#speak")
+    assert req.value.post_data_json["lexicon"] == LEXICON
+    page.click("#stop")
+    page.get_by_label("Dialogue", exact=True).check()
+    expect(page.locator("#lexicon")).to_be_visible()  # the same field in both modes
+    with page.expect_request(lambda r: r.url.endswith(DIALOGUE_PATH)) as req:
+        page.click("#speak")
+    assert req.value.post_data_json["lexicon"] == LEXICON
+    page.click("#stop")
+    expect(page.locator("#error")).to_be_hidden()
+    assert page.problems == []
+
+
+def test_a_pronunciation_line_the_page_cannot_read_is_named_before_sending(page, server):
+    """A line without tokens, or with tokens out of their brackets: said on the page with its line, the field
+    marked (its hint still describing it) until it is edited, and nothing sent."""
+    _post_voice(server.url, "anna", text=TRANSCRIPT)
+    page.click("#refresh-voices")
+    expect(page.locator("#voice")).to_have_value("anna")
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if r.method == "POST" else None)
+    field, error = page.locator("#lexicon"), page.locator("#error")
+    for lines, words in (("tomato\t[T][AH0][M][EY1][T][OW2]\npotato T AH0 T\n",
+                          'Pronunciations, line 2 ("potato"): "T AH0 T" is not in brackets'),
+                         ("\n# a comment\ntomato\n", 'Pronunciations, line 3 ("tomato"): no tokens'),
+                         ("tomato [T]\nTomato [T]", 'line 2 ("Tomato"): the word is on line 1 already')):
+        _pronunciations(page, lines)
+        page.click("#speak")
+        expect(error).to_contain_text(words)
+        expect(field).to_have_attribute("aria-invalid", "true")
+        expect(field).to_have_attribute("aria-describedby", "error lexicon-hint")
+        expect(field).to_be_focused()
+    page.locator("#lexicon-box summary").click()  # closed: a refusal opens it again
+    expect(field).to_be_hidden()
+    page.click("#speak")
+    expect(field).to_be_visible()
+    field.press("End")
+    page.keyboard.type(" ")  # an edit: no longer marked
+    expect(field).not_to_have_attribute("aria-invalid", "true")
+    expect(field).to_have_attribute("aria-describedby", "lexicon-hint")
+    assert sent == []
+    assert page.problems == []
+
+
+def test_the_servers_refusal_of_a_pronunciation_marks_the_field(page, server):
+    """A token the model does not have: the server's 422 (param lexicon) in the error area, with the line of the
+    entry it names, and the field marked, in both modes."""
+    _dialogue(page, server)
+    field, error = page.locator("#lexicon"), page.locator("#error")
+    _pronunciations(page, "tomato [T][AH0][M][EY1][T][OW2]\nfoo\t[F][XX9]\n")
+    for kind in ("Dialogue", "One text"):
+        page.get_by_label(kind, exact=True).check()
+        with page.expect_response(lambda r: r.request.method == "POST") as resp:
+            page.click("#speak")
+        assert resp.value.status == 422 and resp.value.json()["error"]["param"] == "lexicon"
+        expect(error).to_contain_text("lexicon entry 'foo' (Pronunciations, line 2): unknown token [XX9]")
+        assert error.inner_text().startswith("422")
+        expect(field).to_have_attribute("aria-invalid", "true")
+        expect(page.locator("#dialogue [aria-invalid]")).to_have_count(0)  # no turn is at fault
+        field.press("End")
+        page.keyboard.type("\n")
+        expect(field).not_to_have_attribute("aria-invalid", "true")
+    assert [p for p in page.problems if "status of 422" not in p] == []

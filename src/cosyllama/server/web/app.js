@@ -12,6 +12,10 @@ const MAX_RECORD_S = 30; // the server refuses longer prompt clips
 const SPEECH_PATH = "/v1/audio/speech";
 const CAPTIONED_PATH = "/dev/captioned_speech"; // one JSON object: audio (base64), segments, srt, vtt
 const DIALOGUE_PATH = "/v1/audio/dialogue";
+// a request's lexicon, as the server bounds it: entries, characters of a word, of its tokens
+const MAX_LEXICON_ENTRIES = 1000;
+const MAX_LEXICON_WORD = 64;
+const MAX_LEXICON_TOKENS = 256;
 const FIRST_TURNS = ["Good morning! Did you sleep well?", "Not really. The neighbours had a party."];
 
 const $ = (id) => document.getElementById(id);
@@ -482,24 +486,30 @@ function numberTurns() {
 function fieldOf(param) {
   if (!param) return null;
   if (param === "pause_between_turns") return $("pause");
+  if (param === "lexicon" || param.startsWith("lexicon.")) return $("lexicon");
   const m = /^(?:turns|inputs)(?:\[(\d+)\]|\.(\d+))\.(voice|voice_id|text)$/.exec(param);
   const row = m && turnRows()[Number(m[1] || m[2])];
   return row ? row.querySelector(m[3] === "text" ? "textarea" : "select") : null;
 }
 
 function invalid(el) {
+  if (el.getAttribute("aria-invalid") === "true") return;
+  const own = el.getAttribute("aria-describedby");
+  el.dataset.describedby = own || "";
   el.setAttribute("aria-invalid", "true");
-  el.setAttribute("aria-describedby", "error");
+  el.setAttribute("aria-describedby", own ? `error ${own}` : "error");
 }
 
 function valid(el) {
   if (el.getAttribute("aria-invalid") !== "true") return;
   el.removeAttribute("aria-invalid");
-  el.removeAttribute("aria-describedby");
+  if (el.dataset.describedby) el.setAttribute("aria-describedby", el.dataset.describedby);
+  else el.removeAttribute("aria-describedby");
+  delete el.dataset.describedby;
 }
 
 function clearInvalid() {
-  for (const el of $("dialogue").querySelectorAll('[aria-invalid="true"]')) valid(el);
+  for (const el of $("speak-form").querySelectorAll('[aria-invalid="true"]')) valid(el);
 }
 
 // The server's words with its turns counted as the page counts them ("turns[1] (bob): ..." is "Turn 2 (bob): ..."),
@@ -507,6 +517,78 @@ function clearInvalid() {
 function pageWords(message) {
   return message.replace(/\b(?:turns|inputs)(?:\[(\d+)\]|\.(\d+))/g, (_, a, b) => `Turn ${Number(a || b) + 1}`)
     .replace(/add one with POST \/v1\/voices/, "add one below");
+}
+
+// -- pronunciations: the lexicon sent with every request ----------------------------------------
+
+// The Pronunciations field as a lexicon file reads (docs/pronunciation.md): `word<TAB>tokens` or
+// `word tokens` (a TAB lets the word hold spaces), `#` comments and blank lines skipped, text after
+// a `#` in the tokens a comment. { entries: {word: tokens} or null when there is none, lines: word ->
+// its line }, or { error } naming the first line the page cannot read (the server checks the tokens).
+function readLexicon() {
+  const entries = {};
+  const lines = new Map(); // the word -> its line number
+  const seen = new Map(); // the word as the server compares words (Latin ignoring case) -> its line number
+  const rows = $("lexicon").value.split(/\r?\n/);
+  for (let i = 0; i < rows.length; i++) {
+    const raw = rows[i];
+    if (!raw.trim() || raw.trimStart().startsWith("#")) continue;
+    let word;
+    let spec;
+    const tab = raw.indexOf("\t");
+    if (tab >= 0) {
+      word = raw.slice(0, tab);
+      spec = raw.slice(tab + 1);
+    } else {
+      [, word, spec] = /^(\S+)\s*(.*)$/.exec(raw.trim());
+    }
+    if (spec.includes("#")) spec = spec.slice(0, spec.indexOf("#"));
+    word = word.trim().split(/\s+/).join(" ").normalize("NFC");
+    spec = spec.trim();
+    const fail = (why) => ({ error: `Pronunciations, line ${i + 1}${word ? ` (${JSON.stringify(word)})` : ""}: ${why}` });
+    if (!word) return fail("no word before its tokens.");
+    if (!spec) {
+      return fail("no tokens. Write the word, spaces or a TAB, then its tokens in brackets, " +
+        "e.g. tomato [T][AH0][M][EY1][T][OW2].");
+    }
+    const loose = spec.replace(/\[[^[\]]*\]/g, " ").trim();
+    if (loose) {
+      const shown = loose.length > 40 ? `${loose.slice(0, 40)}…` : loose;
+      return fail(`${JSON.stringify(shown)} is not in brackets. Write each token in brackets, e.g. [T][AH0][M].`);
+    }
+    if (word.length > MAX_LEXICON_WORD) return fail(`a word has at most ${MAX_LEXICON_WORD} characters.`);
+    if (spec.length > MAX_LEXICON_TOKENS) {
+      return fail(`${spec.length} characters of tokens; at most ${MAX_LEXICON_TOKENS}.`);
+    }
+    const key = word.toLowerCase(); // no case in CJK: the same as its exact characters
+    if (seen.has(key)) return fail(`the word is on line ${seen.get(key)} already.`);
+    if (seen.size === MAX_LEXICON_ENTRIES) return fail(`more than ${MAX_LEXICON_ENTRIES} entries; the server takes at most ${MAX_LEXICON_ENTRIES}.`);
+    seen.set(key, i + 1);
+    lines.set(word, i + 1);
+    entries[word] = spec;
+  }
+  return { entries: lines.size ? entries : null, lines };
+}
+
+// The server's refusal of the lexicon with the line of the entry it names: "lexicon entry 'foo'
+// (Pronunciations, line 2): unknown token ...".
+function lexiconWords(message, lines) {
+  for (const [word, n] of lines) {
+    for (const q of [`'${word}'`, `"${word}"`]) { // as Python's repr quotes it
+      const at = message.indexOf(`entry ${q}`);
+      if (at >= 0) {
+        const end = at + `entry ${q}`.length;
+        return `${message.slice(0, end)} (Pronunciations, line ${n})${message.slice(end)}`;
+      }
+    }
+  }
+  return message;
+}
+
+// The summary says how many entries the field holds, so that a closed one still shows they are sent.
+function countLexicon() {
+  const n = $("lexicon").value.split(/\r?\n/).filter((l) => l.trim() && !l.trimStart().startsWith("#")).length;
+  $("lexicon-count").textContent = n ? `(${n} entr${n === 1 ? "y" : "ies"})` : "";
 }
 
 // -- speech -------------------------------------------------------------------------------------
@@ -579,7 +661,16 @@ async function speak(ev) {
   clearInvalid();
   const dialogue = dialogueMode();
   const captioned = !dialogue && $("captions").checked;
+  const lexicon = readLexicon();
+  if (lexicon.error) {
+    $("lexicon-box").open = true;
+    showError(lexicon.error);
+    invalid($("lexicon"));
+    $("lexicon").focus();
+    return;
+  }
   const body = dialogue ? dialogueBody() : requestBody(captioned);
+  if (lexicon.entries) body.lexicon = lexicon.entries; // none: no field, the request as before
   const unvoiced = dialogue ? body.turns.findIndex((t) => !t.voice) : body.voice ? -1 : 0;
   if (unvoiced >= 0) {
     showError(dialogue ? `Turn ${unvoiced + 1} has no voice: add one below.`
@@ -603,11 +694,17 @@ async function speak(ev) {
       signal: controller.signal,
     }, "speak");
     if (!resp) return;
-    if (dialogue && !resp.ok) {
-      // the server names the turn (and its field): said as the page counts turns, the field marked
+    if (!resp.ok && (dialogue || resp.status === 422)) {
+      // the server names the turn (and its field) or the lexicon: said as the page counts turns and
+      // lines, the field marked
       const why = await refusal(resp);
       const field = fieldOf(why.param);
-      showError(pageWords(why.text));
+      if (field === $("lexicon")) {
+        $("lexicon-box").open = true;
+        showError(lexiconWords(why.text, lexicon.lines));
+      } else {
+        showError(dialogue ? pageWords(why.text) : why.text);
+      }
       if (field) invalid(field);
       return;
     }
@@ -1085,6 +1182,11 @@ function init() {
   $("turns").addEventListener("keydown", submitKey);
   $("add-turn").addEventListener("click", () => addTurn());
   $("pause").addEventListener("input", () => valid($("pause")));
+  $("lexicon").addEventListener("input", () => {
+    valid($("lexicon"));
+    countLexicon();
+  });
+  $("lexicon").addEventListener("keydown", submitKey);
   for (const text of FIRST_TURNS) addTurn(text, false);
   updateForm();
   loadVoices();
