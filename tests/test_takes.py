@@ -172,6 +172,7 @@ def _tts(base, script):
 
 
 def _run(tts, voice, **opts):
+    opts.setdefault("retries", 2)  # the advised value where bad takes are replaced (the default, 0, only reports)
     syn = tts.zero_shot(TEXT, voice=voice, seed=SEED, **opts)
     return syn.audio(), syn.timings
 
@@ -245,7 +246,7 @@ def test_stream_after_audio_went_out_is_cut(base, voice):
     # the loop starts after the first chunk (25 + pad + 3 tokens) has been sent: it cannot be made again
     late = _speech(80, random.Random(21), avoid=PATTERN) + PATTERN * 20
     tts, src = _tts(base, lambda seed, n: late)
-    syn = tts.zero_shot(TEXT, voice=voice, seed=SEED, stream=True)
+    syn = tts.zero_shot(TEXT, voice=voice, seed=SEED, stream=True, retries=2)
     chunks = list(syn)
     assert len(src.seeds) == 1
     [r] = syn.timings.retries
@@ -338,7 +339,7 @@ def test_server_retries_header_field_and_log(base, voice, caplog):
                        data={"text": PROMPT_TEXT, "id": "en"})
             assert r.status_code == 200
             with caplog.at_level(logging.WARNING, logger="cosyllama.server"):
-                r = c.post("/v1/audio/speech", json={"input": TEXT, "voice": "en", "seed": SEED,
+                r = c.post("/v1/audio/speech", json={"input": TEXT, "voice": "en", "seed": SEED, "retries": 2,
                                                      "response_format": "wav"})
             assert r.status_code == 200, r.text
             assert r.headers["x-cosyllama-retries"] == (
@@ -365,7 +366,8 @@ def _websocket_reports_the_retry(srv):
     from websockets.sync.client import connect
 
     with connect(f"ws://127.0.0.1:{srv.port}/v1/audio/speech/stream", open_timeout=60, max_size=None) as ws:
-        ws.send(json.dumps({"type": "session.config", "voice": "en", "seed": SEED, "response_format": "pcm"}))
+        ws.send(json.dumps({"type": "session.config", "voice": "en", "seed": SEED, "response_format": "pcm",
+                            "retries": 2}))
         ws.send(json.dumps({"type": "input.text", "text": TEXT}))
         ws.send(json.dumps({"type": "input.done"}))
         done = []

@@ -15,8 +15,9 @@ DEVICES = ("cpu", "cuda")  # where the flow, vocoder and torch LLM run; "cuda:N"
 # (why this value: cosyllama.flow.check.CPU_SHARE_MIN)
 AUTO_CPU_SHARE_MIN = 0.8
 SPEED_RANGE = (0.25, 4.0)  # time-stretch factors allowed (OpenAI's speech API allows the same)
-# bad takes (a loop, a runaway) made again per text segment, and the most a request may ask for (docs/retries.md)
-RETRIES = 2
+# bad takes (a loop, a runaway) made again per text segment, and the most a request may ask for (docs/retries.md):
+# none by default, so every take is the reference's (caught ones are reported); 2 is the advice where asked
+RETRIES = 0
 MAX_RETRIES = 5
 N_SEQ_MAX = 4  # llama.cpp sequences one context holds, for the Python API
 SERVE_PARALLEL = 8  # the server's: more requests share each decode step
