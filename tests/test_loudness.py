@@ -328,3 +328,27 @@ def test_http_refuses_nan(http):
     r = http[0].post("/v1/audio/speech", content=b'{"input": "Hi there.", "voice": "v0", "loudness": NaN}',
                      headers={"content-type": "application/json"})
     assert r.status_code == 422 and "loudness" in r.text
+
+
+def test_a_stream_takes_its_gain_from_the_voices_last_output():
+    """A voice's first stream takes its expected loudness from the prompt; once an output in that voice has
+    finished, the next stream's gain comes from that output's loudness before its gain (docs/loudness.md)."""
+    pytest.importorskip("pyloudnorm")
+    from cosyllama import loudness
+    from cosyllama.tts import TTS
+    from helpers import FIXTURES, MODEL_DIR
+
+    tts = TTS(MODEL_DIR, threads=1, precision="fp32")
+    voice = tts.make_voice(FIXTURES / "wavs" / "prompt_en_16k.wav", "Hello, this is my voice.")
+    text = "Hello there, how are you today? The weather is fine."
+    first = tts.synthesize(text, voice=voice, seed=1, greedy=True, stream=True, loudness=-30.0)
+    first.audio()
+    assert first.timings.loudness_from == "prompt"
+    raw = tts.synthesize(text, voice=voice, seed=2, greedy=True, loudness=None).audio()
+    whole = tts.synthesize(text, voice=voice, seed=2, greedy=True, loudness=-30.0)
+    whole.audio()
+    assert whole.timings.loudness_from == "output"
+    later = tts.synthesize(text, voice=voice, seed=1, greedy=True, stream=True, loudness=-30.0)
+    later.audio()
+    assert later.timings.loudness_from == "output"
+    assert later.timings.loudness_measured == pytest.approx(loudness.integrated_loudness(raw, tts.sample_rate))

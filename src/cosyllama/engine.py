@@ -148,6 +148,7 @@ class Token2Wav:
         self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
         self._prompt_lock = threading.Lock()
         self._prompt_levels: OrderedDict[bytes, object] = OrderedDict()  # prompt_level's, LRU, newest last
+        self._output_levels: OrderedDict[bytes, object] = OrderedDict()  # note_output_level's, LRU, newest last
 
     @classmethod
     def from_config(cls, config, flow, hift, *, stream_cache_mb: float | None = None,
@@ -254,8 +255,7 @@ class Token2Wav:
         least recently used go first). What a stream's loudness gain is computed from (docs/loudness.md)."""
         from .loudness import Level
 
-        feat = prompt.feat.detach().cpu().contiguous()
-        key = hashlib.sha256(repr(tuple(feat.shape)).encode() + feat.numpy().tobytes()).digest()
+        key = self._level_key(prompt)
         with self._prompt_lock:
             level = self._prompt_levels.get(key)
             if level is not None:
@@ -270,6 +270,36 @@ class Token2Wav:
             while len(self._prompt_levels) > PROMPT_LEVELS:
                 self._prompt_levels.popitem(last=False)
         return level
+
+    @staticmethod
+    def _level_key(prompt: FlowPrompt) -> bytes:
+        feat = prompt.feat.detach().cpu().contiguous()
+        return hashlib.sha256(repr(tuple(feat.shape)).encode() + feat.numpy().tobytes()).digest()
+
+    def voice_level(self, prompt: FlowPrompt):
+        """The loudness a stream in ``prompt``'s voice is expected at, and where it comes from: the last
+        finished output in that voice as the model made it (:meth:`note_output_level`), ``"output"``; before
+        any, the prompt as the model renders it (:meth:`prompt_level`), ``"prompt"``."""
+        key = self._level_key(prompt)
+        with self._prompt_lock:
+            level = self._output_levels.get(key)
+            if level is not None:
+                self._output_levels.move_to_end(key)
+                return level, "output"
+        return self.prompt_level(prompt), "prompt"
+
+    def note_output_level(self, prompt: FlowPrompt, level) -> None:
+        """Keep ``level``, a finished output's loudness before any gain, as what the next stream in ``prompt``'s
+        voice is expected at (:data:`PROMPT_LEVELS` voices, least recently used go first); an unmeasurable one
+        (too short, silent) is not kept."""
+        if level.lufs is None or level.lufs == float("-inf"):
+            return
+        key = self._level_key(prompt)
+        with self._prompt_lock:
+            self._output_levels[key] = level
+            self._output_levels.move_to_end(key)
+            while len(self._output_levels) > PROMPT_LEVELS:
+                self._output_levels.popitem(last=False)
 
     def prompt_cache_info(self) -> dict:
         """Prompts whose shared frames are kept, and the bytes they hold."""

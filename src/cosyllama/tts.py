@@ -68,6 +68,9 @@ class Timings:
     loudness_why: str | None = None
     loudness_measured: float | None = None
     loudness_held: int = 0
+    # what loudness_measured is of: "output" (non-streamed: this output; a stream: its voice's last finished one),
+    # "prompt" (a stream whose voice has no finished output yet: its prompt as the model renders it)
+    loudness_from: str | None = None
     # every caught take (a loop or a runaway) in the order caught, each with what was done (docs/retries.md);
     # a segment's entries are in before its final chunk is yielded
     retries: list[BadTake] = field(default_factory=list)
@@ -506,40 +509,52 @@ class TTS:
     def _even(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], opts: SynthesisOptions,
               timings: Timings) -> Iterator[AudioChunk]:
         """``chunks`` scaled by one gain to ``opts.loudness`` (docs/loudness.md): non-streamed, the whole output is
-        measured first (every segment's chunk waits for the last); streamed, the gain comes from the voice's
-        prompt (:meth:`Token2Wav.prompt_level`), fixed when the first chunk arrives, before it is yielded."""
+        measured first (every segment's chunk waits for the last); streamed, the gain is fixed when the first chunk
+        arrives, before it is yielded, from the voice's expected level (:meth:`Token2Wav.voice_level`: its last
+        finished output's loudness, or before any its prompt's). Every finished output's loudness before the gain
+        is kept as its voice's (:meth:`Token2Wav.note_output_level`)."""
         from . import loudness
 
+        prompt = self._flow_prompt(inputs[0]) if inputs else None
         gain = None
         try:
             if not opts.stream:
                 parts = list(chunks)
                 whole = np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
                 level = loudness.Level.of(whole, self.sample_rate)
+                if prompt is not None:
+                    self.token2wav.note_output_level(prompt, level)
                 gain = loudness.gain_for(level, opts.loudness)
-                self._note_gain(timings, gain, level)
+                self._note_gain(timings, gain, level, "output")
                 for c in parts:
                     samples, held = loudness.apply(c.samples, gain.factor)
                     timings.loudness_held += held
                     yield replace(c, samples=samples)
                 return
+            raw = []
             for c in chunks:
                 if gain is None:
                     with self._flow_work(False):
-                        level = self.token2wav.prompt_level(self._flow_prompt(inputs[0]))
+                        if prompt is not None:
+                            level, source = self.token2wav.voice_level(prompt)
+                        else:
+                            level, source = loudness.Level(None, 0.0), "none"
                     gain = loudness.gain_for(level, opts.loudness)
-                    self._note_gain(timings, gain, level)
+                    self._note_gain(timings, gain, level, source)
+                raw.append(c.samples)
                 samples, held = loudness.apply(c.samples, gain.factor)
                 timings.loudness_held += held
                 yield replace(c, samples=samples)
+            if prompt is not None and raw:  # the stream ended: its loudness is the voice's next expectation
+                self.token2wav.note_output_level(prompt, loudness.Level.of(np.concatenate(raw), self.sample_rate))
         finally:
             chunks.close()
 
     @staticmethod
-    def _note_gain(timings: Timings, gain, level) -> None:
+    def _note_gain(timings: Timings, gain, level, source: str) -> None:
         timings.loudness_gain_db, timings.loudness_why = gain.db, gain.why
-        timings.loudness_measured = level.lufs
-        log.debug("loudness gain %.2f dB (%s; measured %s LUFS)", gain.db, gain.why, level.lufs)
+        timings.loudness_measured, timings.loudness_from = level.lufs, source
+        log.debug("loudness gain %.2f dB (%s; %s measured %s LUFS)", gain.db, gain.why, source, level.lufs)
 
     def _placed(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], segments: list[Segment],
                 words: WordTimer | None = None) -> Iterator[AudioChunk]:
