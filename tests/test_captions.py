@@ -190,3 +190,13 @@ def test_cli_refuses_a_caption_path_before_any_work(tmp_path, capsys, name, mess
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert "loaded" not in err and not (tmp_path / "o.wav").exists()
+
+
+def test_captions_show_words_not_pronunciation_tokens_or_markup(tts):
+    from cosyllama.text.lexicon import Lexicon
+
+    lex = Lexicon.from_mapping({"potato": "[P][AH0][T][EY1][T][OW2]"})
+    s = tts.cross_lingual("Say {tomato|[T][AH0][M][EY1][T][OW2]} and potato with <strong>care</strong> [breath] now.",
+                          PROMPT, seed=3, lexicon=lex)
+    s.audio()
+    assert [seg.text for seg in s.segments] == ["Say tomato and potato with care now."]

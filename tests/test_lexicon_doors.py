@@ -4,7 +4,7 @@ server's ``--lexicon`` (the served pipeline's ``TTS.lexicon``), a voice folder's
 ``lexicon``; ``serve``/``wyoming --lexicon`` with a bad file is one line, exit 2, before any model.
 
 The effect is checked where it is made: the text segments the frontend hands the tokenizer (a recording
-wrapper around ``Frontend.normalize_and_split``) hold the entry's tokens, which are single ids of the
+wrapper around ``Frontend._segments``) hold the entry's tokens, which are single ids of the
 vocabulary; the tiny model's audio says nothing."""
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ BODY = {"greedy": True, "seed": 1, "response_format": "wav"}
 
 
 class Recorder:
-    """Wraps the shared frontend's ``normalize_and_split``: every segment it hands on, in order."""
+    """Wraps the shared frontend's ``_segments`` (what its modes split a text into): every spoken segment it
+    hands on, in order."""
 
     def __init__(self, frontend):
-        self.frontend, self.inner, self.segments = frontend, frontend.normalize_and_split, []
+        self.frontend, self.inner, self.segments = frontend, frontend._segments, []
 
     def __call__(self, *args, **kw):
         out = self.inner(*args, **kw)
-        self.segments.extend(out)
+        self.segments.extend(spoken for spoken, _shown in out)
         return out
 
     def take(self) -> str:
@@ -71,12 +72,12 @@ def store(tts, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tts, store):
     recorder = Recorder(tts.frontend)
-    tts.frontend.normalize_and_split = recorder  # the served pipeline shares the models' frontend
+    tts.frontend._segments = recorder  # the served pipeline shares the models' frontend
     srv = LoopbackServer(create_app(tts, voices=store, lexicon=Lexicon.from_mapping(SERVER_LEX)))
     srv.recorder = recorder
     yield srv
     srv.stop()
-    del tts.frontend.normalize_and_split
+    del tts.frontend._segments
 
 
 @pytest.fixture

@@ -15,12 +15,13 @@ lines), because cutting it would have to guess where the words fall.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .text.tokenizer import ENDOFPROMPT
+from .text.tokenizer import ENDOFPROMPT, MARKUP_TOKENS
 
 FORMATS = ("srt", "vtt", "json")
 MAX_LINE = 42  # characters per caption line
@@ -74,10 +75,15 @@ class Segment:
         return d
 
 
+_MARKUP = re.compile("|".join(re.escape(t) for t in MARKUP_TOKENS))
+
+
 def spoken_text(segment_text: str) -> str:
-    """The part of a segment's LLM text that is spoken: what follows its last ``<|endofprompt|>`` (cross-lingual
-    segments carry the system prefix before it)."""
-    return segment_text.rsplit(ENDOFPROMPT, 1)[-1].strip()
+    """The part of a segment's LLM text that is spoken, as captions show it: what follows its last
+    ``<|endofprompt|>`` (cross-lingual segments carry the system prefix before it), without the model's
+    markup (``<strong>``, ``[breath]``, ...)."""
+    text = _MARKUP.sub("", segment_text.rsplit(ENDOFPROMPT, 1)[-1])
+    return " ".join(text.split())
 
 
 class CaptionError(ValueError):

@@ -91,6 +91,8 @@ class ModelInput:
     prompt_feat: torch.Tensor
     speaker_embedding: torch.Tensor  # float32 (192,)
     source_speech_tokens: torch.Tensor | None = None  # int32 (S,): vc only, the speech to convert
+    # what captions show of the segment: its inline forms as their words, no lexicon entry applied (None: text)
+    shown: str | None = None
 
     @property
     def llm_text_ids(self) -> tuple[int, ...]:
@@ -186,6 +188,12 @@ class Frontend:
         lexicon is applied to each segment after normalization and splitting, so that no token is
         spelled out and the segments are those of the same text without entries.
         """
+        return [spoken for spoken, _ in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)]
+
+    def _segments(self, text: str, text_frontend: bool, russian_numbers: bool, normalizer: TextNormalizer | None,
+                  lexicon: Lexicon | None) -> list[tuple[str, str]]:
+        """:meth:`normalize_and_split`'s segments, each with what captions show of it: its inline forms as their
+        words, no lexicon entry applied."""
         normalizer = self.normalizer if normalizer is None else normalizer
         inline = take_inline(text, self.tokenizer)
         segments = normalizer.normalize(inline.text, split=True, text_frontend=text_frontend,
@@ -193,11 +201,12 @@ class Frontend:
         segments = [s for s in segments if s.strip()]
         if not segments:
             raise InputError(f"text {text[:60]!r} has nothing to speak (only punctuation or symbols)")
+        shown = [inline.shown(s) for s in segments]
         if lexicon is not None and len(lexicon):
             segments = [lexicon.apply(s) for s in segments]
         if inline.tokens:
             segments = [inline.restore(s) for s in segments]
-        return segments
+        return list(zip(segments, shown))
 
     # -- prompt audio ----------------------------------------------------------------------------
 
@@ -250,8 +259,8 @@ class Frontend:
             voice = self.make_voice(voice, prompt_text)
         full_prompt = voice.prompt_text if prompt_text is None else zero_shot_prompt_text(prompt_text)
         prompt_ids = voice.prompt_text_ids if full_prompt == voice.prompt_text else self.tokenize(full_prompt)
-        return [self._input("zero_shot", seg, voice, prompt_ids, voice.speech_tokens)
-                for seg in self.normalize_and_split(text, text_frontend, russian_numbers, normalizer, lexicon)]
+        return [self._input("zero_shot", seg, voice, prompt_ids, voice.speech_tokens, shown)
+                for seg, shown in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)]
 
     def cross_lingual(self, text: str, voice: Voice, *, text_frontend: bool = True,
                       russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
@@ -259,10 +268,10 @@ class Frontend:
         """Speak ``text`` (any language) in the voice, without the prompt's transcript or speech
         tokens in the LLM. Text containing ``<|endofprompt|>`` is one segment, used verbatim."""
         voice = self._voice(voice)
-        segments = self.normalize_and_split(text, text_frontend, russian_numbers, normalizer, lexicon)
+        segments = self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)
         if ENDOFPROMPT not in text:
-            segments = [DEFAULT_PROMPT_PREFIX + s for s in segments]
-        return [self._input("cross_lingual", seg, voice, (), _EMPTY_TOKENS) for seg in segments]
+            segments = [(DEFAULT_PROMPT_PREFIX + s, shown) for s, shown in segments]
+        return [self._input("cross_lingual", seg, voice, (), _EMPTY_TOKENS, shown) for seg, shown in segments]
 
     def instruct2(self, text: str, instruction: str, voice: Voice, *, text_frontend: bool = True,
                   russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
@@ -273,8 +282,8 @@ class Frontend:
         """
         voice = self._voice(voice)
         instruct_ids = self.tokenize(instruct_prompt_text(instruction))
-        return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS)
-                for seg in self.normalize_and_split(text, text_frontend, russian_numbers, normalizer, lexicon)]
+        return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS, shown)
+                for seg, shown in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)]
 
     def vc(self, source_wav: AudioSource, prompt_wav: AudioSource) -> ModelInput:
         """Voice conversion: the speech tokens of ``source_wav`` rendered in the voice of
@@ -289,7 +298,7 @@ class Frontend:
                           source_speech_tokens=source_tokens)
 
     def _input(self, mode: str, segment: str, voice: PromptFeatures, prompt_ids: tuple[int, ...],
-               llm_speech: torch.Tensor) -> ModelInput:
+               llm_speech: torch.Tensor, shown: str | None = None) -> ModelInput:
         return ModelInput(mode=mode, text=segment, text_ids=self.tokenize(segment), prompt_text_ids=prompt_ids,
                           llm_prompt_speech_tokens=llm_speech, flow_prompt_speech_tokens=voice.speech_tokens,
-                          prompt_feat=voice.prompt_feat, speaker_embedding=voice.speaker_embedding)
+                          prompt_feat=voice.prompt_feat, speaker_embedding=voice.speaker_embedding, shown=shown)

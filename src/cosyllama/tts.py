@@ -108,6 +108,12 @@ class Synthesis(Iterator[AudioChunk]):
         return np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
 
 
+def _shown(inp: ModelInput) -> str:
+    """What captions show of a segment: its shown text (inline forms as words, no lexicon tokens) where the
+    frontend made one, else its LLM text."""
+    return inp.shown if inp.shown is not None else inp.text
+
+
 class _CurrentWords:
     """``Synthesis.finish_words`` of a dialogue: the running turn's, then its segments placed again."""
 
@@ -572,8 +578,8 @@ class TTS:
                 if words is not None:
                     parts.append(chunk.samples)
                 if chunk.is_final:
-                    segments.append(Segment(chunk.segment, spoken_text(inputs[chunk.segment].text), seg_start, offset,
-                                            chunk.sample_rate))
+                    shown = spoken_text(_shown(inputs[chunk.segment]))
+                    segments.append(Segment(chunk.segment, shown, seg_start, offset, chunk.sample_rate))
                     if words is not None:
                         words.add(len(segments) - 1, np.concatenate(parts) if parts else np.zeros(0, np.float32))
                         parts = []

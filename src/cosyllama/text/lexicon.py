@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import re
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -543,11 +543,18 @@ class InlineText:
 
     text: str
     tokens: Mapping[str, str]  # placeholder -> the tokens it stands for ("[j][ǐ]")
+    words: Mapping[str, str] = field(default_factory=dict)  # placeholder -> the form's word, as written
 
     def restore(self, segment: str) -> str:
         if not self.tokens:
             return segment
         return "".join(self.tokens.get(c, c) for c in segment)
+
+    def shown(self, segment: str) -> str:
+        """``segment`` with each placeholder back as its form's word (what captions show)."""
+        if not self.words:
+            return segment
+        return "".join(self.words.get(c, c) for c in segment)
 
 
 def take_inline(text: str, tokenizer=None) -> InlineText:
@@ -564,6 +571,7 @@ def take_inline(text: str, tokenizer=None) -> InlineText:
     used = {c for c in text if _PUA_FIRST <= ord(c) <= _PUA_LAST}
     free = (chr(c) for c in range(_PUA_FIRST, _PUA_LAST + 1) if chr(c) not in used)
     table: dict[str, str] = {}
+    words: dict[str, str] = {}
     out, pos = [], 0
     for m in forms:
         try:
@@ -574,11 +582,12 @@ def take_inline(text: str, tokenizer=None) -> InlineText:
         if ph is None:
             raise LexiconError("text holds too many private-use characters to mark its inline pronunciations")
         table[ph] = "".join(tokens)
+        words[ph] = m.group(1)
         out.append(text[pos:m.start()])
         out.append(ph)
         pos = m.end()
     out.append(text[pos:])
-    return InlineText("".join(out), table)
+    return InlineText("".join(out), table, words)
 
 
 def inline_form(word: str, tokens: Iterable[str]) -> str:

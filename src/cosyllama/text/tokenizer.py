@@ -30,6 +30,8 @@ _CONTROL_TOKENS = (
     "[laughter]", "[cough]", "[clucking]", "[accent]", "[quick_breath]", "<laughter>", "</laughter>",
     "[hissing]", "[sigh]", "[vocalized-noise]", "[lipsmack]", "[mn]", "<|endofsystem|>",
 )
+# the model's own markup in a text (emphasis, breaths, laughter, ...): spoken as sounds or prosody, not words
+MARKUP_TOKENS = tuple(t for t in _CONTROL_TOKENS if not t.startswith("<|"))
 _ARPABET_TOKENS = tuple("""
 [AA] [AA0] [AA1] [AA2] [AE] [AE0] [AE1] [AE2] [AH] [AH0] [AH1] [AH2] [AO] [AO0] [AO1] [AO2] [AW]
 [AW0] [AW1] [AW2] [AY] [AY0] [AY1] [AY2] [B] [CH] [D] [DH] [EH] [EH0] [EH1] [EH2] [ER] [ER0] [ER1]
