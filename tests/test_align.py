@@ -207,3 +207,23 @@ def test_cli_align_names_a_missing_audio_file(tmp_path):
     r = run_cli("align", "--audio", "none.wav", "--text", "Hi.", "--out", "o.srt", cwd=tmp_path)
     assert r.returncode == 2 and "--audio file 'none.wav' does not exist" in r.stderr
 
+
+
+def test_symbols_and_other_digits_do_not_break_alignment(espeak):
+    text = "Room 2 has x² and ٣ cats, the 1a plan, café ™."
+    audio, rate, _ = espeak.speak(text)
+    assert [w.word for w in align(audio, rate, text).words] == text.split()[:-1]  # "™." has nothing to say
+
+
+def test_a_fault_in_the_aligner_never_ends_a_synthesis(monkeypatch):
+    import cosyllama.alignment as A
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(A, "align", broken)
+    segments = [Segment(0, "Hello there.", 0, 24000, 24000)]
+    timer = WordTimer(segments)
+    timer.add(0, np.ones(24000, np.float32) * 0.1)
+    timer.finish()
+    assert segments[0].words is None and "internal error" in segments[0].words_why

@@ -51,11 +51,15 @@ def _ensure_voice(url: str) -> None:
 
 def _reach_synthesis(body: dict) -> None:
     """Make a generated speech body one the route accepts, so that it reaches synthesis: a
-    registered voice, and not the combination the route refuses whatever the values (the schema
-    cannot say it): stream=false beside a stream_format."""
+    registered voice, and not what the route refuses whatever the values (the schema cannot say it):
+    stream=false beside a stream_format, a lexicon of made-up tokens, a loudness or retries out of range."""
     body["voice"] = VOICE
     if body.get("stream_format") is not None and body.get("stream") is False:
         del body["stream"]
+    body.pop("lexicon", None)
+    body.pop("loudness", None)
+    if isinstance(body.get("retries"), int):
+        body["retries"] = min(max(body["retries"], 0), 5)
 
 
 def _fuzz(server, max_examples: int, budget_s: float, derandomize: bool):

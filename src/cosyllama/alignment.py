@@ -17,6 +17,7 @@ and :class:`AlignError` says so: word times are never guessed.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -28,6 +29,8 @@ import numpy as np
 
 from .captions import Word
 from .errors import InputError
+
+log = logging.getLogger("cosyllama.alignment")
 
 INSTALL_HINT = "word times need PocketSphinx: pip install 'cosyllama[align]'"
 ALIGNERS_ENV = "COSYLLAMA_ALIGNERS"
@@ -191,13 +194,19 @@ def _units(token: str, language: str, dec, english_rules: bool) -> list[str]:
         part = part.strip("'_")
         if not part:
             continue
-        if part[0].isdigit() and language == "en":
+        if language == "en" and re.fullmatch(r"\d+(?:st|nd|rd|th)?", part):
             units += _units(_number_words(part), language, dec, english_rules)
         elif dec.lookup_word(part) is not None:
             units.append(part)
-        elif english_rules and re.fullmatch(r"[a-z']+", part):
-            dec.add_word(part, _letters_to_phones(part.replace("'", "")), True)
-            units.append(part)
+        elif english_rules:  # spelled by its letters; a piece with none (a symbol: ², ™) takes no time of its own
+            letters = re.sub(r"[^a-z]", "", part)
+            if letters and dec.lookup_word(letters) is None:
+                try:
+                    dec.add_word(letters, _letters_to_phones(letters), True)
+                except RuntimeError:
+                    raise AlignError(f"the word {part!r} could not be given a pronunciation") from None
+            if letters:
+                units.append(letters)
         else:
             raise AlignError(f"the word {part!r} is not in the {language!r} aligner's dictionary")
     return units
@@ -311,6 +320,9 @@ class WordTimer:
             found = align(audio, seg.sample_rate, seg.text, self._language)
         except AlignError as e:
             return replace(seg, words_why=str(e))
+        except Exception:  # word times are an extra: a fault in them never ends a synthesis
+            log.exception("word alignment failed")
+            return replace(seg, words_why="word alignment failed (an internal error; the server's log has it)")
         finally:
             if self._timings is not None:
                 self._timings.align += time.perf_counter() - t0

@@ -56,7 +56,7 @@ from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body  # no
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
 from .speech import VoiceNames  # noqa: E402
-from .speech import router as speech_router  # noqa: E402
+from .speech_route import router as speech_router  # noqa: E402
 from .speech_stream import router as speech_stream_router  # noqa: E402
 from .speech_stream import uvicorn_ws_options  # noqa: E402
 from .voices import router as voices_router  # noqa: E402

@@ -36,7 +36,7 @@ from typing import Literal
 
 import anyio
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -48,9 +48,8 @@ from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
 from ..text.lexicon import Lexicon, LexiconError
-from ..text.ssml import looks_like_ssml
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
-from .common import AppState, admit, client_gone, state_of
+from .common import AppState, admit, client_gone
 from .errors import ApiError, error_body
 from .errors import api_error as synthesis_error
 from .job import SynthesisJob
@@ -342,21 +341,6 @@ def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
                                 instruction=body.instructions, options=options, limits=limits)
     except (RequestError, LimitExceeded) as e:
         raise synthesis_error(e) from None
-
-
-router = APIRouter()
-
-
-@router.post("/v1/audio/speech")
-async def speech(body: SpeechRequest, request: Request):
-    state = state_of(request.app)
-    if looks_like_ssml(body.input):
-        from .dialogue import ssml_speech
-
-        return await ssml_speech(body, request, state)
-    streaming, synthesis = await check_request(body, state)
-    job = SpeechJob(state.tts, synthesis, streaming, body.response_format)
-    return await run_speech_job(request, state, job)
 
 
 async def run_speech_job(request: Request, state: AppState, job: SpeechJob) -> Response:
