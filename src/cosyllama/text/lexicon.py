@@ -54,6 +54,7 @@ _PUA_FIRST, _PUA_LAST = 0xE000, 0xF8FF  # the placeholders of inline forms
 _FORBIDDEN_WORD_CHARS = set("[]{}|<>")
 
 
+
 class LexiconError(InputError):
     """A lexicon file or entry that cannot be used; the message names the file, line and entry."""
 
@@ -139,6 +140,14 @@ class Entry:
         return "".join(self.tokens)
 
 
+def _entry(word: str, spec: str, tokenizer, where: str, hint: str = "") -> Entry:
+    """One entry of a lexicon file (a text line or a JSON pair): its word checked, its tokens parsed."""
+    word = _check_word(word)
+    if not spec.strip():
+        raise LexiconError(f"entry {word!r} has no tokens{hint}")
+    return Entry(word, parse_tokens(spec, tokenizer), where)
+
+
 class Lexicon:
     """Words and their pronunciation tokens; immutable once made, safe to share between threads.
 
@@ -206,10 +215,7 @@ class Lexicon:
                 spec = spec[:spec.index("#")]
             where = f"{file}:{n}"
             try:
-                word = _check_word(word)
-                if not spec.strip():
-                    raise LexiconError(f"entry {word!r} has no tokens; write word<TAB>tokens, e.g. 几\t[j][ǐ]")
-                entries.append(Entry(word, parse_tokens(spec, tokenizer), where))
+                entries.append(_entry(word, spec, tokenizer, where, "; write word<TAB>tokens, e.g. 几\t[j][ǐ]"))
             except LexiconError as e:
                 raise LexiconError(f"{at}:{n}: {e}") from None
         try:
@@ -239,10 +245,7 @@ class Lexicon:
                     spec = "".join(spec)
                 if not isinstance(spec, str):
                     raise LexiconError("the tokens must be a string or a list of strings")
-                word = _check_word(word)
-                if not spec.strip():
-                    raise LexiconError(f"entry {word!r} has no tokens")
-                entries.append(Entry(word, parse_tokens(spec, tokenizer), where))
+                entries.append(_entry(word, spec, tokenizer, where))
             except LexiconError as e:
                 raise LexiconError(f"{at}: entry {word!r}: {e}") from None
         try:
