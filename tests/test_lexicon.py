@@ -10,8 +10,9 @@ from cosyllama.cli import main
 from cosyllama.errors import InputError
 from cosyllama.frontend import Frontend, PromptFeatures
 from cosyllama.request import SynthesisOptions
-from cosyllama.text.lexicon import Lexicon, LexiconError, pinyin_tokens, take_inline
+from cosyllama.text.lexicon import Lexicon, LexiconError, take_inline
 from cosyllama.text.normalize import DEFAULT_PROMPT_PREFIX, TextNormalizer
+from cosyllama.text.spellings import pinyin_tokens
 from cosyllama.text.tokenizer import TextTokenizer
 from helpers import MODEL_DIR
 

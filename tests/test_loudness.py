@@ -114,7 +114,9 @@ def test_off_by_default_the_audio_is_untouched(tts, voices, monkeypatch):
     def never(*a, **k):
         raise AssertionError("scaled without loudness")
 
-    monkeypatch.setattr(type(tts), "_even", never)
+    import cosyllama.tts
+
+    monkeypatch.setattr(cosyllama.tts, "even_loudness", never)
     syn, _, after = _run(tts, voices[0.0])
     assert after.tobytes() == before.tobytes() and syn.timings.loudness_gain_db is None
 
@@ -178,13 +180,45 @@ def test_a_stream_has_one_gain_fixed_before_its_first_chunk(tts, voices, level):
     assert syn.timings.loudness_gain_db == gain_db
 
 
-def test_a_voices_prompt_is_measured_once(tts, voices, monkeypatch):
-    tts.synthesize(TEXT, voice=voices[0.0], seed=1, stream=True, loudness=TARGET).audio()
+def _fresh_voice(tts, tmp_path, level_db: float):
+    """A voice no output has been made in yet (its prompt clip at a level no other test uses)."""
+    wav, sr = sf.read(PROMPT_WAV, dtype="float32")
+    path = tmp_path / f"fresh{level_db:+.1f}.wav"
+    sf.write(path, wav * np.float32(10 ** (level_db / 20)), sr, subtype="FLOAT")
+    return tts.make_voice(path, PROMPT_TEXT)
+
+
+def test_a_voices_first_stream_takes_its_gain_from_its_first_sentence(tts, tmp_path, monkeypatch):
+    """With no finished output in the voice, the stream holds its first sentence back until it is whole and
+    takes the gain from it: a one-sentence stream comes out at the target as tightly as a non-streamed one (a
+    gain fixed from anything else would miss it by LUs on this model), with one factor for every chunk and no
+    vocoder pass over the prompt."""
+    voice = _fresh_voice(tts, tmp_path, -7.0)
+    _, base_chunks, _ = _run(tts, voice, stream=True)  # no target: leaves no level behind
     calls = []
     real = tts.token2wav.hift.inference
     monkeypatch.setattr(tts.token2wav.hift, "inference", lambda *a, **k: calls.append(1) or real(*a, **k))
-    tts.synthesize(TEXT, voice=voices[0.0], seed=2, stream=True, loudness=TARGET).audio()
-    assert calls == []
+    syn = tts.synthesize(TEXT, voice=voice, greedy=True, seed=1, stream=True, loudness=TARGET)
+    chunks = [c.samples for c in syn]
+    assert syn.timings.loudness_from == "sentence" and len(chunks) == len(base_chunks) >= 2
+    check_even(np.concatenate(chunks))
+    factor = np.float32(10 ** (syn.timings.loudness_gain_db / 20))
+    for got, raw in zip(chunks, base_chunks):
+        np.testing.assert_allclose(got, np.clip(raw * factor, -CEILING, CEILING), rtol=1e-5, atol=1e-7)
+    assert calls == []  # the prompt was not vocoded (the stream's chunks take the vocoder's streaming path)
+
+
+def test_a_first_sentence_too_short_to_measure_falls_back_to_the_prompt_once(tts, tmp_path, monkeypatch):
+    voice = _fresh_voice(tts, tmp_path, -3.0)
+    calls = []
+    real = tts.token2wav.hift.inference
+    monkeypatch.setattr(tts.token2wav.hift, "inference", lambda *a, **k: calls.append(1) or real(*a, **k))
+    syn, _, audio = _run(tts, voice, stream=True, max_tokens=4, loudness=TARGET)
+    assert 0 < audio.size < loudness.BLOCK_SECONDS * SR
+    assert syn.timings.loudness_from == "prompt" and syn.timings.loudness_measured is not None
+    assert calls == [1]  # the prompt, vocoded once
+    again, _, _ = _run(tts, voice, stream=True, max_tokens=4, loudness=TARGET)
+    assert again.timings.loudness_from == "prompt" and calls == [1]  # and its level kept
 
 
 # -- cosyllama synth ------------------------------------------------------------------------------------------
@@ -331,7 +365,7 @@ def test_http_refuses_nan(http):
 
 
 def test_a_stream_takes_its_gain_from_the_voices_last_output():
-    """A voice's first stream takes its expected loudness from the prompt; once an output in that voice has
+    """A voice's first stream takes its gain from its own first sentence; once an output in that voice has
     finished, the next stream's gain comes from that output's loudness before its gain (docs/loudness.md)."""
     pytest.importorskip("pyloudnorm")
     from cosyllama import loudness
@@ -343,7 +377,7 @@ def test_a_stream_takes_its_gain_from_the_voices_last_output():
     text = "Hello there, how are you today? The weather is fine."
     first = tts.synthesize(text, voice=voice, seed=1, greedy=True, stream=True, loudness=-30.0)
     first.audio()
-    assert first.timings.loudness_from == "prompt"
+    assert first.timings.loudness_from == "sentence"
     raw = tts.synthesize(text, voice=voice, seed=2, greedy=True, loudness=None).audio()
     whole = tts.synthesize(text, voice=voice, seed=2, greedy=True, loudness=-30.0)
     whole.audio()

@@ -252,7 +252,7 @@ class Token2Wav:
         """The loudness of ``prompt``'s voice as this model renders it (a :class:`cosyllama.loudness.Level`):
         its prompt mel vocoded once (the flow's conditioning, so the level the model's speech in that voice
         starts from), measured by BS.1770, kept for the next request of the voice (:data:`PROMPT_LEVELS` voices,
-        least recently used go first). What a stream's loudness gain is computed from (docs/loudness.md)."""
+        least recently used go first). A stream's loudness gain when nothing better is known (docs/loudness.md)."""
         from .loudness import Level
 
         key = self._level_key(prompt)
@@ -287,6 +287,12 @@ class Token2Wav:
                 self._output_levels.move_to_end(key)
                 return level, "output"
         return self.prompt_level(prompt), "prompt"
+
+    def known_output_level(self, prompt: FlowPrompt) -> bool:
+        """Whether an output in ``prompt``'s voice has finished and left its loudness (:meth:`note_output_level`)."""
+        key = self._level_key(prompt)
+        with self._prompt_lock:
+            return key in self._output_levels
 
     def note_output_level(self, prompt: FlowPrompt, level) -> None:
         """Keep ``level``, a finished output's loudness before any gain, as what the next stream in ``prompt``'s

@@ -3,10 +3,11 @@ target (ITU-R BS.1770, measured by :mod:`pyloudnorm`, the ``loudness`` extra), n
 
 * Non-streamed synthesis is measured whole and scaled by one gain: ``min(gain to the target, gain that puts
   the true peak at the ceiling)``.
-* A stream's gain is fixed before its first chunk, from the loudness of the voice's prompt as the model's
-  vocoder renders it (its prompt mel, vocoded once per voice and kept; :meth:`Token2Wav.prompt_level
-  <cosyllama.engine.Token2Wav.prompt_level>`): the same factor for every chunk, so nothing pumps. What the
-  prompt does not foretell (a louder peak than the prompt's) is held at the ceiling sample by sample.
+* A stream's gain is fixed before its first chunk leaves, the same factor for every chunk, so nothing pumps:
+  from the loudness of the voice's last finished output; before any, from the stream's own first sentence,
+  held back until it is whole (the voice's prompt as the model's vocoder renders it when that sentence is too
+  short to measure: :meth:`Token2Wav.prompt_level <cosyllama.engine.Token2Wav.prompt_level>`). What that
+  does not foretell (a louder peak later) is held at the ceiling sample by sample.
 * Audio whose loudness BS.1770 cannot give (shorter than its 400 ms gating block, or silent: -inf LUFS) keeps
   its level (gain 1), brought down only to the ceiling.
 

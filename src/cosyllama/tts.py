@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +36,11 @@ from .llm.backend import LLMBackend, Prefill
 from .llm.decode import MAX_LEN_RATIO, CancelToken, DecodeOptions, DirectTokens, SilentTokenFilter, TokenSource
 from .llm.factory import make_token_source
 from .llm.takes import BadTake, RetryTake, Take, retry_seed
+from .loudness_stage import even_loudness
 from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
+from .synthesis import Synthesis, Timings
 from .text.lexicon import Lexicon
 from .text.normalize import TextNormalizer
 from .voices import VoiceStore
@@ -47,65 +49,6 @@ log = logging.getLogger("cosyllama")
 
 __all__ = ["LLM_CHOICES", "MODES", "DirectTokens", "Synthesis", "SynthesisOptions", "SynthesisRequest", "TTS",
            "Timings", "choose_mode", "load"]
-
-
-@dataclass
-class Timings:
-    """Wall seconds per stage of the last finished call (filled by the generator as it runs)."""
-
-    frontend: float = 0.0
-    llm: float = 0.0
-    token2wav: float = 0.0
-    audio_seconds: float = 0.0
-    first_chunk: float | None = None
-    align: float = 0.0  # word alignment (SynthesisOptions.word_times), after each segment's audio
-    tokens: list[list[int]] = field(default_factory=list)
-    # SynthesisOptions.loudness: the one gain applied (dB; set before the first chunk is yielded), why
-    # ("target", "ceiling", "short", "silent"; cosyllama.loudness.Gain), the loudness it was computed from
-    # (LUFS: the whole output's, or a stream's prompt's; None: too short to measure) and the samples a stream had
-    # to hold at the ceiling (its gain comes from the prompt, which does not foretell every peak)
-    loudness_gain_db: float | None = None
-    loudness_why: str | None = None
-    loudness_measured: float | None = None
-    loudness_held: int = 0
-    # what loudness_measured is of: "output" (non-streamed: this output; a stream: its voice's last finished one),
-    # "prompt" (a stream whose voice has no finished output yet: its prompt as the model renders it)
-    loudness_from: str | None = None
-    # every caught take (a loop or a runaway) in the order caught, each with what was done (docs/retries.md);
-    # a segment's entries are in before its final chunk is yielded
-    retries: list[BadTake] = field(default_factory=list)
-
-
-class Synthesis(Iterator[AudioChunk]):
-    """The audio of one call, chunk by chunk. ``timings`` is complete once iteration ends. ``segments``: one
-    :class:`~cosyllama.captions.Segment` per text segment whose audio has ended (its text and its place in the
-    output to the sample), filled as iteration goes; each chunk's ``start`` is its place in the output.
-
-    With ``word_times``, a segment's words are aligned after its final chunk has been yielded: when iteration
-    resumes, or at once by :meth:`finish_words` (a server sends them before it waits for the next audio)."""
-
-    def __init__(self, chunks: Iterator[AudioChunk], timings: Timings, segments: list[Segment] | None = None,
-                 words: WordTimer | None = None):
-        self._chunks, self.timings = chunks, timings
-        self.segments: list[Segment] = segments if segments is not None else []
-        self._words = words
-
-    def finish_words(self) -> None:
-        """Align now every segment whose audio has ended and whose words are not made yet (word_times)."""
-        if self._words is not None:
-            self._words.finish()
-
-    def __next__(self) -> AudioChunk:
-        return next(self._chunks)
-
-    def close(self) -> None:
-        """Stop early; the LLM sequence is released at once."""
-        self._chunks.close()
-
-    def audio(self) -> np.ndarray:
-        """Run to the end and return all samples concatenated (float32, 24 kHz)."""
-        parts = list(self)
-        return np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
 
 
 def _shown(inp: ModelInput) -> str:
@@ -509,58 +452,9 @@ class TTS:
             from . import loudness
 
             loudness.require()  # the install hint before any model work
-            chunks = self._even(chunks, inputs, opts, timings)
+            prompt = self._flow_prompt(inputs[0]) if inputs else None
+            chunks = even_loudness(chunks, opts, timings, prompt, self.token2wav, lambda: self._flow_work(False))
         return Synthesis(self._placed(chunks, inputs, segments, words), timings, segments, words)
-
-    def _even(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], opts: SynthesisOptions,
-              timings: Timings) -> Iterator[AudioChunk]:
-        """``chunks`` scaled by one gain to ``opts.loudness`` (docs/loudness.md): non-streamed, the whole output is
-        measured first (every segment's chunk waits for the last); streamed, the gain is fixed when the first chunk
-        arrives, before it is yielded, from the voice's expected level (:meth:`Token2Wav.voice_level`: its last
-        finished output's loudness, or before any its prompt's). Every finished output's loudness before the gain
-        is kept as its voice's (:meth:`Token2Wav.note_output_level`)."""
-        from . import loudness
-
-        prompt = self._flow_prompt(inputs[0]) if inputs else None
-        gain = None
-        try:
-            if not opts.stream:
-                parts = list(chunks)
-                whole = np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
-                level = loudness.Level.of(whole, self.sample_rate)
-                if prompt is not None:
-                    self.token2wav.note_output_level(prompt, level)
-                gain = loudness.gain_for(level, opts.loudness)
-                self._note_gain(timings, gain, level, "output")
-                for c in parts:
-                    samples, held = loudness.apply(c.samples, gain.factor)
-                    timings.loudness_held += held
-                    yield replace(c, samples=samples)
-                return
-            raw = []
-            for c in chunks:
-                if gain is None:
-                    with self._flow_work(False):
-                        if prompt is not None:
-                            level, source = self.token2wav.voice_level(prompt)
-                        else:
-                            level, source = loudness.Level(None, 0.0), "none"
-                    gain = loudness.gain_for(level, opts.loudness)
-                    self._note_gain(timings, gain, level, source)
-                raw.append(c.samples)
-                samples, held = loudness.apply(c.samples, gain.factor)
-                timings.loudness_held += held
-                yield replace(c, samples=samples)
-            if prompt is not None and raw:  # the stream ended: its loudness is the voice's next expectation
-                self.token2wav.note_output_level(prompt, loudness.Level.of(np.concatenate(raw), self.sample_rate))
-        finally:
-            chunks.close()
-
-    @staticmethod
-    def _note_gain(timings: Timings, gain, level, source: str) -> None:
-        timings.loudness_gain_db, timings.loudness_why = gain.db, gain.why
-        timings.loudness_measured, timings.loudness_from = level.lufs, source
-        log.debug("loudness gain %.2f dB (%s; %s measured %s LUFS)", gain.db, gain.why, source, level.lufs)
 
     def _placed(self, chunks: Iterator[AudioChunk], inputs: list[ModelInput], segments: list[Segment],
                 words: WordTimer | None = None) -> Iterator[AudioChunk]:

@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 def run_suggest(args, out=print) -> int:
     from ..errors import InputError
-    from ..text.lexicon import suggest
+    from ..text.spellings import suggest
 
     entries = suggest(args.word, args.language)
     if not entries:

@@ -25,7 +25,8 @@ from xml.parsers import expat
 
 from ..defaults import SPEED_RANGE
 from ..errors import InputError
-from .lexicon import LexiconError, arpabet_tokens, inline_form, parse_tokens, pinyin_tokens
+from .lexicon import LexiconError, inline_form, parse_tokens
+from .spellings import arpabet_tokens, pinyin_tokens
 
 MAX_SSML_CHARS = 200_000  # a longer document is refused before parsing
 MAX_DEPTH = 32  # elements nested deeper are refused
