@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 
+import cosyllama  # noqa: E402
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
@@ -79,6 +80,7 @@ def test_voices_and_health(client):
     assert voices["en"]["has_transcript"] and not voices["bare"]["has_transcript"]
     h = client.get("/health").json()
     assert h["status"] == "ok" and h["active_sequences"] == 0 and h["queue_depth"] == 0
+    assert h["version"] == cosyllama.__version__
     assert h["llm"]["n_seq_max"] == 8
     assert set(h["prompt_cache"]) == {"prompts", "bytes"}
 

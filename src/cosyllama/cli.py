@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from . import __version__
 from .errors import CosyllamaError
 
 EXIT_USAGE = 2
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .commands import align, batch, bench, convert, demo, lexicon, make_model, serve, synth, wyoming
 
     p = _Parser(prog="cosyllama", description="CosyVoice3 text-to-speech with the LLM on llama.cpp or PyTorch")
+    p.add_argument("--version", action="version", version=f"cosyllama {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in (synth, align, lexicon, batch, convert, make_model, bench, demo, serve, wyoming):
         command.add_parser(sub)

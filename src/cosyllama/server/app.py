@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
+from .. import __version__
 from ..defaults import MAX_QUEUE, MAX_VOICES
 from ..errors import MissingDependencyError
 from ..limits import RequestLimits
@@ -82,7 +83,7 @@ async def health(request: Request):
     serving = state.serving
     s = serving.scheduler.stats()
     g = serving.admission()
-    out = {"status": "ok", "active_sequences": s["active_sequences"],
+    out = {"status": "ok", "version": __version__, "active_sequences": s["active_sequences"],
            "queue_depth": g.waiting + s["waiting"], "requests_running": g.running,
            "requests_waiting": g.waiting, "sequences_waiting": s["waiting"],
            "max_concurrent": serving.max_concurrent, "max_queue": serving.max_queue,
