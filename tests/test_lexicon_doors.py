@@ -69,12 +69,23 @@ def store(tts, tmp_path_factory):
     return store
 
 
+def _has_wyoming() -> bool:
+    try:
+        import wyoming  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def server(tts, store):
     recorder = Recorder(tts.frontend)
     tts.frontend._segments = recorder  # the served pipeline shares the models' frontend
-    srv = LoopbackServer(create_app(tts, voices=store, lexicon=Lexicon.from_mapping(SERVER_LEX)))
+    app = create_app(tts, voices=store, lexicon=Lexicon.from_mapping(SERVER_LEX),
+                     wyoming="tcp://127.0.0.1:0" if _has_wyoming() else None)
+    srv = LoopbackServer(app)
     srv.recorder = recorder
+    srv.wyoming_port = app.state.server.wyoming.address[1] if _has_wyoming() else None
     yield srv
     srv.stop()
     del tts.frontend._segments
@@ -188,6 +199,41 @@ def test_the_websocket_session_config_takes_a_lexicon(server):
         ws.send(json.dumps({**config, "lexicon": {"banana": "[B][XX1]"}}))
         err = recv(ws)
     assert (err["type"], err["param"], err["code"]) == ("error", "lexicon", "invalid_lexicon"), err
+
+
+def test_wyoming_speaks_the_servers_and_the_voice_folders_lexicons(server):
+    """Home Assistant's door: Wyoming carries no lexicon, so the server's ``--lexicon`` and a voice folder's
+    lexicon.txt are what it has; a synthesis in each voice, driven by the wyoming package's client."""
+    if server.wyoming_port is None:
+        pytest.skip("the wyoming package is not installed")
+    import asyncio
+
+    from wyoming.client import AsyncTcpClient
+    from wyoming.tts import Synthesize, SynthesizeVoice
+
+    async def speak(text: str, voice: str) -> list[str]:
+        client = AsyncTcpClient("127.0.0.1", server.wyoming_port, read_timeout=TIMEOUT)
+        await client.connect()
+        try:
+            await client.write_event(Synthesize(text=text, voice=SynthesizeVoice(name=voice)).event())
+            types = []
+            while (event := await client.read_event()) is not None:
+                types.append(event.type)
+                if event.type in ("audio-stop", "error"):
+                    return types
+            return types
+        finally:
+            await client.disconnect()
+
+    server.recorder.take()
+    types = asyncio.run(asyncio.wait_for(speak("A potato and a tomato.", "en"), 2 * TIMEOUT))
+    assert types[-1] == "audio-stop" and "audio-chunk" in types, types
+    said = server.recorder.take()
+    assert SERVER_LEX["potato"] in said and SERVER_LEX["tomato"] in said, said
+    types = asyncio.run(asyncio.wait_for(speak("A tomato and a banana.", "lex"), 2 * TIMEOUT))
+    assert types[-1] == "audio-stop", types
+    said = server.recorder.take()
+    assert "[T][AH0][M][AA1][T][OW2]" in said and "[B][AH0][N][AE1][N][AH0]" in said, said
 
 
 # -- the commands' flag -------------------------------------------------------------------------------------
