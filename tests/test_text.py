@@ -91,6 +91,23 @@ def test_a_normalizer_failure_is_an_input_error(norm):
     assert norm.normalize("It costs 10 cents.") == ["It costs ten cents."]
 
 
+def test_paragraphs_are_read_line_by_line_where_wetext_fails_on_them(norm):
+    """wetext 0.1.8's English grammar fails (an AssertionError) on a line break followed by whitespace: a
+    blank line between paragraphs. Such a text is normalized line by line, joined by a space; a text it
+    reads whole (one line break: dropped, as the reference does) is unchanged."""
+    one = "The first paragraph ends here. It has 2 sentences."
+    two = "The second one starts here."
+    assert norm.normalize(one + "\n" + two, split=False) == "The first paragraph ends here. It has two sentences.The " \
+        "second one starts here."  # the reference's own: its line break dropped
+    for sep in ("\n\n", "\n  ", "\n\n\n", "\r\n\r\n", "\n \n"):
+        assert norm.normalize(one + sep + two, split=False) == ("The first paragraph ends here. It has two sentences. "
+                                                                "The second one starts here."), repr(sep)
+    zh = "第一段有3句话。\n\n第二段。"
+    assert norm.normalize(zh, split=False) == norm.normalize("第一段有3句话。第二段。", split=False)
+    with pytest.raises(InputError, match="cannot read"):  # a line wetext cannot read is still named
+        norm.normalize("Fine.\n\nIt costs 10¢.")
+
+
 def test_split_lengths(norm, tok):
     case = META["split_cases"][0]
     assert [len(tok.encode(s)) for s in norm.normalize(case["text"])] == case["token_lens"]

@@ -248,7 +248,23 @@ class TextNormalizer:
     def _wetext(self, kind: str, text: str) -> str:
         """wetext's ``kind`` (``"en"``/``"zh"``) normalization of ``text``. Its grammars fail on a
         few inputs (``"10¢"``: an AssertionError in wetext 0.1.8), which is an input error naming
-        the text, not a crash."""
+        the text, not a crash.
+
+        wetext 0.1.8's English grammar also fails on a line break followed by other whitespace: a
+        blank line between paragraphs, an indented line. The reference (which calls it unguarded)
+        makes no audio of such a text, so nothing of its behaviour is at stake: such a text is
+        normalized line by line, its non-blank lines joined by one space in English (the paragraph
+        break a pause between sentences) and by nothing in Chinese (whose path drops line breaks
+        and the spaces between CJK characters anyway). A text wetext reads whole is unchanged."""
+        try:
+            return self._wetext_whole(kind, text)
+        except InputError:
+            lines = [line for line in text.split("\n") if line.strip()]
+            if len(lines) < 2:
+                raise
+        return (" " if kind == "en" else "").join(self._wetext_whole(kind, line) for line in lines)
+
+    def _wetext_whole(self, kind: str, text: str) -> str:
         try:
             worker = self._worker
             out = worker.normalize(kind, text) if worker is not None else None
