@@ -14,6 +14,7 @@ instruction without the marker becomes ``"You are a helpful assistant. <instruct
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -38,6 +39,8 @@ from .text.lexicon import Lexicon, take_inline
 from .text.normalize import (
     DEFAULT_PROMPT_PREFIX,
     TextNormalizer,
+    contains_chinese,
+    has_markup,
     instruct_prompt_text,
     text_problem,
     zero_shot_prompt_text,
@@ -153,6 +156,24 @@ def check_text(field: str, text: str) -> None:
 _EMPTY_TOKENS = torch.zeros(0, dtype=torch.int32)
 
 
+def continued_lead(lead: str, text: str) -> str:
+    """What of ``lead``, the whitespace before ``text`` in a longer text, the reference's normalization of that
+    longer text keeps before ``text``'s first segment: a segment after the first keeps its leading spaces
+    (docs/reference.md#segment-splitting); the English path drops a line break (wetext) and joins paragraphs
+    (a line break and more whitespace, read line by line: :meth:`TextNormalizer._wetext
+    <cosyllama.text.normalize.TextNormalizer._wetext>`) with one space; other whitespace (tabs, no-break spaces)
+    and every space before Chinese text (dropped between CJK characters) give none, as does a text with
+    ``<|…|>`` markup (never split). So a text streamed sentence by sentence is spoken as the same text sent
+    whole when the whole splits at the same places, with spaces and line breaks between its sentences."""
+    if not lead or has_markup(text) or contains_chinese(text):
+        return ""
+    lead = lead.replace("\r\n", "\n").replace("\r", "\n")
+    if re.search(r"\n\s", lead):
+        return " "
+    kept = lead.replace("\n", "")
+    return kept if kept.strip(" ") == "" else ""
+
+
 class Frontend:
     """Text normalization/tokenization and prompt feature extraction of one model directory.
 
@@ -191,9 +212,11 @@ class Frontend:
         return [spoken for spoken, _ in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)]
 
     def _segments(self, text: str, text_frontend: bool, russian_numbers: bool, normalizer: TextNormalizer | None,
-                  lexicon: Lexicon | None) -> list[tuple[str, str]]:
+                  lexicon: Lexicon | None, lead: str = "") -> list[tuple[str, str]]:
         """:meth:`normalize_and_split`'s segments, each with what captions show of it: its inline forms as their
-        words, no lexicon entry applied."""
+        words, no lexicon entry applied. ``lead``: the whitespace that stood before ``text`` in a longer text it
+        continues (a streamed sentence after the first, :func:`continued_lead`), put back before its first
+        segment as that text's own segmentation keeps it (docs/reference.md#segment-splitting)."""
         normalizer = self.normalizer if normalizer is None else normalizer
         inline = take_inline(text, self.tokenizer)
         segments = normalizer.normalize(inline.text, split=True, text_frontend=text_frontend,
@@ -201,6 +224,9 @@ class Frontend:
         segments = [s for s in segments if s.strip()]
         if not segments:
             raise InputError(f"text {text[:60]!r} has nothing to speak (only punctuation or symbols)")
+        lead = continued_lead(lead, inline.text) if text_frontend else ""
+        if lead:
+            segments[0] = lead + segments[0]
         shown = [inline.shown(s) for s in segments]
         if lexicon is not None and len(lexicon):
             segments = [lexicon.apply(s) for s in segments]
@@ -247,7 +273,7 @@ class Frontend:
 
     def zero_shot(self, text: str, voice: Voice, prompt_text: str | None = None, *, text_frontend: bool = True,
                   russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
-                  lexicon: Lexicon | None = None) -> list[ModelInput]:
+                  lexicon: Lexicon | None = None, lead: str = "") -> list[ModelInput]:
         """Clone ``voice`` saying ``text``: the LLM continues the prompt's transcript and speech.
 
         ``voice``: a :class:`PromptFeatures` (its ``prompt_text`` is used unless ``prompt_text`` is
@@ -260,22 +286,22 @@ class Frontend:
         full_prompt = voice.prompt_text if prompt_text is None else zero_shot_prompt_text(prompt_text)
         prompt_ids = voice.prompt_text_ids if full_prompt == voice.prompt_text else self.tokenize(full_prompt)
         return [self._input("zero_shot", seg, voice, prompt_ids, voice.speech_tokens, shown)
-                for seg, shown in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)]
+                for seg, shown in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon, lead)]
 
     def cross_lingual(self, text: str, voice: Voice, *, text_frontend: bool = True,
                       russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
-                      lexicon: Lexicon | None = None) -> list[ModelInput]:
+                      lexicon: Lexicon | None = None, lead: str = "") -> list[ModelInput]:
         """Speak ``text`` (any language) in the voice, without the prompt's transcript or speech
         tokens in the LLM. Text containing ``<|endofprompt|>`` is one segment, used verbatim."""
         voice = self._voice(voice)
-        segments = self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)
+        segments = self._segments(text, text_frontend, russian_numbers, normalizer, lexicon, lead)
         if ENDOFPROMPT not in text:
             segments = [(DEFAULT_PROMPT_PREFIX + s, shown) for s, shown in segments]
         return [self._input("cross_lingual", seg, voice, (), _EMPTY_TOKENS, shown) for seg, shown in segments]
 
     def instruct2(self, text: str, instruction: str, voice: Voice, *, text_frontend: bool = True,
                   russian_numbers: bool = True, normalizer: TextNormalizer | None = None,
-                  lexicon: Lexicon | None = None) -> list[ModelInput]:
+                  lexicon: Lexicon | None = None, lead: str = "") -> list[ModelInput]:
         """Speak ``text`` in the voice following ``instruction`` (dialect, speed, emotion ...).
 
         The instruction replaces the transcript as LLM prompt text and is never normalized.
@@ -283,7 +309,7 @@ class Frontend:
         voice = self._voice(voice)
         instruct_ids = self.tokenize(instruct_prompt_text(instruction))
         return [self._input("instruct2", seg, voice, instruct_ids, _EMPTY_TOKENS, shown)
-                for seg, shown in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon)]
+                for seg, shown in self._segments(text, text_frontend, russian_numbers, normalizer, lexicon, lead)]
 
     def vc(self, source_wav: AudioSource, prompt_wav: AudioSource) -> ModelInput:
         """Voice conversion: the speech tokens of ``source_wav`` rendered in the voice of

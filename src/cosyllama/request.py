@@ -132,6 +132,10 @@ class SynthesisRequest:
     instruction: str | None = None
     options: SynthesisOptions = SynthesisOptions()
     limits: RequestLimits | None = None
+    # the whitespace before ``text`` in the longer text it continues (a streamed session's sentence after the
+    # first): kept before its first segment as that text's own segmentation keeps it
+    # (cosyllama.frontend.continued_lead); "" for a text of its own
+    lead: str = ""
 
     def __post_init__(self):
         self.check()

@@ -350,7 +350,7 @@ class TTS:
         v = voice if voice is not None else r.prompt_wav
         lexicon = merge_lexicons(self.lexicon, getattr(voice, "lexicon", None), opts.lexicon)
         how = {"text_frontend": opts.text_frontend, "russian_numbers": opts.russian_numbers,
-               "normalizer": self.normalizer, "lexicon": lexicon}
+               "normalizer": self.normalizer, "lexicon": lexicon, "lead": r.lead}
         if mode == "zero-shot":
             inputs = self.frontend.zero_shot(r.text, v, r.prompt_text, **how)
         elif mode == "instruct":

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..limits import RequestLimits
-from ..text.normalize import is_only_punctuation, take_sentences
+from ..text.normalize import is_only_punctuation, take_sentence_slices
 
 
 class SentenceStream:
@@ -24,29 +24,43 @@ class SentenceStream:
         self.pending = ""  # text not yet a complete sentence
         self.received = 0  # characters taken, at least one per piece
         self.n_sentences = 0  # sentences handed out
+        self.leads: list[str] = []  # the whitespace before each sentence handed out by the last call
+        self._gap = ""  # whitespace since the last sentence handed out (of slices that said nothing)
 
     def add(self, piece: str) -> list[str]:
-        """Take one piece; the sentences it completes."""
+        """Take one piece; the sentences it completes (:attr:`leads`: the whitespace before each)."""
         self.limits.check_chars("input", piece)
         self.received += max(1, len(piece))
         self.limits.check_session(self.received)
         if self.whole:
             self.pending += piece
             self.limits.check_chars("input", self.pending)
+            self.leads = []
             return []
-        sentences, self.pending = take_sentences(self.pending + piece, known=len(self.pending))
+        slices, self.pending = take_sentence_slices(self.pending + piece, known=len(self.pending))
         self.limits.check_chars("input", self.pending)
-        return self._keep(sentences)
+        return self._keep(slices)
 
     def finish(self) -> list[str]:
         """No more text: the rest, as a last sentence (without end punctuation), if it says anything."""
-        rest, self.pending = self.pending.strip(), ""
-        return self._keep([rest])
+        rest, self.pending = self.pending.rstrip(), ""
+        out = self._keep([rest])
+        self._gap = ""
+        return out
 
-    def _keep(self, sentences: list[str]) -> list[str]:
-        out = [s for s in sentences if s and not is_only_punctuation(s)]
-        for s in out:
+    def _keep(self, slices: list[str]) -> list[str]:
+        """The slices that say something, stripped; :attr:`leads` the whitespace before each (that of the
+        slices before it that said nothing included, a sentence that is only punctuation among them)."""
+        out, self.leads = [], []
+        for raw in slices:
+            s = raw.strip()
+            if not s or is_only_punctuation(s):
+                self._gap += raw if not s else ""
+                continue
             self.limits.check_chars("input", s)
+            out.append(s)
+            self.leads.append(self._gap + raw[:len(raw) - len(raw.lstrip())])
+            self._gap = ""
         self.n_sentences += len(out)
         return out
 

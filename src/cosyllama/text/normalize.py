@@ -156,13 +156,21 @@ _FULLWIDTH_ENDS = "。？！；："
 
 
 def take_sentences(text: str, known: int = 0) -> tuple[list[str], str]:
+    """The complete sentences at the front of ``text`` and the rest (:func:`take_sentence_slices`), each
+    sentence stripped, none empty."""
+    slices, rest = take_sentence_slices(text, known)
+    return [s.strip() for s in slices if s.strip()], rest
+
+
+def take_sentence_slices(text: str, known: int = 0) -> tuple[list[str], str]:
     """The complete sentences at the front of ``text`` (which grows as pieces arrive, e.g. an LLM's
     answer), and the rest, which waits for more text.
 
     A sentence ends at the splitter's end punctuation (``.?!;:``) once whitespace follows it (so
     ``3.5`` or a piece ending in ``.`` waits for the next character), with any closing quotes; at
-    full-width ``。？！；：`` at once; and at a line break. The sentences are stripped and never
-    empty; they are then normalized and split one by one, like any text.
+    full-width ``。？！；：`` at once; and at a line break. The sentences are ``text``'s slices as they
+    stand, the whitespace before each included (some are only whitespace): together with the rest they are
+    ``text``. :func:`take_sentences` strips them; each is then normalized and split, like any text.
 
     ``known``: the length of a prefix of ``text`` that was the rest of an earlier call (text + the
     next piece): it holds no sentence end but perhaps at its very end, so the scan resumes there
@@ -192,9 +200,7 @@ def take_sentences(text: str, known: int = 0) -> tuple[list[str], str]:
         if end is not None:
             while end < n and text[end] in _CLOSING_QUOTES:
                 end += 1
-            sentence = text[start:end].strip()
-            if sentence:
-                out.append(sentence)
+            out.append(text[start:end])
             start = i = end
             continue
         i += 1
