@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -284,3 +288,25 @@ def test_discovery_announces_the_wyoming_port_to_the_supervisor(monkeypatch):
     assert req.get_header("Authorization") == "Bearer tok"
     body = json.loads(req.data)
     assert body == {"service": "wyoming", "config": {"uri": f"tcp://{socket.gethostname()}:{port}"}}
+
+
+# -- the image's entry point ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs the entry point as uid 1000")
+def test_an_api_key_file_uid_1000_cannot_read_is_one_line_and_exit_2():
+    """A secret file mode 0600 owned by root on the host: the image's uid 1000 cannot read it. The entry point
+    says so in one line and exits 2 (compose's `restart: unless-stopped` then restarts it, each time with the
+    line, docs/deploy.md's traps) before any server starts."""
+    folder = Path(tempfile.mkdtemp(prefix="cosyllama-secret-"))  # pytest's own are closed to other users
+    folder.chmod(0o755)
+    key = folder / "api_key"
+    key.write_text("secret\n")
+    key.chmod(0o600)
+    r = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh",
+                        str(ROOT / "deploy" / "entrypoint.sh"), "serve"], capture_output=True, text=True, timeout=30,
+                       env={"PATH": os.environ["PATH"], "COSYLLAMA_API_KEY_FILE": str(key)})
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    shutil.rmtree(folder)
+    assert r.stderr == (f"cosyllama: the API key file {key} cannot be read by uid 1000: make it readable "
+                        "(chmod 0444, or chown 1000 on the host)\n")
