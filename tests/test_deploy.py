@@ -244,6 +244,10 @@ def test_a_server_refusing_its_input_stops_the_addon_with_a_pointer(run, capfd):
     assert err[-1].startswith("cosyllama add-on: stopped: the line above names what to correct")
 
 
+def test_a_server_ended_by_sigterm_gives_the_shells_status(run):
+    assert run.run_server([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]) == 143
+
+
 def test_main_stops_with_exit_2_and_one_line_before_any_model_loads(run, tmp_path, monkeypatch, capfd):
     (tmp_path / "options.json").write_text(json.dumps(options(model_dir=str(tmp_path / "absent"))))
     monkeypatch.setattr(run, "OPTIONS", tmp_path / "options.json")

@@ -199,6 +199,8 @@ def run_server(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
     code = child.wait()
+    if code < 0:  # ended by a signal: the status a shell gives it (143 for SIGTERM)
+        code = 128 - code
     if code == EXIT_USER:
         log("stopped: the line above names what to correct (the add-on's options, or the files under /share)")
     return code
