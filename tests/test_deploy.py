@@ -303,14 +303,16 @@ def test_an_api_key_file_uid_1000_cannot_read_is_one_line_and_exit_2():
     says so in one line and exits 2 (compose's `restart: unless-stopped` then restarts it, each time with the
     line, docs/deploy.md's traps) before any server starts."""
     folder = Path(tempfile.mkdtemp(prefix="cosyllama-secret-"))  # pytest's own are closed to other users
-    folder.chmod(0o755)
-    key = folder / "api_key"
-    key.write_text("secret\n")
-    key.chmod(0o600)
-    r = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh",
-                        str(ROOT / "deploy" / "entrypoint.sh"), "serve"], capture_output=True, text=True, timeout=30,
-                       env={"PATH": os.environ["PATH"], "COSYLLAMA_API_KEY_FILE": str(key)})
+    try:
+        folder.chmod(0o755)
+        key = folder / "api_key"
+        key.write_text("secret\n")
+        key.chmod(0o600)
+        r = subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "sh",
+                            str(ROOT / "deploy" / "entrypoint.sh"), "serve"], capture_output=True, text=True,
+                           timeout=30, env={"PATH": os.environ["PATH"], "COSYLLAMA_API_KEY_FILE": str(key)})
+    finally:
+        shutil.rmtree(folder)
     assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
-    shutil.rmtree(folder)
     assert r.stderr == (f"cosyllama: the API key file {key} cannot be read by uid 1000: make it readable "
                         "(chmod 0444, or chown 1000 on the host)\n")
