@@ -9,7 +9,11 @@ set -eu
 
 key_file=${COSYLLAMA_API_KEY_FILE:-/run/secrets/cosyllama_api_key}
 if [ -z "${COSYLLAMA_API_KEY:-}" ] && [ -f "$key_file" ]; then
-    COSYLLAMA_API_KEY=$(cat "$key_file")
+    # a secret file readable only by its owner on the host stays unreadable to uid 1000: say so, not cat's line
+    if ! COSYLLAMA_API_KEY=$(cat "$key_file" 2>/dev/null); then
+        echo "cosyllama: the API key file $key_file cannot be read by uid $(id -u): make it readable (chmod 0444, or chown $(id -u) on the host)" >&2
+        exit 2
+    fi
     export COSYLLAMA_API_KEY
 elif [ -n "${COSYLLAMA_API_KEY_FILE:-}" ] && [ ! -f "$key_file" ]; then
     echo "cosyllama: COSYLLAMA_API_KEY_FILE=$key_file is not a readable file" >&2

@@ -1,8 +1,7 @@
-"""The container image (deploy/Containerfile) and the Home Assistant add-on (deploy/home-assistant/cosyllama),
-each built and run here with podman (rootful, runc): the tiny model mounted, the HTTP API, Wyoming, volumes,
-a read-only root, no network, SIGTERM. Marked ``container`` (``.ci/run`` runs them in a step of their own:
-``pytest -m container tests/test_container.py``); skipped with the reason where podman, runc or mmdebstrap is
-missing or podman cannot run a container.
+"""The container image (deploy/Containerfile), built and run here with podman (rootful, runc): the tiny model
+mounted, the HTTP API, Wyoming, volumes, a read-only root, no network, SIGTERM. Marked ``container`` (``.ci/run``
+runs them with the Home Assistant add-on's, tests/test_addon.py, in a step of their own); skipped with the reason
+where podman, runc or mmdebstrap is missing or podman cannot run a container.
 
 No image registry is reachable from these machines, so the base image is made from Debian's packages
 (mmdebstrap, then ``podman import``) and passed as the build's BASE_IMAGE; pip inside the build reaches the
@@ -20,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -29,66 +27,39 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from container_helpers import (
+    DEPLOY,
+    HEALTHY_WITHIN_S,
+    PODMAN,
+    ROOT,
+    TEXT,
+    ULIMITS,
+    debian_image,
+    describe,
+    engine_or_skip,
+    free_port,
+    kept_llama_wheel,
+    missing_tools,
+    pip_mounts,
+    podman,
+    report,
+    wyoming_session,
+)
 from cosyllama.cpu import ggml_cpu_variant, kernel_flags
 from helpers import MODEL_DIR
 from server_helpers import PROMPT_TEXT, PROMPT_WAV
 
 pytestmark = pytest.mark.container
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
-ADDON = DEPLOY / "home-assistant" / "cosyllama"
-PODMAN = ["podman", "--runtime", "runc"]  # crun fails on this kernel's cgroup layout
-# podman's default rlimits exceed what this sandbox lets a container set
-ULIMITS = ["--ulimit", "nofile=16384:16384", "--ulimit", "nproc=16384:16384"]
 TAG = "localhost/cosyllama:test"
-ADDON_TAG = "localhost/cosyllama-addon:test"
 BASE_TAG = "localhost/cosyllama-base:bookworm"
 BASE_PACKAGES = "python3,python3-venv,ca-certificates,tini"
-HEALTHY_WITHIN_S = 120  # the tiny model: the image's Python, torch and llama.cpp load, then the model
 STOP_WITHIN_S = 10
 API_KEY = "test-key-" + uuid.uuid4().hex[:8]
 SEED = 5
-TEXT = "Hello from the container."
-# the machine's pip configuration and package directories, mounted into the build where they exist
-PIP_MOUNTS = ["/etc/pip.conf", "/etc/xdg/pip", "/root/.config/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more",
-              "/etc/ssl/certs/ca-certificates.crt"]
 
-
-def _missing() -> str | None:
-    for tool in ("podman", "runc", "mmdebstrap"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (apt-get install podman runc mmdebstrap)"
-    if os.geteuid() != 0:
-        return "the container tests run podman rootful (as root)"
-    return None
-
-
-if (_why := _missing()) is not None:
+if (_why := missing_tools()) is not None:
     pytest.skip(_why, allow_module_level=True)
-
-
-def report(config, line: str) -> None:
-    """A line on the terminal whatever pytest captures (build times, size, the CPU line)."""
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if tr is not None:
-        with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
-            tr.write_line(f"[container] {line}")
-
-
-def podman(*args: str, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run([*PODMAN, *args], capture_output=True, text=True, timeout=timeout, **kw)
-    if check and r.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args[:3])} ... exited {r.returncode}:\n{r.stdout[-3000:]}\n"
-                             f"{r.stderr[-3000:]}")
-    return r
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- building --------------------------------------------------------------------------------------------------
@@ -96,24 +67,14 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def engine():
-    r = subprocess.run([*PODMAN, "info", "--format", "{{.Host.OCIRuntime.Name}}"], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"podman cannot run here: {r.stderr.strip()[:300]}")
-    return r.stdout.strip()
+    return engine_or_skip(pytest)
 
 
 @pytest.fixture(scope="session")
-def base_image(engine, tmp_path_factory, pytestconfig):
+def base_image(engine, pytestconfig):
     """A Debian 12 base (what debian:bookworm-slim is, plus Python and tini) from Debian's packages."""
-    tar = tmp_path_factory.mktemp("base") / "base.tar"
-    t0 = time.monotonic()
-    r = subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm",
-                        str(tar), "http://deb.debian.org/debian"], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    podman("import", str(tar), BASE_TAG)
-    tar.unlink()
-    report(pytestconfig, f"base image {BASE_TAG} (mmdebstrap bookworm minbase + {BASE_PACKAGES}): "
-                         f"{time.monotonic() - t0:.0f} s")
+    took = debian_image(BASE_TAG, BASE_PACKAGES)
+    report(pytestconfig, f"base image {BASE_TAG} (mmdebstrap bookworm minbase + {BASE_PACKAGES}): {took:.0f} s")
     return BASE_TAG
 
 
@@ -121,17 +82,14 @@ def base_image(engine, tmp_path_factory, pytestconfig):
 def llama_wheel(pytestconfig) -> Path:
     """The llama-cpp-python wheel with every CPU variant, built once per version and flags."""
     t0 = time.monotonic()
-    r = subprocess.run(["sh", str(DEPLOY / "llama-wheel.sh")], capture_output=True, text=True, timeout=5400)
-    assert r.returncode == 0, r.stderr[-3000:]
-    wheels = Path(r.stdout.strip().splitlines()[-1])
+    wheels, built = kept_llama_wheel()
     report(pytestconfig, f"llama-cpp-python wheel {wheels.name}: "
-                         + ("cached" if "building" not in r.stderr else f"built in {time.monotonic() - t0:.0f} s"))
+                         + (f"built in {time.monotonic() - t0:.0f} s" if built else "cached"))
     return wheels
 
 
 def build_mounts(wheels: Path) -> list[str]:
-    mounts = [f"--volume={wheels}:/wheels:ro"]
-    return mounts + [f"--volume={p}:{p}:ro" for p in PIP_MOUNTS if os.path.exists(p)]
+    return [f"--volume={wheels}:/wheels:ro", *pip_mounts()]
 
 
 @pytest.fixture(scope="session")
@@ -283,29 +241,6 @@ def speech_pcm(url: str, key: str | None = API_KEY, **body) -> bytes:
                    json={"input": TEXT, "voice": "en", "seed": SEED, "response_format": "pcm", **body})
     assert r.status_code == 200, r.text
     return r.content
-
-
-async def wyoming_session(port: int, *events) -> list:
-    from wyoming.client import AsyncTcpClient
-
-    async with AsyncTcpClient("127.0.0.1", port) as client:
-        got = []
-        for e in events:
-            await client.write_event(e.event())
-        while True:
-            event = await asyncio.wait_for(client.read_event(), 300)
-            assert event is not None, f"closed after {[g.type for g in got]}"
-            got.append(event)
-            if event.type in ("info", "audio-stop", "error"):
-                return got
-
-
-def describe(port: int) -> dict:
-    from wyoming.info import Describe
-
-    info = (asyncio.run(wyoming_session(port, Describe())))[-1]
-    assert info.type == "info", info
-    return info.data
 
 
 # -- the tests ---------------------------------------------------------------------------------------------------
@@ -479,69 +414,3 @@ def test_demo_runs_with_no_weights_and_no_network(image, volumes, pytestconfig):
     for ln in out.splitlines():
         if ln.strip().startswith(("cpu:", "llama.cpp build:")):
             report(pytestconfig, "  " + ln.strip())
-
-
-# -- the Home Assistant add-on -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def addon_image(image, pytestconfig):
-    t0 = time.monotonic()
-    podman("build", "--format", "docker", "--network", "none", *ULIMITS, "--build-arg", f"BUILD_FROM={image}",
-           "-t", ADDON_TAG, str(ADDON), timeout=900)
-    report(pytestconfig, f"add-on image {ADDON_TAG} built over {image} in {time.monotonic() - t0:.0f} s")
-    return ADDON_TAG
-
-
-def test_addon_config_is_what_home_assistant_reads():
-    import yaml
-
-    config = yaml.safe_load((ADDON / "config.yaml").read_text())
-    assert config["discovery"] == ["wyoming"] and "10200/tcp" in config["ports"]
-    assert set(config["options"]) == set(config["schema"])
-    assert {"model_dir", "voices_dir", "threads", "precision", "default_voice"} <= set(config["options"])
-    assert config["options"]["voices_dir"] == "/share/cosyllama/voices"
-    assert any(m == "share" or (isinstance(m, dict) and m.get("type") == "share") for m in config["map"])
-    assert yaml.safe_load((ADDON / "build.yaml").read_text())["build_from"]["amd64"]
-    en = yaml.safe_load((ADDON / "translations" / "en.yaml").read_text())
-    assert set(en["configuration"]) == set(config["options"])
-    assert (ADDON / "DOCS.md").is_file()
-
-
-def test_addon_answers_describe_with_the_configured_voice(addon_image, models, tmp_path):
-    """The add-on's image with an options.json as the Supervisor writes it: the model and voice folders under
-    /share, the default voice set; Wyoming's describe lists the voice and names it the default, the add-on's
-    health check (a describe of its own) passes, and the voice speaks."""
-    from wyoming.tts import Synthesize
-
-    data, share = tmp_path / "data", tmp_path / "share"
-    anna = share / "cosyllama" / "voices" / "anna"
-    anna.mkdir(parents=True)
-    data.mkdir()
-    shutil.copy(PROMPT_WAV, anna / "ref.wav")
-    (anna / "ref.txt").write_text(PROMPT_TEXT)
-    shutil.copytree(models, share / "cosyllama" / "model")
-    options = {"model_dir": "/share/cosyllama/model", "gguf": "cv3-tiny-f32.gguf",
-               "voices_dir": "/share/cosyllama/voices", "default_voice": "anna", "threads": 1, "precision": "fp32",
-               "api_key": ""}
-    (data / "options.json").write_text(json.dumps(options))
-    name = f"cosyllama-test-addon-{uuid.uuid4().hex[:6]}"
-    wyoming = free_port()
-    podman("run", "--detach", "--name", name, *ULIMITS, "-p", f"127.0.0.1:{wyoming}:10200",
-           "--volume", f"{data}:/data", "--volume", f"{share}:/share", addon_image)
-    try:
-        deadline = time.monotonic() + HEALTHY_WITHIN_S
-        while podman("healthcheck", "run", name, check=False).returncode != 0:
-            running = json.loads(podman("inspect", "--format", "{{json .State}}", name).stdout)["Running"]
-            logs = podman("logs", name, check=False)
-            assert running and time.monotonic() < deadline, (logs.stdout + logs.stderr)[-4000:]
-            time.sleep(2)
-        info = describe(wyoming)
-        voices = {v["name"]: v["description"] for v in info["tts"][0]["voices"]}
-        assert "anna" in voices and "(anna)" in voices.get("default", ""), voices
-        events = asyncio.run(wyoming_session(wyoming, Synthesize(text=TEXT)))
-        assert events[-1].type == "audio-stop", [e.type for e in events]
-        assert (share / "cosyllama" / "voices" / "anna" / "voice.pt").is_file()
-        assert (data / "cache").is_dir()
-    finally:
-        podman("rm", "--force", "--time", "0", name, check=False)
