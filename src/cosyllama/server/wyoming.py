@@ -61,7 +61,7 @@ from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .client_json import clip
 from .conn import ConnectionLimits, bound_send_buffer
-from .errors import wyoming_error
+from .errors import Refusal, wyoming_error
 from .job import SynthesisJob
 from .session import GONE, Audio, Sentence, Session, Template, UtteranceDone
 from .wyoming_wire import (
@@ -269,7 +269,7 @@ class _Connection:
                 try:
                     event = await self._read_event()
                 except InputError as e:  # a malformed event, one over its bounds, the idle timeout, a refusal
-                    if isinstance(e, RequestRefused) and e.code == "idle_timeout":
+                    if isinstance(e, Refusal) and e.code == "idle_timeout":  # the session's own refusal
                         log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer,
                                  self.limits.idle_timeout)
                     await self.session.aclose()
