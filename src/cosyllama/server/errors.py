@@ -82,7 +82,8 @@ class ApiError(Exception):
 
 
 def busy(message: str) -> ApiError:
-    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
+    """503 with ``Retry-After``; its ``code`` is ``server_busy``, as the WebSocket's ``error`` says."""
+    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)}, code="server_busy")
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
@@ -133,7 +134,7 @@ def websocket_error(e: BaseException, names: Mapping[str, str]) -> tuple[dict, i
     if err.status >= 500 and err.status != 503:
         return ({"type": "error", "message": "synthesis failed (an error in the server; its log has the details)",
                  "code": "internal_error", "param": None}, CLOSE_FAILED)
-    code = err.code or ("server_busy" if err.status == 503 else err.type)
+    code = err.code or err.type
     return ({"type": "error", "message": err.message, "code": code, "param": err.param},
             CLOSE_BUSY if err.status == 503 else CLOSE_REFUSED)
 
