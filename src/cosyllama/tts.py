@@ -39,6 +39,7 @@ from .llm.takes import BadTake, RetryTake, Take, retry_seed
 from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
+from .seeds import offset_seed
 from .text.lexicon import Lexicon
 from .text.normalize import TextNormalizer
 from .voices import VoiceStore
@@ -451,8 +452,8 @@ class TTS:
             yield from (int(t) for t in inp.source_speech_tokens.tolist())
             return
         prefill = Prefill(inp.llm_text_ids, tuple(int(t) for t in inp.llm_prompt_speech_tokens.tolist()))
-        seed = None if opts.seed is None else opts.seed + segment
-        dec = DecodeOptions(greedy=opts.greedy, seed=seed, max_len=opts.max_tokens, ignore_stop=opts.ignore_stop)
+        dec = DecodeOptions(greedy=opts.greedy, seed=offset_seed(opts.seed, segment), max_len=opts.max_tokens,
+                            ignore_stop=opts.ignore_stop)
         flt = SilentTokenFilter()
         for tok in self.token_source.generate(prefill, len(inp.text_ids), dec, cancel=cancel):
             if flt.keep(tok):
