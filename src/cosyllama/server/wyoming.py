@@ -11,7 +11,8 @@ What a connection may send (the `wyoming` package's events):
   ``default`` (the voice of a request that names none: ``--default-voice``, else the first
   registered voice in alphabetical order); every voice speaks every language CosyVoice3 speaks.
 * ``synthesize`` (text, optional voice) -> ``audio-start``, ``audio-chunk``s as streaming synthesis
-  makes them (24 kHz, 16-bit, mono), ``audio-stop``.
+  makes them (24 kHz, 16-bit, mono; at a ``--speed`` other than 1 each text segment's audio once it is
+  whole), ``audio-stop``.
 * ``synthesize-start`` (optional voice), ``synthesize-chunk``s (text as it is written, e.g. by an
   LLM), ``synthesize-stop``: each sentence is spoken as soon as it is complete
   (:func:`cosyllama.text.normalize.take_sentences`), in one voice, one after the other, as one audio stream
@@ -23,7 +24,9 @@ This module is the codec: a connection's events become calls on a
 timeout), whose events become Wyoming events. A request (one ``synthesize``, or ``synthesize-start``
 to ``-stop``) is one of the session's utterances: it holds one of the server's running slots from its
 first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
-batched with everyone else's; sentence ``k`` is seeded with the server's seed ``+ k``. A bad
+batched with everyone else's. The protocol carries no synthesis options: every request takes the server's
+(``--seed``, ``--greedy``, ``--speed``, ``--loudness``, ``--retries``); with ``--seed N`` sentence ``k`` is
+seeded ``N + k`` (without it, each sentence gets a fresh seed). A bad
 request (unknown voice, no text, over a limit, the server busy) is answered with an ``error`` event,
 after which the server closes the connection (Home Assistant's client waits for audio until then). A
 client that closes the connection cancels its session: the LLM sequence is released at the next decode
@@ -129,8 +132,11 @@ class WyomingService:
         self.serving, self.tts = serving, serving.tts
         self.default_voice = serving.options.default_voice
         self.languages = serving.options.languages or LANGUAGES  # what describe lists, the first one first
-        self.options = replace(serving.options.defaults, stream=True)
-        check_options(self.options)  # e.g. a speed, which streaming synthesis cannot make: refused at start
+        defaults = serving.options.defaults
+        # streaming synthesis, but at a speed other than 1 (which stretches the finished audio) each sentence is
+        # synthesized whole, as a WebSocket stream at that speed is
+        self.options = replace(defaults, stream=defaults.speed == 1.0)
+        check_options(self.options)
         self.limits: ConnectionLimits = serving.options.connection_limits
         self.caps = event_caps(serving.limits)
         self.connections: dict[asyncio.Task, _Connection] = {}
