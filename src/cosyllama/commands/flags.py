@@ -12,6 +12,8 @@ from ..defaults import (
     LLM_PRECISION,
     LLM_PRECISIONS,
     LLM_WEIGHTS,
+    LOG_LEVEL,
+    LOG_LEVELS,
     MAX_QUEUE,
     MAX_RETRIES,
     PRECISION,
@@ -129,6 +131,10 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prompt-cache-mb", type=float, default=None,
                    help="bound of the flow blocks shared between requests of one voice in MiB "
                         "(default 512 when the streaming cache is on; 0 = off)")
+    v.add_argument("--log-level", choices=LOG_LEVELS, default=LOG_LEVEL,
+                   help=f"the least severe log lines written to stderr (default {LOG_LEVEL}: the start, each "
+                        "refusal, each client closed for a timeout and the stop, one line each; warning: only what "
+                        "needs a look)")
 
 
 def add_request_default_options(p: argparse.ArgumentParser) -> None:

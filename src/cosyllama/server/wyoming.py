@@ -64,7 +64,7 @@ from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .client_json import clip
 from .conn import ConnectionLimits, bound_send_buffer
-from .errors import Refusal, wyoming_error
+from .errors import Refusal, log_refusal, wyoming_error
 from .job import SynthesisJob
 from .session import GONE, Audio, Sentence, Session, Template, UtteranceDone
 from .wyoming_wire import (
@@ -262,6 +262,7 @@ class _Connection:
                                max_waiting_chars=QUEUED_INPUTS * limits.input_chars, noun="event")
         self.stream = False  # a synthesize-start ... -stop is open
         self.failed = False
+        self.logged = False  # the failure being answered has its line in the log already
         self.started = False  # the request being spoken has sent audio-start
         self.ms = 0.0  # its audio so far
 
@@ -278,6 +279,7 @@ class _Connection:
                     if isinstance(e, Refusal) and e.code == "idle_timeout":  # the session's own refusal
                         log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer,
                                  self.limits.idle_timeout)
+                        self.logged = True
                     await self.session.aclose()
                     await self.fail(e)
                     break
@@ -307,11 +309,13 @@ class _Connection:
         except InputError as e:  # malformed, or over its bounds: one (rate-limited) line for the operator
             if not isinstance(e, ProtocolError):  # fail() says so for a ProtocolError
                 self.service.warn_bad_client(self.peer, str(e))
+                self.logged = True
             raise
         except asyncio.TimeoutError:
             seconds = self.limits.header_timeout
             log.info("closed the Wyoming connection of %s: an event took more than %g s (--header-timeout)",
                      self.peer, seconds)
+            self.logged = True
             await self.fail(RequestRefused(f"the event did not arrive within {seconds:g} s of its first byte "
                                            "(--header-timeout)", "request_timeout"))
             raise _Closed from None
@@ -426,14 +430,18 @@ class _Connection:
             raise ConnectionResetError("the client stopped reading")
 
     async def fail(self, e: BaseException) -> None:
-        """Answer ``e`` with an ``error`` event, then close the connection."""
+        """Answer ``e`` with an ``error`` event, then close the connection; the log has one line of it (a
+        broken protocol's warning, a refusal's line, the server's own failure with its traceback)."""
         if self.failed:
             return
         self.failed = True
+        text, code = wyoming_error(e, API_NAMES)
         if isinstance(e, ProtocolError):
             self.service.warn_bad_client(self.peer, str(e))
+        elif not self.logged and code != "internal_error":
+            log_refusal("a Wyoming request", self.peer, code, text)
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await self.write_event(error_event(e))
+            await self.write_event(Error(text=text, code=code).event())
         self._close()
 
     def _close(self) -> None:
@@ -555,7 +563,7 @@ def run_wyoming(options, uri: str) -> None:
     """Run ``cosyllama wyoming`` at ``uri`` until interrupted; ``options``: a
     :class:`~cosyllama.server.startup.ServingOptions` (the start-up is the one ``serve`` has)."""
     from .serving import prepare
-    from .startup import ready, start
+    from .startup import log_start, ready, start
 
     uri = check_uri(uri)
     models, voices = start(options, lambda: check_listen(uri))
@@ -564,7 +572,7 @@ def run_wyoming(options, uri: str) -> None:
 
     async def main():
         server = await start_wyoming(uri, serving)
-        log.warning("Wyoming server listening on %s (%d voices)", uri, len(serving.tts.voices))
+        log_start(options.load, voices, uri)
         stopped = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
@@ -572,7 +580,7 @@ def run_wyoming(options, uri: str) -> None:
             await stopped.wait()
         finally:
             await server.stop()
-        log.warning("Wyoming server stopped")
+        log.info("Wyoming server stopped")
 
     try:
         asyncio.run(main())
