@@ -28,7 +28,8 @@ from pathlib import Path
 from ..defaults import LOG_LEVEL, LOG_LEVELS
 from ..errors import InputError
 from ..options import LoadOptions
-from ..voices import VoiceDirectory, VoiceStore, describe_ids
+from ..voice_directory import VoiceDirectory
+from ..voices import VoiceStore, describe_ids
 from .options import ServeOptions, ServingOptions
 
 log = logging.getLogger("cosyllama.server")
@@ -136,7 +137,7 @@ def open_voice_store(path: str | None) -> VoiceStore:
     """The voice store ``--voices PATH`` asks for, read and checked (before the model loads, so a
     bad one is reported at once):
 
-    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
+    * a directory (made when missing): a :class:`~cosyllama.voice_directory.VoiceDirectory`; voices
       registered or deleted over HTTP are kept there and seen by every server sharing it; voice
       folders (``NAME/ref.wav`` and ``ref.txt`` or ``instruct.txt``) are made into voices by
       :func:`prepare`; a file or folder that cannot be read is skipped with a warning (it is no
