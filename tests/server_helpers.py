@@ -86,7 +86,7 @@ def float_wav(samples, sr: int = 16_000, subtype: str = "FLOAT") -> bytes:
 def broken_voice_dir(path: Path, voice) -> Path:
     """A voice directory at ``path`` with an empty ``aaa.pt``, a good ``anna.pt`` (``voice``) and a
     truncated ``trunc.pt``."""
-    from cosyllama.voices import VoiceDirectory
+    from cosyllama.voice_directory import VoiceDirectory
 
     VoiceDirectory(path).add("anna", voice)
     good = (path / "anna.pt").read_bytes()

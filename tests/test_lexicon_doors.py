@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.cli import main  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.text.lexicon import Lexicon, LexiconError  # noqa: E402
-from cosyllama.voices import VoiceDirectory  # noqa: E402
+from cosyllama.voice_directory import VoiceDirectory  # noqa: E402
 from server_helpers import PROMPT_TEXT, PROMPT_WAV, json_error, voiced_tts  # noqa: E402
 
 TIMEOUT = 120

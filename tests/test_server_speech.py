@@ -237,6 +237,7 @@ def test_full_server_answers_503(tts, server):
                 with httpx.Client(base_url=srv.url, timeout=60) as c2:
                     busy = c2.post("/v1/audio/speech", json={"input": "Hi.", "voice": "en"})
                 _assert_error(busy, 503, "server_busy")
+                assert busy.json()["error"]["code"] == "server_busy"  # as the WebSocket's error says it
                 assert busy.headers["retry-after"] == "1"
             tts.llm.step_delay = 0.0
             _wait_idle(c)

@@ -30,7 +30,8 @@ from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.startup import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
-from cosyllama.voices import VoiceDirectory, VoiceStore  # noqa: E402
+from cosyllama.voice_directory import VoiceDirectory  # noqa: E402
+from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
 from server_helpers import broken_voice_dir as _broken_dir  # noqa: E402

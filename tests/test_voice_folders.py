@@ -16,15 +16,8 @@ import torch
 
 from cosyllama.errors import InputError
 from cosyllama.tts import TTS
-from cosyllama.voices import (
-    FOLDER_VOICE,
-    ClipEncoder,
-    ReadOnlyVoicesError,
-    UnknownVoiceError,
-    VoiceDirectory,
-    VoiceStore,
-    read_voice_file,
-)
+from cosyllama.voice_directory import FOLDER_VOICE, ClipEncoder, VoiceDirectory
+from cosyllama.voices import ReadOnlyVoicesError, UnknownVoiceError, VoiceStore, read_voice_file
 from helpers import FIXTURES, MODEL_DIR
 
 PROMPT_WAV = FIXTURES / "wavs" / "prompt_en_16k.wav"
@@ -160,12 +153,12 @@ def test_a_voice_file_and_a_folder_of_one_id(tts, tmp_path):
 
 
 def test_a_read_only_folder_is_made_each_time_with_a_warning(tts, tmp_path, caplog, monkeypatch):
-    import cosyllama.voices as voices
+    import cosyllama.voice_directory as voice_directory
 
     def read_only(directory, name, data):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(voices, "_write_durably", read_only)
+    monkeypatch.setattr(voice_directory, "write_durably", read_only)
     root = _layout(tmp_path / "voices")
     store = VoiceDirectory(root, encoder=ClipEncoder.of(tts))
     assert "anna" in store.ids() and not (root / "anna" / FOLDER_VOICE).exists()

@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
-from cosyllama.voices import ClipEncoder, VoiceDirectory  # noqa: E402
+from cosyllama.voice_directory import ClipEncoder, VoiceDirectory  # noqa: E402
 
 
 def _folder(root, name, **texts):

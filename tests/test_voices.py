@@ -16,10 +16,10 @@ import torch
 
 from cosyllama.errors import InputError
 from cosyllama.frontend import PromptFeatures
+from cosyllama.voice_directory import VoiceDirectory
 from cosyllama.voices import (
     ReadOnlyVoicesError,
     UnknownVoiceError,
-    VoiceDirectory,
     VoiceExistsError,
     VoiceStore,
     check_voice_id,
@@ -157,7 +157,7 @@ def test_stale_temporary_files_are_removed_fresh_ones_kept(tmp_path):
 _WRITER = textwrap.dedent("""
     import sys, torch
     from cosyllama.frontend import PromptFeatures
-    from cosyllama.voices import VoiceDirectory
+    from cosyllama.voice_directory import VoiceDirectory
     d = VoiceDirectory(sys.argv[1])
     n = 0
     while True:

@@ -271,11 +271,16 @@ def test_data_that_never_comes_is_closed(server):
     assert closed and _only_error(events)["code"] == "request_timeout"
 
 
-def test_an_idle_connection_is_closed(server):
-    """No event for --idle-timeout: closed, on a fresh connection and after an answered describe."""
+def test_an_idle_connection_is_closed(server, caplog):
+    """No event for --idle-timeout: closed, on a fresh connection and after an answered describe; the
+    operator's log says so in one line (the session refuses with its base Refusal, not the codec's
+    RequestRefused)."""
+    caplog.set_level(logging.INFO, logger="cosyllama")
     events, closed = _run(_raw(server.port, timeout=30))
     data = _only_error(events)
     assert closed and data["code"] == "idle_timeout" and "--idle-timeout" in data["text"]
+    lines = [r.getMessage() for r in caplog.records if "no event for" in r.getMessage()]
+    assert len(lines) == 1 and "(--idle-timeout)" in lines[0], lines
     events, closed = _run(_raw(server.port, _event("describe"), timeout=30))
     assert closed and [e.type for e in events] == ["info", "error"] and events[1].data["code"] == "idle_timeout"
 

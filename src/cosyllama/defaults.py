@@ -30,6 +30,8 @@ INTERLEAVE_MODES = ("off", "first", "all")
 PREFILL_CHUNK = 128  # prompt positions the server's scheduler prefills between two decode steps
 WYOMING_URI = "tcp://127.0.0.1:10200"  # where `cosyllama wyoming` listens (10200: Wyoming's usual TTS port)
 API_KEY_ENV = "COSYLLAMA_API_KEY"  # the server's API key when --api-key is not given
+LOG_LEVELS = ("debug", "info", "warning", "error")  # a server's --log-level: the least severe lines it writes
+LOG_LEVEL = "info"
 LLM_PRECISIONS = ("fp32", "bf16", "fp16")  # the torch LLM's weights and KV cache (fp32: the parity mode)
 LLM_PRECISION = "fp32"
 

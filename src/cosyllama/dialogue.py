@@ -5,9 +5,9 @@ Each turn is one synthesis of its own (its voice, its text, its instruction or s
 when the turn before it has ended, so a dialogue of N turns costs the N turns spoken one by one plus the
 pauses, and holds one LLM sequence at a time. A voice's prompt is prepared once (a registered voice already
 is). The seed rule: turn ``k`` is synthesized with ``seed + 1000·k`` (its segment ``i`` with
-``seed + 1000·k + i``, as any request's), wrapped into the seed range, so a turn sounds the same wherever it
-stands as long as it keeps its place. The output's segments name their speaker (``Segment.voice``), so
-captions say who speaks.
+``seed + 1000·k + i``, as any request's), wrapped into the seed range (:func:`cosyllama.seeds.offset_seed`), so
+a turn sounds the same wherever it stands as long as it keeps its place. The output's segments name their
+speaker (``Segment.voice``), so captions say who speaks.
 
 Scripts come as a plain text (:func:`parse_script`): ``name: text`` lines, a line without a name continuing
 the turn before it; or as JSON: a list of turns ``{"voice", "text", "instructions"?, "speed"?}``, or an object
@@ -26,7 +26,8 @@ import numpy as np
 
 from .captions import Segment, Word
 from .errors import InputError
-from .request import SEED_RANGE, SynthesisOptions, SynthesisRequest
+from .request import SynthesisOptions, SynthesisRequest
+from .seeds import offset_seed
 
 MAX_TURNS = 500
 MAX_PAUSE_S = 10.0
@@ -146,10 +147,7 @@ def script_from_json(data, *, source: str = "the script") -> Script:
 
 def turn_seed(seed: int | None, k: int) -> int | None:
     """The seed of turn ``k`` (the module docstring's rule)."""
-    if seed is None:
-        return None
-    lo, hi = SEED_RANGE
-    return lo + (seed - lo + TURN_SEED_STEP * k) % (hi - lo + 1)
+    return offset_seed(seed, TURN_SEED_STEP * k)
 
 
 def turn_requests(turns: Sequence[Turn], options: SynthesisOptions, limits=None,

@@ -25,13 +25,13 @@ from typing import Any
 from .defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
 from .errors import InputError
 from .limits import RequestLimits
+from .seeds import SEED_RANGE  # seeds every door takes (OpenAI-style JSON integers, torch's generator)
 from .text.normalize import text_problem
 
 MODES = ("zero-shot", "cross-lingual", "instruct")  # the modes a text request chooses between
 # the frontend's name of each mode (its ModelInput.mode), and "vc" for voice conversion, which takes no text
 FRONTEND_MODES = {"zero-shot": "zero_shot", "cross-lingual": "cross_lingual", "instruct": "instruct2"}
 VC_MODE = "vc"
-SEED_RANGE = (0, 2**31 - 1)  # seeds every door takes (OpenAI-style JSON integers, torch's generator)
 # loudness targets every door takes, LUFS (cosyllama.loudness.LOUDNESS_RANGE; kept here so a request is checked
 # without importing numpy's side of it)
 LOUDNESS_RANGE = (-70.0, -5.0)
@@ -83,7 +83,7 @@ class SynthesisOptions:
 
     stream: yield audio chunk by chunk as tokens are decoded. speed: 0.25-4.0 time stretch of the
     finished mel (non-streaming only). greedy: argmax decoding. seed: makes sampling reproducible
-    (segment i uses seed + i), 0 to 2**31 - 1. text_frontend: normalize and split the text.
+    (segment i uses seed + i, wrapped: cosyllama.seeds), 0 to 2**31 - 1. text_frontend: normalize and split the text.
     russian_numbers: spell numbers in Russian sentences in Russian (else English, as the reference does).
     max_tokens / ignore_stop: decoding overrides used by benchmarks. word_times: align each segment's words
     after its audio has been yielded (``Segment.words``; :mod:`cosyllama.alignment`); the audio is the same.

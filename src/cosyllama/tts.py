@@ -40,6 +40,7 @@ from .loudness_stage import even_loudness
 from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
+from .seeds import offset_seed
 from .synthesis import Synthesis, Timings
 from .text.lexicon import Lexicon
 from .text.normalize import TextNormalizer
@@ -394,8 +395,8 @@ class TTS:
             yield from (int(t) for t in inp.source_speech_tokens.tolist())
             return
         prefill = Prefill(inp.llm_text_ids, tuple(int(t) for t in inp.llm_prompt_speech_tokens.tolist()))
-        seed = None if opts.seed is None else opts.seed + segment
-        dec = DecodeOptions(greedy=opts.greedy, seed=seed, max_len=opts.max_tokens, ignore_stop=opts.ignore_stop)
+        dec = DecodeOptions(greedy=opts.greedy, seed=offset_seed(opts.seed, segment), max_len=opts.max_tokens,
+                            ignore_stop=opts.ignore_stop)
         flt = SilentTokenFilter()
         for tok in self.token_source.generate(prefill, len(inp.text_ids), dec, cancel=cancel):
             if flt.keep(tok):

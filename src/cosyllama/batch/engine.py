@@ -63,8 +63,8 @@ def voice_files(path: str | Path) -> list[Path]:
 
 def voice_folders(path: str | Path) -> dict[str, Path]:
     """The voice folders of a ``--voices`` directory (``NAME/ref.wav``, see
-    :func:`cosyllama.voices.read_voice_folder`), by id; none for a file."""
-    from ..voices import is_voice_folder
+    :func:`cosyllama.voice_directory.read_voice_folder`), by id; none for a file."""
+    from ..voice_directory import is_voice_folder
 
     p = Path(path)
     if not p.is_dir():
@@ -74,9 +74,9 @@ def voice_folders(path: str | Path) -> dict[str, Path]:
 
 def load_voices(store, path: str | Path | None, encoder=None) -> None:
     """Register the voices of ``path`` (see :func:`voice_files`) in ``store``, and its voice folders'
-    made with ``encoder`` (a :class:`~cosyllama.voices.ClipEncoder`; kept in each folder): a folder
+    made with ``encoder`` (a :class:`~cosyllama.voice_directory.ClipEncoder`; kept in each folder): a folder
     that cannot be made into a voice is skipped with a warning, as ``serve`` skips it."""
-    from ..voices import read_voice_folder
+    from ..voice_directory import read_voice_folder
 
     if path is None:
         return
@@ -95,7 +95,8 @@ def load_models(opts: EngineOptions):
     """The :class:`~cosyllama.models.Models` an engine runs, and a voice store with the voices of ``opts.voices``."""
     from ..models import Models
     from ..tts import TTS
-    from ..voices import ClipEncoder, VoiceStore
+    from ..voice_directory import ClipEncoder
+    from ..voices import VoiceStore
 
     models, voices = Models.load(opts.load), VoiceStore()
     load_voices(voices, opts.voices, ClipEncoder.of(TTS.from_models(models, voices=voices)))

@@ -123,7 +123,8 @@ def _check_args(args) -> EngineOptions:
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool], dict[str, bool]]:
     """Registered voice ids, whether each has a transcript and whether each has its own style
     instruction (read without loading a model)."""
-    from ..voices import INSTRUCT_TXT, REF_TXT, VoiceStore
+    from ..voice_directory import INSTRUCT_TXT, REF_TXT
+    from ..voices import VoiceStore
 
     if path is None:
         return set(), {}, {}

@@ -59,7 +59,7 @@ def run_script(tts, script: ReadScript, args, options, progress):
     """The dialogue's synthesis: ``--voices`` registered, a voice naming an audio file made into a voice once
     (named by the file's stem in captions), every other voice a registered id."""
     from ..batch.engine import load_voices
-    from ..voices import ClipEncoder
+    from ..voice_directory import ClipEncoder
 
     load_voices(tts.voices, args.voices, ClipEncoder.of(tts))
     made: dict[str, object] = {}

@@ -12,6 +12,8 @@ from ..defaults import (
     LLM_PRECISION,
     LLM_PRECISIONS,
     LLM_WEIGHTS,
+    LOG_LEVEL,
+    LOG_LEVELS,
     MAX_QUEUE,
     MAX_RETRIES,
     PRECISION,
@@ -19,6 +21,7 @@ from ..defaults import (
     PREFILL_CHUNK,
     RETRIES,
     SERVE_PARALLEL,
+    SPEED_RANGE,
 )
 
 # --precision's choices: defaults.PRECISIONS with auto (the default) first, as --help lists them
@@ -98,6 +101,7 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--max-queue", type=int, default=MAX_QUEUE,
                    help=f"requests that may wait; more are refused as busy (default {MAX_QUEUE})")
     add_limit_options(v)
+    add_request_default_options(v)
     add_retries_option(v, served=True)
     v.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                    help=f"prompt positions prefilled between two decode steps of the other requests, so a long "
@@ -127,6 +131,26 @@ def add_serving_options(v: argparse.ArgumentParser) -> None:
     v.add_argument("--prompt-cache-mb", type=float, default=None,
                    help="bound of the flow blocks shared between requests of one voice in MiB "
                         "(default 512 when the streaming cache is on; 0 = off)")
+    v.add_argument("--log-level", choices=LOG_LEVELS, default=LOG_LEVEL,
+                   help=f"the least severe log lines written to stderr (default {LOG_LEVEL}: the start, each "
+                        "refusal, each client closed for a timeout and the stop, one line each; warning: only what "
+                        "needs a look)")
+
+
+def add_request_default_options(p: argparse.ArgumentParser) -> None:
+    """``--seed``, ``--greedy``, ``--speed``: what every request of ``serve`` and ``wyoming`` starts from
+    (:attr:`~cosyllama.server.options.ServingOptions.defaults`); an HTTP or WebSocket request that gives the field
+    keeps its own, a Wyoming request (which carries none of them) always takes the server's."""
+    g = p.add_argument_group("what every request starts from (HTTP and WebSocket requests that give the field keep "
+                             "theirs; Wyoming requests, which carry none, take these)")
+    g.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="seed of sampling, 0 to 2**31-1: the same text in the same voice sounds the same every time "
+                        "(sentence k of a stream, segment k of a text: N + k); default: a fresh seed per request")
+    g.add_argument("--greedy", action="store_true",
+                   help="argmax decoding instead of sampling (deterministic, flatter; default: sampling)")
+    g.add_argument("--speed", type=float, default=1.0, metavar="X",
+                   help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (default 1.0); other than 1, each "
+                        "sentence is synthesized whole before its audio is sent (its first audio comes later)")
 
 
 def add_loudness_option(p: argparse.ArgumentParser, help: str) -> None:

@@ -58,7 +58,9 @@ def serving_options(args):
 
     loudness = getattr(args, "loudness", None)
     try:
-        defaults = SynthesisOptions(loudness=loudness, retries=args.retries)  # what requests that give none get
+        # what requests that give none get (--seed, --greedy, --speed, --loudness, --retries)
+        defaults = SynthesisOptions(loudness=loudness, retries=args.retries, seed=args.seed, greedy=args.greedy,
+                                    speed=args.speed)
         check_options(defaults)
     except RequestError as e:
         raise e.as_flag() from None

@@ -34,7 +34,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..server.app import serve  # the server extra's hint before anything else
+    from ..server.startup import configure_logging
     from .options import serve_options
 
-    serve(serve_options(args))
+    configure_logging(args.log_level)
+    serve(serve_options(args), log_level=args.log_level)
     return 0

@@ -190,7 +190,7 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
             syn = run_script(tts, script, args, synthesis_options, progress)
         elif args.ssml:
             from ..batch.engine import load_voices
-            from ..voices import ClipEncoder
+            from ..voice_directory import ClipEncoder
 
             load_voices(tts.voices, args.voices, ClipEncoder.of(tts))
             syn = tts.ssml(args.text, tts.make_voice(args.prompt_wav, args.prompt_text), options=synthesis_options)

@@ -19,8 +19,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..server.startup import configure_logging
     from ..server.wyoming import run_wyoming  # the wyoming extra's hint before anything else
     from .options import serving_options
 
+    configure_logging(args.log_level)
     run_wyoming(serving_options(args), args.uri)
     return 0

@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+from ..seeds import offset_seed
 from .decode import SILENT_TOKENS, SilentTokenFilter
 
 LOOP_MAX_PERIOD = 50  # tokens (2 s): the longest repeating stretch looked for
 LOOP_MIN_REPEATS = 3  # the stretch at least this many times in a row
 LOOP_MIN_TOKENS = 25  # and its repeats after the first pass at least this many tokens (1 s)
 RETRY_SEED_STRIDE = 1 << 20  # attempt k of segment i: seed + i + k * stride (wrapped into the seed range)
-SEED_MODULUS = 1 << 31  # request.SEED_RANGE[1] + 1
 
 REASONS = ("loop", "runaway")
 ACTIONS = ("retried", "cut", "kept")
@@ -35,11 +35,9 @@ def loop_bound(period: int) -> int:
 
 def retry_seed(seed: int | None, segment: int, attempt: int) -> int | None:
     """The seed of ``attempt`` (0: the first take) of text segment ``segment``: ``seed + segment`` for the
-    first take (the seed rule), ``seed + segment + attempt * 2**20`` after, wrapped into 0 .. 2**31 - 1;
-    None (fresh entropy) stays None."""
-    if seed is None:
-        return None
-    return (seed + segment + attempt * RETRY_SEED_STRIDE) % SEED_MODULUS
+    first take (the seed rule), ``seed + segment + attempt * 2**20`` after, wrapped into 0 .. 2**31 - 1
+    (:func:`cosyllama.seeds.offset_seed`); None (fresh entropy) stays None."""
+    return offset_seed(seed, segment + attempt * RETRY_SEED_STRIDE)
 
 
 @dataclass(frozen=True)

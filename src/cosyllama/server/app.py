@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from .. import __version__
-from ..defaults import MAX_QUEUE, MAX_VOICES
+from ..defaults import LOG_LEVEL, MAX_QUEUE, MAX_VOICES
 from ..errors import MissingDependencyError
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
@@ -38,7 +38,7 @@ from ..request import SynthesisOptions
 from ..voices import VoiceStore
 from .options import DEFAULT_MAX_PROMPT_BYTES, ServeOptions, ServingOptions
 from .serving import Serving, prepare
-from .startup import check_can_listen, ready, start
+from .startup import check_can_listen, log_start, ready, start
 
 try:
     from fastapi import APIRouter, FastAPI, Request
@@ -50,10 +50,11 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
 from .captioned import router as captioned_router  # noqa: E402
+from .client_json import clip_param  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .dialogue import router as dialogue_router  # noqa: E402
-from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body  # noqa: E402
+from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body, log_refusal  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
 from .speech import VoiceNames  # noqa: E402
@@ -105,18 +106,28 @@ async def health(request: Request):
 # -- errors -----------------------------------------------------------------------------------
 
 
+def _refused(request, status: int, code: str | None, message: str) -> None:
+    """The operator's line for a refused request (:func:`~cosyllama.server.errors.log_refusal`); its path is
+    the client's, cut to 64 characters."""
+    client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+    log_refusal(f"{request.method} {clip_param(request.url.path)}", client, f"{status} {code or '-'}", message)
+
+
 async def _api_error(request, e: ApiError):
+    _refused(request, e.status, e.code, e.message)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def _validation_error(request, e: RequestValidationError):
     """422 naming the bad fields (:func:`~cosyllama.server.errors.describe_invalid`)."""
     message, param, code = describe_invalid(e.errors())
+    _refused(request, 422, code, message)
     return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=422)
 
 
 async def _http_error(request, e: StarletteHTTPException):
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    _refused(request, e.status_code, None, str(e.detail))
     return JSONResponse(error_body(str(e.detail), kind), status_code=e.status_code,
                         headers=getattr(e, "headers", None))
 
@@ -168,7 +179,7 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
             from .wyoming import start_wyoming
 
             state.wyoming = await start_wyoming(options.wyoming, serving)
-            log.warning("Wyoming server listening on %s", options.wyoming)
+            log.info("Wyoming server listening on %s", options.wyoming)
         try:
             yield
         finally:
@@ -176,6 +187,7 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
                 await state.wyoming.stop()
             if owns:
                 await run_in_threadpool(serving.close)
+            log.info("stopped serving%s", "" if state.wyoming is None else " (HTTP and Wyoming)")
 
     app = FastAPI(title="cosyllama", summary="CosyVoice3 text-to-speech", lifespan=lifespan)
     # JSON text is at most 4 bytes per character (UTF-8) or 6 as an escape; prompts are files
@@ -236,9 +248,9 @@ def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFA
 # Running it
 
 
-def serve(options: ServeOptions) -> None:
+def serve(options: ServeOptions, log_level: str = LOG_LEVEL) -> None:
     """Run the server until interrupted (``cosyllama serve``): the shared start-up
-    (:func:`cosyllama.server.startup.start`), the app, uvicorn."""
+    (:func:`cosyllama.server.startup.start`), the app, uvicorn (its own lines from ``log_level`` up)."""
     import uvicorn
 
     s = options.serving
@@ -262,8 +274,9 @@ def serve(options: ServeOptions) -> None:
     if options.host not in ("127.0.0.1", "localhost", "::1") and options.api_key is None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     options.host, API_KEY_ENV)
+    log_start(s.load, voices, f"http://{options.host}:{options.port}")
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level="info",
+        uvicorn.run(app, host=options.host, port=options.port, log_level=log_level,
                     **uvicorn_options(s.connection_limits), **uvicorn_ws_options(s.limits))
     finally:
         serving.close()

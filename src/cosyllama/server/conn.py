@@ -293,8 +293,8 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             if self.transport.is_closing():
                 return
             client = "%s:%d" % self.client if self.client else "a client"
-            log.info("closed the connection of %s: its request %s took more than %g s", client,
-                     "headers" if kind == "header" else "body", seconds)
+            log.info("closed the connection of %s: its request %s took more than %g s (--%s-timeout)", client,
+                     "headers" if kind == "header" else "body", seconds, kind)
             c = self.cycle
             if kind == "header" or c is None or not c.response_started:
                 flag = f"--{kind}-timeout"

@@ -93,8 +93,10 @@ async def turn_requests(body: SpeechRequest, state, turns: list[DialogueTurn], w
     ``/v1/audio/speech`` checks a request (its voice found: a 404 names the turn ``where[k]``) and seeded by
     the dialogue's seed rule; returns how it streams, the requests and the turns' voice names."""
     streaming, requests = None, []
+    # the dialogue's seed: the body's, else the server's (--seed), which each turn's explicit seed would hide
+    seed = body.seed if "seed" in body.model_fields_set else state.serving.options.defaults.seed
     for k, t in enumerate(turns):
-        update = {"input": t.text, "voice": t.voice_name(), "seed": turn_seed(body.seed, k)}
+        update = {"input": t.text, "voice": t.voice_name(), "seed": turn_seed(seed, k)}
         if t.speed is not None:
             update["speed"] = t.speed
         if t.instructions is not None:

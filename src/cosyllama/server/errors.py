@@ -47,6 +47,10 @@ log = logging.getLogger("cosyllama.server")
 # internal_error): nothing of its files, libraries or exceptions, which go to the log
 INTERNAL_ERROR = "internal error; the server's log has the details"
 
+# characters of a refusal's message its log line keeps (the message is what the client was told, its own
+# strings in it already cut to 64 characters; this only keeps the line short)
+LOGGED_MESSAGE_CHARS = 200
+
 # WebSocket close codes (RFC 6455, 7.4.1)
 CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, CLOSE_FAILED, CLOSE_BUSY = 1000, 1008, 1009, 1011, 1013
 
@@ -82,7 +86,8 @@ class ApiError(Exception):
 
 
 def busy(message: str) -> ApiError:
-    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)})
+    """503 with ``Retry-After``; its ``code`` is ``server_busy``, as the WebSocket's ``error`` says."""
+    return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)}, code="server_busy")
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
@@ -133,7 +138,7 @@ def websocket_error(e: BaseException, names: Mapping[str, str]) -> tuple[dict, i
     if err.status >= 500 and err.status != 503:
         return ({"type": "error", "message": "synthesis failed (an error in the server; its log has the details)",
                  "code": "internal_error", "param": None}, CLOSE_FAILED)
-    code = err.code or ("server_busy" if err.status == 503 else err.type)
+    code = err.code or err.type
     return ({"type": "error", "message": err.message, "code": code, "param": err.param},
             CLOSE_BUSY if err.status == 503 else CLOSE_REFUSED)
 
@@ -160,6 +165,20 @@ def wyoming_error(e: BaseException, names: Mapping[str, str]) -> tuple[str, str]
     return " ".join(str(e).split()), code
 
 
+def log_refusal(what: str, client: str, answer: str, message: str | None = None) -> None:
+    """The operator's one line for a refusal a door answers: ``what`` was refused (an HTTP request's method
+    and path, a session), of which ``client``, with which ``answer`` (the status or close code and the
+    error's code), and the ``message`` the client was told, on one line and at most
+    :data:`LOGGED_MESSAGE_CHARS` of it (none for a refusal whose message quotes a header unbounded)."""
+    if message is None:
+        log.info("refused %s of %s: %s", what, client, answer)
+        return
+    text = " ".join(message.split())
+    if len(text) > LOGGED_MESSAGE_CHARS:
+        text = text[:LOGGED_MESSAGE_CHARS] + "..."
+    log.info("refused %s of %s: %s: %s", what, client, answer, text)
+
+
 def describe_invalid(errors) -> tuple[str, str | None, str | None]:
     """The message naming the bad fields of pydantic's ``errors`` (a validation error's ``errors()``:
     the first 5, then how many more; a client's field name clipped to 64 characters, so the message
@@ -182,4 +201,4 @@ def describe_invalid(errors) -> tuple[str, str | None, str | None]:
 
 
 __all__ = ["INTERNAL_ERROR", "ApiError", "Refusal", "api_error", "busy", "describe_invalid",
-           "error_body", "limit_error", "websocket_error", "wyoming_error"]
+           "error_body", "limit_error", "log_refusal", "websocket_error", "wyoming_error"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -34,6 +35,8 @@ from starlette.datastructures import Headers
 
 from ..defaults import API_KEY_ENV
 from ..errors import InputError
+from .client_json import clip_param
+from .errors import log_refusal
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -73,6 +76,7 @@ class RequestGuard:
         if scope["type"] == "websocket":  # a WebSocket is used, not read: checked like a state-changing request
             refusal = self._check(WEBSOCKET, scope["path"], Headers(scope=scope))
             if refusal is not None:
+                _log(WEBSOCKET, scope, refusal)
                 return await _refuse_websocket(refusal, scope, receive, send)
             return await self.app(scope, receive, send)
         if scope["type"] != "http":
@@ -80,6 +84,7 @@ class RequestGuard:
         headers = Headers(scope=scope)
         refusal = self._check(scope["method"], scope["path"], headers)
         if refusal is not None:
+            _log(scope["method"], scope, refusal)
             return await refusal(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -124,6 +129,15 @@ class RequestGuard:
         except ValueError:
             return False
         return True
+
+
+def _log(method: str, scope, refusal: JSONResponse) -> None:
+    """The operator's line for a refused request: its status and code, not its message (which quotes the
+    client's Origin header whole)."""
+    client = scope.get("client")
+    code = json.loads(refusal.body)["error"]["code"]
+    log_refusal(f"{method} {clip_param(scope['path'])}", f"{client[0]}:{client[1]}" if client else "a client",
+                f"{refusal.status_code} {code}")
 
 
 def has_api_key(headers, api_key: str | None) -> bool:

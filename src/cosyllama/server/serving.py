@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..llm.factory import make_token_source
 from ..llm.scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
-from ..voices import ClipEncoder, VoiceStore
+from ..voice_directory import ClipEncoder
+from ..voices import VoiceStore
 from .admission import Admission
 from .options import ServingOptions
 from .startup import report_voices

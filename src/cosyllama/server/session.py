@@ -10,7 +10,7 @@ here (:meth:`Session.configure`, :meth:`~Session.add_text`, :meth:`~Session.add_
   each one :class:`~cosyllama.request.SynthesisRequest` made from the utterance's template, checked
   when it is queued (a refusal is the client's error at once) and spoken in order.
 * **The seed rule.** Sentence ``k`` of an utterance is seeded with the utterance's seed ``+ k``
-  (wrapped into the seed range), as segment ``k`` of one request is: a text streamed sentence by
+  (:func:`cosyllama.seeds.offset_seed`), as segment ``k`` of one request is: a text streamed sentence by
   sentence gets the seeds it would get sent whole and split the same way.
 * **Admission.** An utterance holds one of the server's running slots
   (:class:`~cosyllama.server.admission.Admission`, the gate HTTP requests take) from its first
@@ -36,7 +36,8 @@ from typing import Protocol
 
 from ..limits import LimitExceeded
 from ..llm.scheduler import RequestCancelled
-from ..request import SEED_RANGE, SynthesisRequest
+from ..request import SynthesisRequest
+from ..seeds import offset_seed
 from .errors import Refusal
 from .job import SynthesisJob
 from .sentences import SentenceStream
@@ -218,8 +219,8 @@ class Session:
         template = self.open_template
         request = template.request
         if request.options.seed is not None:  # the seed rule (module docstring)
-            seed = (request.options.seed + self.n_queued) % (SEED_RANGE[1] + 1)
-            request = replace(request, options=replace(request.options, seed=seed))
+            request = replace(request, options=replace(request.options, seed=offset_seed(request.options.seed,
+                                                                                          self.n_queued)))
         request = replace(request, text=text)  # its rules: refused here
         self._work.put_nowait(Sentence(self.utterance, self.n_queued, text, request, template.door))
         self.n_queued += 1

@@ -300,15 +300,16 @@ async def voice_of(tts, names: VoiceNames, name: str):
 async def check_request(body: SpeechRequest, state: AppState,
                         text: str | None = None) -> tuple[str | None, SynthesisRequest]:
     """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
-    ``response_format`` aac, the voice's name), the serving options' ``defaults`` (seed, greedy)
-    filled in, then the one :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as
-    :class:`ApiError` (422 naming the field, 413 over a limit); ``state``: the app's state (tts,
-    limits, voice names); ``text``: instead of ``body.input`` (a streamed session's sentence).
+    ``response_format`` aac, the voice's name), the serving options' ``defaults`` (seed, greedy, speed,
+    loudness, retries) filled in where the body gives none, then the one
+    :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as :class:`ApiError` (422
+    naming the field, 413 over a limit); ``state``: the app's state (tts, limits, voice names); ``text``:
+    instead of ``body.input`` (a streamed session's sentence).
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
     (:mod:`cosyllama.server.speech_stream`)."""
     defaults = state.serving.options.defaults  # for clients that cannot send cosyllama's fields
-    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy), ("loudness", defaults.loudness),
-                        ("retries", defaults.retries)):
+    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy), ("speed", defaults.speed),
+                        ("loudness", defaults.loudness), ("retries", defaults.retries)):
         if value != SpeechRequest.model_fields[name].default and name not in body.model_fields_set:
             setattr(body, name, value)
     streaming = body.streaming()

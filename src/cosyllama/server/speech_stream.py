@@ -59,7 +59,16 @@ from ..request import HTTP_NAMES
 from .client_json import ClientJSONError, clip, clip_names, clip_param
 from .client_json import loads as client_loads
 from .common import state_of
-from .errors import CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, Refusal, describe_invalid, websocket_error
+from .errors import (
+    CLOSE_FAILED,
+    CLOSE_NORMAL,
+    CLOSE_REFUSED,
+    CLOSE_TOO_BIG,
+    Refusal,
+    describe_invalid,
+    log_refusal,
+    websocket_error,
+)
 from .session import GONE, Audio, Sentence, SentenceDone, Session, Stalled, Template, UtteranceDone
 from .speech import SpeechJob, SpeechRequest, check_request
 
@@ -143,8 +152,8 @@ class _Connection:
         except (WebSocketDisconnect, *GONE):
             return  # the client went away
         except Stalled:
-            log.info("closed a %s session: the client read nothing for %g s (--write-timeout)", PATH,
-                     self.write_timeout)
+            log.info("closed the %s session of %s: it read nothing for %g s (--write-timeout)", PATH,
+                     self._client(), self.write_timeout)
         except Exception as e:
             await session.aclose()
             await self._fail(e)
@@ -273,9 +282,15 @@ class _Connection:
     async def _send_close(self, code: int, reason: str = "") -> None:
         await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
+    def _client(self) -> str:
+        client = self.ws.client
+        return f"{client.host}:{client.port}" if client else "a client"
+
     async def _fail(self, e: BaseException) -> None:
         """Answer ``e`` with an ``error`` message, then close the connection."""
         payload, close = websocket_error(e, STREAM_NAMES)
+        if close != CLOSE_FAILED:  # the server's own failure is logged with its traceback by the mapper
+            log_refusal(f"a {PATH} session", self._client(), f"{close} {payload['code']}", payload["message"])
         if self.session.partial:
             payload.update(partial_audio=True, action="discard")  # vLLM-Omni's: the sentence's audio is cut short
         try:

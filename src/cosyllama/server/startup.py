@@ -13,22 +13,64 @@ and ``cosyllama wyoming`` (:func:`cosyllama.server.wyoming.run_wyoming`) take ty
 6. :func:`ready`: the voices are warmed and the llama.cpp OpenMP hint is logged.
 
 The commands turn their flags into these options (:mod:`cosyllama.commands.options`); nothing here
-sees the command line.
+sees the command line. They also set where cosyllama's log lines go (:func:`configure_logging`, ``--log-level``);
+a server says where it listens, with what, in one line (:func:`log_start`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ..defaults import LOG_LEVEL, LOG_LEVELS
 from ..errors import InputError
 from ..options import LoadOptions
-from ..voices import VoiceDirectory, VoiceStore, describe_ids
+from ..voice_directory import VoiceDirectory
+from ..voices import VoiceStore, describe_ids
 from .options import ServeOptions, ServingOptions
 
 log = logging.getLogger("cosyllama.server")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Lines to ``sys.stderr`` as it is when each is written (a redirected or captured stream too)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):  # logging.StreamHandler sets it; the stream is always sys.stderr's
+        pass
+
+
+def configure_logging(level: str = LOG_LEVEL) -> None:
+    """Send cosyllama's log lines from ``level`` (one of :data:`LOG_LEVELS`) up to stderr, one line each
+    (``serve`` and ``wyoming``; a library user configures logging their own way). Without it only warnings
+    reach stderr (Python's last-resort handler), so an operator saw no INFO line: no refusal, cut or timeout.
+    Called again, it changes the level and keeps one handler."""
+    if level not in LOG_LEVELS:
+        raise InputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
+    logger = logging.getLogger("cosyllama")
+    logger.setLevel(level.upper())
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
+
+
+def log_start(load: LoadOptions, voices: VoiceStore, where: str) -> None:
+    """The start-up line: where the server listens, the model and LLM it serves (``load``), how many voices."""
+    from .. import __version__
+
+    llm = f"GGUF {load.gguf} on llama.cpp" if load.gguf is not None else f"{load.llm or 'torch'} LLM"
+    log.info("cosyllama %s listening on %s: model %s (%s), %d voices", __version__, where, load.model_dir, llm,
+             len(voices))
 
 
 def start(options: ServingOptions, check_addresses: Callable[[], None] = lambda: None):
@@ -95,7 +137,7 @@ def open_voice_store(path: str | None) -> VoiceStore:
     """The voice store ``--voices PATH`` asks for, read and checked (before the model loads, so a
     bad one is reported at once):
 
-    * a directory (made when missing): a :class:`~cosyllama.voices.VoiceDirectory`; voices
+    * a directory (made when missing): a :class:`~cosyllama.voice_directory.VoiceDirectory`; voices
       registered or deleted over HTTP are kept there and seen by every server sharing it; voice
       folders (``NAME/ref.wav`` and ``ref.txt`` or ``instruct.txt``) are made into voices by
       :func:`prepare`; a file or folder that cannot be read is skipped with a warning (it is no
@@ -150,5 +192,5 @@ def _warm_all(tts, voices: VoiceStore) -> None:
             log.warning("warming voice %s failed: %s", vid, e)
 
 
-__all__ = ["ServeOptions", "ServingOptions", "check_can_listen", "load_models", "open_voice_store", "openmp_hint",
-           "ready", "report_voices", "start", "warm_voices"]
+__all__ = ["LOG_LEVELS", "ServeOptions", "ServingOptions", "check_can_listen", "configure_logging", "load_models",
+           "log_start", "open_voice_store", "openmp_hint", "ready", "report_voices", "start", "warm_voices"]

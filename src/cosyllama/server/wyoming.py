@@ -11,7 +11,8 @@ What a connection may send (the `wyoming` package's events):
   ``default`` (the voice of a request that names none: ``--default-voice``, else the first
   registered voice in alphabetical order); every voice speaks every language CosyVoice3 speaks.
 * ``synthesize`` (text, optional voice) -> ``audio-start``, ``audio-chunk``s as streaming synthesis
-  makes them (24 kHz, 16-bit, mono), ``audio-stop``.
+  makes them (24 kHz, 16-bit, mono; at a ``--speed`` other than 1 each text segment's audio once it is
+  whole), ``audio-stop``.
 * ``synthesize-start`` (optional voice), ``synthesize-chunk``s (text as it is written, e.g. by an
   LLM), ``synthesize-stop``: each sentence is spoken as soon as it is complete
   (:func:`cosyllama.text.normalize.take_sentences`), in one voice, one after the other, as one audio stream
@@ -23,7 +24,9 @@ This module is the codec: a connection's events become calls on a
 timeout), whose events become Wyoming events. A request (one ``synthesize``, or ``synthesize-start``
 to ``-stop``) is one of the session's utterances: it holds one of the server's running slots from its
 first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
-batched with everyone else's; sentence ``k`` is seeded with the server's seed ``+ k``. A bad
+batched with everyone else's. The protocol carries no synthesis options: every request takes the server's
+(``--seed``, ``--greedy``, ``--speed``, ``--loudness``, ``--retries``); with ``--seed N`` sentence ``k`` is
+seeded ``N + k`` (without it, each sentence gets a fresh seed). A bad
 request (unknown voice, no text, over a limit, the server busy) is answered with an ``error`` event,
 after which the server closes the connection (Home Assistant's client waits for audio until then). A
 client that closes the connection cancels its session: the LLM sequence is released at the next decode
@@ -61,7 +64,7 @@ from ..text.normalize import is_only_punctuation
 from ..voices import describe_ids, show_id, unknown_voice
 from .client_json import clip
 from .conn import ConnectionLimits, bound_send_buffer
-from .errors import wyoming_error
+from .errors import Refusal, log_refusal, wyoming_error
 from .job import SynthesisJob
 from .session import GONE, Audio, Sentence, Session, Template, UtteranceDone
 from .wyoming_wire import (
@@ -129,8 +132,11 @@ class WyomingService:
         self.serving, self.tts = serving, serving.tts
         self.default_voice = serving.options.default_voice
         self.languages = serving.options.languages or LANGUAGES  # what describe lists, the first one first
-        self.options = replace(serving.options.defaults, stream=True)
-        check_options(self.options)  # e.g. a speed, which streaming synthesis cannot make: refused at start
+        defaults = serving.options.defaults
+        # streaming synthesis, but at a speed other than 1 (which stretches the finished audio) each sentence is
+        # synthesized whole, as a WebSocket stream at that speed is
+        self.options = replace(defaults, stream=defaults.speed == 1.0)
+        check_options(self.options)
         self.limits: ConnectionLimits = serving.options.connection_limits
         self.caps = event_caps(serving.limits)
         self.connections: dict[asyncio.Task, _Connection] = {}
@@ -256,6 +262,7 @@ class _Connection:
                                max_waiting_chars=QUEUED_INPUTS * limits.input_chars, noun="event")
         self.stream = False  # a synthesize-start ... -stop is open
         self.failed = False
+        self.logged = False  # the failure being answered has its line in the log already
         self.started = False  # the request being spoken has sent audio-start
         self.ms = 0.0  # its audio so far
 
@@ -269,9 +276,10 @@ class _Connection:
                 try:
                     event = await self._read_event()
                 except InputError as e:  # a malformed event, one over its bounds, the idle timeout, a refusal
-                    if isinstance(e, RequestRefused) and e.code == "idle_timeout":
+                    if isinstance(e, Refusal) and e.code == "idle_timeout":  # the session's own refusal
                         log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer,
                                  self.limits.idle_timeout)
+                        self.logged = True
                     await self.session.aclose()
                     await self.fail(e)
                     break
@@ -301,11 +309,13 @@ class _Connection:
         except InputError as e:  # malformed, or over its bounds: one (rate-limited) line for the operator
             if not isinstance(e, ProtocolError):  # fail() says so for a ProtocolError
                 self.service.warn_bad_client(self.peer, str(e))
+                self.logged = True
             raise
         except asyncio.TimeoutError:
             seconds = self.limits.header_timeout
             log.info("closed the Wyoming connection of %s: an event took more than %g s (--header-timeout)",
                      self.peer, seconds)
+            self.logged = True
             await self.fail(RequestRefused(f"the event did not arrive within {seconds:g} s of its first byte "
                                            "(--header-timeout)", "request_timeout"))
             raise _Closed from None
@@ -420,14 +430,18 @@ class _Connection:
             raise ConnectionResetError("the client stopped reading")
 
     async def fail(self, e: BaseException) -> None:
-        """Answer ``e`` with an ``error`` event, then close the connection."""
+        """Answer ``e`` with an ``error`` event, then close the connection; the log has one line of it (a
+        broken protocol's warning, a refusal's line, the server's own failure with its traceback)."""
         if self.failed:
             return
         self.failed = True
+        text, code = wyoming_error(e, API_NAMES)
         if isinstance(e, ProtocolError):
             self.service.warn_bad_client(self.peer, str(e))
+        elif not self.logged and code != "internal_error":
+            log_refusal("a Wyoming request", self.peer, code, text)
         with contextlib.suppress(ConnectionError, RuntimeError):
-            await self.write_event(error_event(e))
+            await self.write_event(Error(text=text, code=code).event())
         self._close()
 
     def _close(self) -> None:
@@ -549,7 +563,7 @@ def run_wyoming(options, uri: str) -> None:
     """Run ``cosyllama wyoming`` at ``uri`` until interrupted; ``options``: a
     :class:`~cosyllama.server.startup.ServingOptions` (the start-up is the one ``serve`` has)."""
     from .serving import prepare
-    from .startup import ready, start
+    from .startup import log_start, ready, start
 
     uri = check_uri(uri)
     models, voices = start(options, lambda: check_listen(uri))
@@ -558,7 +572,7 @@ def run_wyoming(options, uri: str) -> None:
 
     async def main():
         server = await start_wyoming(uri, serving)
-        log.warning("Wyoming server listening on %s (%d voices)", uri, len(serving.tts.voices))
+        log_start(options.load, voices, uri)
         stopped = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
@@ -566,7 +580,7 @@ def run_wyoming(options, uri: str) -> None:
             await stopped.wait()
         finally:
             await server.stop()
-        log.warning("Wyoming server stopped")
+        log.info("Wyoming server stopped")
 
     try:
         asyncio.run(main())
