@@ -103,3 +103,14 @@ def serving_of(tts, voices=None, **options):
     from cosyllama.server.serving import prepare
 
     return prepare(tts.models, ServingOptions(tts.options, **options), voices=tts.voices if voices is None else voices)
+
+
+def continued_pcm(tts, text: str, voice: str, seed: int = 0, lead: str = " ", **options) -> bytes:
+    """The 16-bit pcm a streamed session speaks for a sentence after its utterance's first: ``text`` with the
+    whitespace that stood before it (``lead``), streamed, greedy (docs/server.md: a streamed text is spoken
+    as the same text sent whole). No HTTP request carries a lead; the Python API does."""
+    from cosyllama.audio_out import pcm16
+    from cosyllama.request import SynthesisOptions, SynthesisRequest
+
+    opts = SynthesisOptions(greedy=True, seed=seed, stream=True, **options)
+    return pcm16(tts.run(SynthesisRequest(text=text, voice=voice, options=opts, lead=lead)).audio())

@@ -23,7 +23,7 @@ from websockets.sync.client import connect  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, uvicorn_options  # noqa: E402
-from server_helpers import voiced_tts  # noqa: E402
+from server_helpers import continued_pcm, voiced_tts  # noqa: E402
 from server_helpers import wait_until as _wait  # noqa: E402
 
 TIMEOUT = 120  # seconds for any one message: generous, only a hang reaches it
@@ -121,9 +121,30 @@ def test_each_sentence_is_spoken_before_the_next_piece_is_sent(server, tts):
         with pytest.raises(ConnectionClosed):
             ws.recv(timeout=TIMEOUT)
         assert ws.close_code == 1000
-    # each sentence's audio is /v1/audio/speech's for that sentence, with the same seed
-    for text, got in (("Hello there.", first), ("How are you today?", second), ("Bye.", third)):
+    # each utterance's first sentence is /v1/audio/speech's for that sentence, with the same seed; a later one is
+    # that sentence with the space before it, as the whole text's segments keep it (docs/server.md)
+    for text, got in (("Hello there.", first), ("Bye.", third)):
         assert got and got == _http(server, text, response_format="pcm", stream_format="audio"), text
+    assert second == continued_pcm(tts, "How are you today?", "en", seed=1)
+    assert second != _http(server, "How are you today?", response_format="pcm", stream_format="audio", seed=1)
+
+
+def test_a_text_streamed_sentence_by_sentence_is_the_same_text_sent_whole(server):
+    """Two long sentences after a space: the whole text splits between them (its second segment keeps the space,
+    the reference's segmentation) and the stream speaks the same two inputs with the same seeds, so the audio
+    is /v1/audio/speech's for the whole text, byte for byte. Before the streamed sentence kept the space before
+    it, its second sentence was one token shorter and sounded different."""
+    from test_streamed_as_whole import A, B
+
+    pieces = [A[:40], A[40:] + " " + B[:10], B[10:]]
+    with _ws(server) as ws:
+        _send(ws, **CONFIG, response_format="pcm", stream_audio=True)
+        for piece in pieces:
+            _send(ws, type="input.text", text=piece)
+        _send(ws, type="input.done")
+        audio = b"".join(_sentence(ws)[1] for _ in range(2))
+        assert _recv(ws)["type"] == "session.done"
+    assert audio == _http(server, A + " " + B, response_format="pcm", stream_format="audio")
 
 
 def test_the_python_api_gives_the_doors_bytes(server, tts):
@@ -144,7 +165,7 @@ def test_a_whole_file_per_sentence_and_the_whole_text_at_once(server):
     utterances applies to the next one."""
     with _ws(server) as ws:
         _send(ws, **CONFIG, response_format="wav", speed=1.5)
-        _send(ws, type="input.text", text="One. Two")
+        _send(ws, type="input.text", text="One.\nTwo")  # after a line break: nothing before "Two" is kept
         _send(ws, type="input.done")
         frames = []
         for _ in range(2):

@@ -20,7 +20,7 @@ from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice  # noqa: E402
 
 from cosyllama.server.app import create_app  # noqa: E402
-from server_helpers import voiced_tts  # noqa: E402
+from server_helpers import continued_pcm, voiced_tts  # noqa: E402
 from server_helpers import wait_until as _wait  # noqa: E402
 
 TIMEOUT = 120  # seconds for any one event: generous, only a hang reaches it
@@ -38,7 +38,7 @@ def server(tts):
 
     app = create_app(tts, wyoming="tcp://127.0.0.1:0", speech_defaults={"greedy": True, "seed": 0})
     srv = LoopbackServer(app)
-    srv.app, srv.port = app, app.state.server.wyoming.address[1]
+    srv.app, srv.port, srv.tts = app, app.state.server.wyoming.address[1], tts
     yield srv
     srv.stop()
 
@@ -144,8 +144,11 @@ def test_streamed_text_is_spoken_sentence_by_sentence(server):
     assert types.count("audio-start") == 1 and types.count("audio-stop") == 1 and "error" not in types
     assert types[-2:] == ["audio-stop", "synthesize-stopped"]
     assert SynthesizeStopped.is_type(events[-1].type)
-    # sentence k is one request with seed 0 + k; the compatibility `synthesize` added nothing
-    assert _audio(events) == b"".join(_http_pcm(server, s, seed=k) for k, s in enumerate(sentences))
+    # sentence k is one request with seed 0 + k, after the first with the space before it (as the whole text's
+    # segments keep it); the compatibility `synthesize` added nothing
+    want = _http_pcm(server, sentences[0]) + b"".join(continued_pcm(server.tts, s, "en", seed=k)
+                                                        for k, s in enumerate(sentences) if k)
+    assert _audio(events) == want
 
 
 def test_two_clients_at_once(server):
@@ -170,8 +173,8 @@ def test_two_clients_at_once(server):
     a_events, b_events = _run(go())
     assert b_events[-1].type == "audio-stop" and a_events[-1].type == "synthesize-stopped"
     assert _audio(b_events) == _http_pcm(server, "See you soon.")
-    assert _audio(a_events) == _http_pcm(server, "Good morning.", "bare") + _http_pcm(server, "Still here.", "bare",
-                                                                                      seed=1)
+    assert _audio(a_events) == _http_pcm(server, "Good morning.", "bare") + continued_pcm(server.tts, "Still here.",
+                                                                                          "bare", seed=1)
 
 
 def test_disconnect_mid_stream_frees_the_sequence(server, tts):

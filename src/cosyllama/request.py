@@ -143,6 +143,9 @@ class SynthesisRequest:
     def check(self) -> None:
         """Every rule that needs nothing but the request (the table in docs/architecture.md)."""
         _check_text("text", self.text, required=True)
+        if not isinstance(self.lead, str) or self.lead.strip():
+            raise RequestError("lead", "{lead} is the whitespace before the text in the text it continues",
+                               "invalid_lead")
         check_mode(self.mode)
         if self.instruction is not None:
             _check_text("instruction", self.instruction, required=True,

@@ -11,7 +11,9 @@ here (:meth:`Session.configure`, :meth:`~Session.add_text`, :meth:`~Session.add_
   when it is queued (a refusal is the client's error at once) and spoken in order.
 * **The seed rule.** Sentence ``k`` of an utterance is seeded with the utterance's seed ``+ k``
   (:func:`cosyllama.seeds.offset_seed`), as segment ``k`` of one request is: a text streamed sentence by
-  sentence gets the seeds it would get sent whole and split the same way.
+  sentence gets the seeds it would get sent whole and split the same way. A sentence after the first keeps
+  the whitespace before it (``SynthesisRequest.lead``), as the whole text's segments keep theirs: so it is
+  the same LLM input as well.
 * **Admission.** An utterance holds one of the server's running slots
   (:class:`~cosyllama.server.admission.Admission`, the gate HTTP requests take) from its first
   sentence to its end; an utterance without sentences takes none.
@@ -179,8 +181,8 @@ class Session:
         """Text as it is written: each sentence it completes is queued."""
         self._open()
         self.took_text = self.took_text or bool(piece)
-        for s in self.text.add(piece):
-            self._queue(s)
+        for s, lead in zip(self.text.add(piece), self.text.leads):
+            self._queue(s, lead)
 
     def add_whole(self, text: str) -> None:
         """One sentence, as it is (checked by the caller)."""
@@ -193,8 +195,8 @@ class Session:
         Returns how many sentences it had; ``if_empty``: raised instead when it had none (nothing of
         it is sent then)."""
         template = self._open()
-        for s in self.text.finish():
-            self._queue(s)
+        for s, lead in zip(self.text.finish(), self.text.leads):
+            self._queue(s, lead)
         total = self.n_queued
         if not total and if_empty is not None:
             raise if_empty
@@ -207,9 +209,10 @@ class Session:
         self.closing = True
         self._work.put_nowait(_CLOSE)
 
-    def _queue(self, text: str) -> None:
+    def _queue(self, text: str, lead: str = "") -> None:
         """One sentence to speak, within the bound on waiting text, as the request it makes (whose
-        refusal is the client's error)."""
+        refusal is the client's error); ``lead``: the whitespace before it in the client's text, which a
+        sentence after the utterance's first keeps (the whole text's segmentation does, docs/server.md)."""
         if self.max_waiting_chars is not None and self.waiting_chars + len(text) > self.max_waiting_chars:
             raise LimitExceeded(f"this connection has {self.waiting_chars} characters waiting to be "
                                 f"spoken, at most {self.max_waiting_chars} "
@@ -221,7 +224,7 @@ class Session:
         if request.options.seed is not None:  # the seed rule (module docstring)
             request = replace(request, options=replace(request.options, seed=offset_seed(request.options.seed,
                                                                                           self.n_queued)))
-        request = replace(request, text=text)  # its rules: refused here
+        request = replace(request, text=text, lead=lead if self.n_queued else "")  # its rules: refused here
         self._work.put_nowait(Sentence(self.utterance, self.n_queued, text, request, template.door))
         self.n_queued += 1
         self.waiting_chars += len(text)
