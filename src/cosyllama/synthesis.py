@@ -3,6 +3,7 @@ words as they end) and its :class:`Timings` (where the time went, and what loudn
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ from .captions import Segment
 from .engine import AudioChunk
 from .llm.takes import BadTake
 
-__all__ = ["Synthesis", "Timings"]
+__all__ = ["CurrentWords", "Synthesis", "Timings", "timed"]
 
 
 @dataclass
@@ -74,3 +75,28 @@ class Synthesis(Iterator[AudioChunk]):
         """Run to the end and return all samples concatenated (float32, 24 kHz)."""
         parts = list(self)
         return np.concatenate([c.samples for c in parts]) if parts else np.zeros(0, np.float32)
+
+
+class CurrentWords:
+    """``Synthesis.finish_words`` of a dialogue: the running turn's, then its segments placed again."""
+
+    def __init__(self, current: list):
+        self._current = current
+
+    def finish(self) -> None:
+        for syn, place in list(self._current):
+            syn.finish_words()
+            place()
+
+
+def timed(it: Iterator, acc: list[float]) -> Iterator:
+    """Yield from ``it``, adding the time spent inside ``next`` to ``acc[0]``."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x = next(it)
+        except StopIteration:
+            return
+        finally:
+            acc[0] += time.perf_counter() - t0
+        yield x

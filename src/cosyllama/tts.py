@@ -41,7 +41,7 @@ from .models import Models
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
 from .seeds import offset_seed
-from .synthesis import Synthesis, Timings
+from .synthesis import CurrentWords, Synthesis, Timings, timed
 from .text.lexicon import Lexicon
 from .text.normalize import TextNormalizer
 from .voices import VoiceStore
@@ -56,31 +56,6 @@ def _shown(inp: ModelInput) -> str:
     """What captions show of a segment: its shown text (inline forms as words, no lexicon tokens) where the
     frontend made one, else its LLM text."""
     return inp.shown if inp.shown is not None else inp.text
-
-
-class _CurrentWords:
-    """``Synthesis.finish_words`` of a dialogue: the running turn's, then its segments placed again."""
-
-    def __init__(self, current: list):
-        self._current = current
-
-    def finish(self) -> None:
-        for syn, place in list(self._current):
-            syn.finish_words()
-            place()
-
-
-def _timed(it: Iterator, acc: list[float]) -> Iterator:
-    """Yield from ``it``, adding the time spent inside ``next`` to ``acc[0]``."""
-    while True:
-        t0 = time.perf_counter()
-        try:
-            x = next(it)
-        except StopIteration:
-            return
-        finally:
-            acc[0] += time.perf_counter() - t0
-        yield x
 
 
 def choose_mode(mode: str | None = None, instruction: str | None = None, has_transcript: bool = False) -> str:
@@ -333,7 +308,7 @@ class TTS:
         timings, segments, current = Timings(), [], []
         chunks = dialogue_chunks(self, speakers, requests, pause, timings, segments, current, cancel)
         word_times = any(r.options.word_times for r in requests)
-        return Synthesis(chunks, timings, segments, _CurrentWords(current) if word_times else None)
+        return Synthesis(chunks, timings, segments, CurrentWords(current) if word_times else None)
 
     def run(self, request: SynthesisRequest, *, cancel: CancelToken | None = None) -> Synthesis:
         """Synthesize ``request`` (every front door comes through here): its voice looked up, its
@@ -509,7 +484,7 @@ class TTS:
             attempt = 0
             while True:  # takes of segment i: a caught take is made again while retries are left (docs/retries.md)
                 take = None if inp.mode == "vc" else self._take(inp, opts, i, attempt, cancel)
-                tokens = _timed(iter(take) if take is not None else self.segment_tokens(inp, opts, i), llm_acc)
+                tokens = timed(iter(take) if take is not None else self.segment_tokens(inp, opts, i), llm_acc)
                 try:
                     if opts.stream:
                         cut = take.cut_at if take is not None else None
