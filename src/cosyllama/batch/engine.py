@@ -119,6 +119,15 @@ def error_record(row_id: str | None, line: int, message: str, stage: str, digest
     return rec
 
 
+def loudness_fields(target: float, t) -> dict:
+    """What a row's loudness target did, from its synthesis' timings: the target, the one gain applied (dB),
+    why that gain (target, ceiling, short, silent), the loudness it was measured at (None: too short or silent)
+    and the samples held at the ceiling."""
+    measured = t.loudness_measured
+    return {"loudness": target, "loudness_gain_db": round(t.loudness_gain_db, 2), "loudness_why": t.loudness_why,
+            "loudness_measured": None if measured is None else round(measured, 2), "loudness_held": t.loudness_held}
+
+
 class RowSynthesizer:
     """Turns one row into its audio file and result record (thread-safe)."""
 
@@ -220,7 +229,8 @@ class RowSynthesizer:
             seconds["align"] = round(t.align, 4)
         return {"id": row.id, "line": row.line, "status": "ok", "error": None, "file": audio_name(row.id, self.fmt),
                 "bytes": nbytes, "audio_seconds": round(audio.size / self.tts.sample_rate, 4),
-                "tokens": sum(len(x) for x in t.tokens), "seconds": seconds, **captions, "digest": row.digest}
+                "tokens": sum(len(x) for x in t.tokens), "seconds": seconds, **captions,
+                **(loudness_fields(row.loudness, t) if row.loudness is not None else {}), "digest": row.digest}
 
 
 _STOP = object()

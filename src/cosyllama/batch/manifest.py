@@ -2,9 +2,11 @@
 
 A row names its output (``id``), what to say (``text``), how (``mode``), in which voice (``voice``,
 a registered id, or ``prompt_wav`` with an optional ``prompt_text``) and optional ``instructions``,
-``seed``, ``greedy`` and ``speed``, and ``captions``: the caption files to write beside the audio (a list of
+``seed``, ``greedy`` and ``speed``, ``captions``: the caption files to write beside the audio (a list of
 formats of :data:`cosyllama.captions.FORMATS`, or one as a string; a row without it takes ``cosyllama batch
---captions``). Every problem of a row is reported with its line number; a bad row never stops the others.
+--captions``), and ``loudness``: the row's loudness target in LUFS (null: none; a row without it takes
+``cosyllama batch --loudness``). Every problem of a row is reported with its line number; a bad row never stops
+the others.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import hashlib
 import json
 import re
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..errors import InputError
 from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
 FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed",
-          "captions")
+          "captions", "loudness")
 REQUIRED = ("id", "text", "mode")
 MISSING_TEXT = "(no text)"  # what a row without text is checked with, so its other problems are said too
 # A file name on every filesystem: no separators, no leading dot (temporary files start with one).
@@ -43,14 +45,17 @@ class Row:
     greedy: bool = False
     speed: float = 1.0
     captions: tuple[str, ...] = ()  # caption formats to write beside the audio (the row's, else --captions)
-    digest: str = ""  # of the row's JSON as written (and its captions): a changed row is not "already done"
+    loudness: float | None = None  # the loudness target, LUFS (the row's, else --loudness; None: the model's level)
+    # of the row's JSON as written (with its captions and loudness as they apply): a changed row is not "already done"
+    digest: str = ""
 
     def options(self) -> SynthesisOptions:
         """The row's synthesis options (word times when it has captions)."""
-        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed, word_times=bool(self.captions))
+        return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed, word_times=bool(self.captions),
+                                loudness=self.loudness)
 
     def to_json(self) -> str:
-        return json.dumps({k: getattr(self, k) for k in ("line", *FIELDS, "digest")}, ensure_ascii=False)
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, s: str) -> Row:
@@ -83,11 +88,16 @@ def _digest(obj: dict) -> str:
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 
-def _row_digest(obj: dict, captions: tuple[str, ...]) -> str:
-    """The digest of a row as written, with its captions as they apply (its own or ``--captions``): a row
-    without captions keeps the digest it had before captions existed, so its finished output stays done."""
-    rest = {k: v for k, v in obj.items() if k != "captions"}
-    return _digest({**rest, "captions": list(captions)} if captions else rest)
+def _row_digest(obj: dict, captions: tuple[str, ...], loudness: float | None = None) -> str:
+    """The digest of a row as written, with its captions and loudness target as they apply (its own, or
+    ``--captions`` and ``--loudness``), each only when there is one: a row without them keeps the digest it had
+    before they existed, so its finished output stays done."""
+    rest = {k: v for k, v in obj.items() if k not in ("captions", "loudness")}
+    if captions:
+        rest["captions"] = list(captions)
+    if loudness is not None:
+        rest["loudness"] = float(loudness)  # -16 and -16.0 are one target
+    return _digest(rest)
 
 
 def caption_formats(value, name: str = "captions") -> tuple[tuple[str, ...], str | None]:
@@ -107,13 +117,15 @@ def caption_formats(value, name: str = "captions") -> tuple[tuple[str, ...], str
 
 def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = None,
               voice_transcripts: dict[str, bool] | None = None,
-              voice_instructions: dict[str, bool] | None = None, captions: tuple[str, ...] = ()) -> Row | BadRow:
+              voice_instructions: dict[str, bool] | None = None, captions: tuple[str, ...] = (),
+              loudness: float | None = None) -> Row | BadRow:
     """Check one parsed line: its JSON shape here, the synthesis rules by building its
     :class:`~cosyllama.request.SynthesisRequest` (each problem in the row's field names). ``voices``:
     the registered voice ids (None: not checked); ``voice_transcripts``: which of them have a
     transcript (zero-shot needs one); ``voice_instructions``: which of them have their own style
     instruction (instruct without ``instructions`` needs one; None: not known, checked at synthesis).
-    ``captions``: the caption formats of a row that names none (``--captions``)."""
+    ``captions``, ``loudness``: the caption formats and the loudness target of a row that gives none
+    (``--captions``, ``--loudness``)."""
     if not isinstance(obj, dict):
         return BadRow(line, None, f"a row must be a JSON object, got {type(obj).__name__}")
     problems: list[str] = []
@@ -166,7 +178,9 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
         captions, problem = caption_formats(obj["captions"])
         if problem:
             problems.append(problem)
-    for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed)):
+    if "loudness" in obj:  # a row's own target, null included (none), wins over --loudness
+        loudness = obj["loudness"]
+    for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed), SynthesisOptions(loudness=loudness)):
         try:
             check_options(one)
         except RequestError as e:
@@ -188,15 +202,17 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
         return BadRow(line, rid, "; ".join(problems))
     return Row(line=line, id=rid, text=text, mode=mode, voice=voice, prompt_wav=prompt_wav,
                prompt_text=prompt_text, instructions=instructions, seed=seed, greedy=greedy,
-               speed=float(speed), captions=captions, digest=_row_digest(obj, captions))
+               speed=float(speed), captions=captions, loudness=None if loudness is None else float(loudness),
+               digest=_row_digest(obj, captions, loudness))
 
 
 def read_manifest(path: str | Path, voices: Collection[str] | None = None,
                   voice_transcripts: dict[str, bool] | None = None,
                   voice_instructions: dict[str, bool] | None = None,
-                  captions: tuple[str, ...] = ()) -> Manifest:
-    """Parse and check every line (blank lines and lines starting with ``#`` are skipped); ``captions``: the
-    caption formats of rows that name none (``--captions``).
+                  captions: tuple[str, ...] = (), loudness: float | None = None) -> Manifest:
+    """Parse and check every line (blank lines and lines starting with ``#`` are skipped); ``captions``,
+    ``loudness``: the caption formats and the loudness target of rows that give none (``--captions``,
+    ``--loudness``).
 
     Raises :class:`InputError` only when the file itself cannot be read; row problems are
     returned in ``Manifest.bad``. A repeated id is an error from its second occurrence on.
@@ -225,7 +241,7 @@ def read_manifest(path: str | Path, voices: Collection[str] | None = None,
         except json.JSONDecodeError as e:
             bad.append(BadRow(n, None, f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
-        r = check_row(obj, n, base, voices, voice_transcripts, voice_instructions, captions)
+        r = check_row(obj, n, base, voices, voice_transcripts, voice_instructions, captions, loudness)
         if r.id is not None:
             if r.id in first_line:
                 msg = f"id {r.id!r} is used again (first on line {first_line[r.id]})"

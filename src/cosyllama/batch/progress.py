@@ -33,6 +33,8 @@ class BatchProgress:
         self.stage_seconds = dict.fromkeys(STAGES + SOME_STAGES, 0.0)
         self.captioned = self.word_level = 0  # rows with caption files; of them, with word times
         self.words_why: set[str] = set()  # why the others have sentence times only
+        self.normalized = self.held = 0  # rows with a loudness target; samples of them held at the ceiling
+        self.gain_db = (0.0, 0.0)  # the lowest and highest gain they got, dB
 
     def restart_clock(self) -> None:
         """Count time from now (after the model is loaded)."""
@@ -57,6 +59,11 @@ class BatchProgress:
                 self.captioned += 1
                 self.word_level += rec.get("caption_level") == "word"
                 self.words_why.update(rec.get("words_why") or ())
+            if rec.get("loudness_gain_db") is not None:
+                g = rec["loudness_gain_db"]
+                self.gain_db = (min(self.gain_db[0], g), max(self.gain_db[1], g)) if self.normalized else (g, g)
+                self.normalized += 1
+                self.held += rec.get("loudness_held", 0)
         else:
             self.failed += 1
         now = time.perf_counter()

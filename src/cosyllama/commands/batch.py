@@ -26,7 +26,7 @@ from ..batch.output import (
 from ..batch.progress import SOME_STAGES, STAGES, BatchProgress
 from ..defaults import PRECISION
 from ..errors import InputError
-from .flags import PRECISION_CHOICES, add_gpu_options, add_llm_weights_option
+from .flags import PRECISION_CHOICES, add_gpu_options, add_llm_weights_option, add_loudness_option
 from .options import load_options
 
 EXIT_SOME_FAILED = 3
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
                                      "optionally on a Ray cluster)")
     b.add_argument("manifest", metavar="MANIFEST.jsonl",
                    help="one JSON object per line: id, text, mode, voice | prompt_wav [+ prompt_text], "
-                        "optional instructions, seed, greedy, speed, captions")
+                        "optional instructions, seed, greedy, speed, captions, loudness")
     b.add_argument("--out", required=True, metavar="DIR", help="output directory: <id>.<format> and results.jsonl")
     b.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
     b.add_argument("--gguf", help="run the LLM on llama.cpp from this GGUF (default: PyTorch)")
@@ -59,6 +59,9 @@ def add_parser(sub) -> None:
                    help="caption files beside each row's audio, for rows whose manifest line names none: "
                         "comma-separated srt, vtt, json (e.g. srt,vtt); word times where they align "
                         "(docs/captions.md)")
+    add_loudness_option(b, "the loudness target (LUFS, ITU-R BS.1770, e.g. -16) of rows whose manifest line gives "
+                           "none: each row's audio brought to it by one gain, never past a -1 dBFS true peak "
+                           "(docs/loudness.md; needs the loudness extra); default: off")
     b.add_argument("--retry-failed", action="store_true", help="synthesize again the rows that failed before")
     b.add_argument("--dry-run", action="store_true",
                    help="check the manifest and show what would run; synthesize nothing")
@@ -92,6 +95,17 @@ def captions_flag(value: str | None) -> tuple[str, ...]:
     if problem or not names:
         raise InputError(problem or "--captions: name one or more formats: srt, vtt, json (comma-separated)")
     return formats
+
+
+def loudness_flag(value: float | None) -> float | None:
+    """``--loudness``, checked as every door checks a target (InputError naming the flag)."""
+    from ..request import RequestError, SynthesisOptions, check_options
+
+    try:
+        check_options(SynthesisOptions(loudness=value))
+    except RequestError as e:
+        raise e.as_flag() from None
+    return value
 
 
 def _check_args(args) -> EngineOptions:
@@ -162,9 +176,14 @@ def run_batch(args, out=None, err=None) -> int:
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     opts = _check_args(args)
-    captions = captions_flag(args.captions)
+    captions, loudness = captions_flag(args.captions), loudness_flag(args.loudness)
     ids, transcripts, instructions = _voice_ids(opts.voices)
-    manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts, instructions, captions)
+    manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts, instructions, captions,
+                             loudness)
+    if loudness is not None or any(r.loudness is not None for r in manifest.rows):
+        from ..loudness import require
+
+        require()  # the install hint before any work
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {args.out!r} is a file; give a directory")
@@ -260,5 +279,8 @@ def _summary(out, manifest: Manifest, p: BatchProgress, n_done: int, n_failed_be
     if p.captioned:
         why = "".join(f"; without them: {r}" for r in sorted(p.words_why))
         print(f"captions for {p.captioned} row(s), word times in {p.word_level}{why}", file=out)
+    if p.normalized:
+        print(f"loudness: {p.normalized} row(s) brought to their target by gains of {p.gain_db[0]:+.2f} to "
+              f"{p.gain_db[1]:+.2f} dB" + (f"; {p.held} sample(s) held at the ceiling" if p.held else ""), file=out)
     if n_err:
         print(f"errors are in {out_dir / RESULTS} (status \"error\")", file=out)
