@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import CosyllamaError, InputError
 from ..options import LoadOptions
@@ -37,13 +38,16 @@ VOICE_CACHE = 128  # prompt clips whose features are kept (one per distinct prom
 class EngineOptions:
     """What every engine (this process or a Ray actor) loads and runs; paths absolute, picklable.
 
-    ``load``: the TTS (its ``parallel``: one LLM sequence per concurrent row)."""
+    ``load``: the TTS (its ``parallel``: one LLM sequence per concurrent row). ``lexicon``: a
+    :class:`~cosyllama.text.lexicon.Lexicon` every row speaks (``--lexicon``; a voice folder's and a row's add
+    to it, their entries winning), checked against the model's vocabulary when the model is loaded."""
 
     load: LoadOptions
     voices: str | None = None  # a voice file (VoiceStore.save) or a directory of them
     concurrency: int = DEFAULT_CONCURRENCY
     fmt: str = "wav"
     flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
+    lexicon: Any = None  # cosyllama.text.lexicon.Lexicon | None (pickled to Ray's actors with the rest)
 
 
 def voice_files(path: str | Path) -> list[Path]:
@@ -109,7 +113,12 @@ def load_tts(opts: EngineOptions):
     from ..tts import TTS
 
     models, voices = load_models(opts)
-    return TTS.from_models(models, voices=voices)
+    return TTS.from_models(models, voices=voices, lexicon=run_lexicon(opts, models))
+
+
+def run_lexicon(opts: EngineOptions, models):
+    """``opts.lexicon`` once its tokens are checked against the loaded model's vocabulary (LexiconError)."""
+    return None if opts.lexicon is None else opts.lexicon.check(models.frontend.tokenizer)
 
 
 def error_record(row_id: str | None, line: int, message: str, stage: str, digest: str | None = None) -> dict:
@@ -203,8 +212,9 @@ class RowSynthesizer:
             cancel.check()  # a row cancelled before it started makes no voice
             voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
             voice_s = time.perf_counter() - t0
+            options = row.options(self.tts.frontend.tokenizer if row.lexicon else None)
             syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
-                                                options=row.options()), cancel=cancel)
+                                                options=options), cancel=cancel)
             audio = syn.audio()
             t1 = time.perf_counter()
             nbytes = write_audio(self.out_dir, row.id, audio, self.tts.sample_rate, self.fmt, self._publish)
@@ -281,11 +291,12 @@ class BatchEngine:
         self.opts = opts
         if models is None:  # given models (and voices) are shared and left as they are
             models, voices = load_models(opts)
+        lexicon = run_lexicon(opts, models)
         # this engine's own scheduler (closed by close()): the rows' decode steps batched together
         self.scheduler = make_token_source(models.llm, batched=True, max_active=opts.concurrency)
         # the rows' pipeline: the models and voices, batched decoding, at most flow_slots rows in the flow
         self.tts = TTS.from_models(models, token_source=self.scheduler, voices=voices if voices is not None
-                                   else VoiceStore(), flow_slots=opts.flow_slots)
+                                   else VoiceStore(), flow_slots=opts.flow_slots, lexicon=lexicon)
         self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()

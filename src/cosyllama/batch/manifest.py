@@ -2,11 +2,12 @@
 
 A row names its output (``id``), what to say (``text``), how (``mode``), in which voice (``voice``,
 a registered id, or ``prompt_wav`` with an optional ``prompt_text``) and optional ``instructions``,
-``seed``, ``greedy`` and ``speed``, ``captions``: the caption files to write beside the audio (a list of
+``seed``, ``greedy`` and ``speed``; ``captions``: the caption files to write beside the audio (a list of
 formats of :data:`cosyllama.captions.FORMATS`, or one as a string; a row without it takes ``cosyllama batch
---captions``), and ``loudness``: the row's loudness target in LUFS (null: none; a row without it takes
-``cosyllama batch --loudness``). Every problem of a row is reported with its line number; a bad row never stops
-the others.
+--captions``); ``loudness``: the row's loudness target in LUFS (null: none; a row without it takes
+``cosyllama batch --loudness``); ``lexicon``: words the row speaks as pronunciation tokens, a JSON object
+``{"word": "[t][o][k]..."}`` as the HTTP request's field (docs/pronunciation.md). Every problem of a row is
+reported with its line number; a bad row never stops the others.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..errors import InputError
 from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
 FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed",
-          "captions", "loudness")
+          "captions", "loudness", "lexicon")
 REQUIRED = ("id", "text", "mode")
 MISSING_TEXT = "(no text)"  # what a row without text is checked with, so its other problems are said too
 # A file name on every filesystem: no separators, no leading dot (temporary files start with one).
@@ -46,13 +47,20 @@ class Row:
     speed: float = 1.0
     captions: tuple[str, ...] = ()  # caption formats to write beside the audio (the row's, else --captions)
     loudness: float | None = None  # the loudness target, LUFS (the row's, else --loudness; None: the model's level)
+    lexicon: tuple[tuple[str, str], ...] | None = None  # the row's own (word, tokens) entries, checked
     # of the row's JSON as written (with its captions and loudness as they apply): a changed row is not "already done"
     digest: str = ""
 
-    def options(self) -> SynthesisOptions:
-        """The row's synthesis options (word times when it has captions)."""
+    def options(self, tokenizer=None) -> SynthesisOptions:
+        """The row's synthesis options (word times when it has captions); its lexicon's tokens checked against
+        ``tokenizer`` when given (:class:`~cosyllama.text.lexicon.LexiconError`)."""
+        lexicon = None
+        if self.lexicon:
+            from ..text.lexicon import Lexicon
+
+            lexicon = Lexicon.from_mapping(dict(self.lexicon), tokenizer)
         return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed, word_times=bool(self.captions),
-                                loudness=self.loudness)
+                                loudness=self.loudness, lexicon=lexicon)
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, ensure_ascii=False)
@@ -60,7 +68,9 @@ class Row:
     @classmethod
     def from_json(cls, s: str) -> Row:
         obj = json.loads(s)
-        return cls(**{**obj, "captions": tuple(obj.get("captions") or ())})
+        lexicon = obj.get("lexicon")
+        return cls(**{**obj, "captions": tuple(obj.get("captions") or ()),
+                      "lexicon": None if lexicon is None else tuple(map(tuple, lexicon))})
 
 
 @dataclass(frozen=True)
@@ -90,9 +100,11 @@ def _digest(obj: dict) -> str:
 
 def _row_digest(obj: dict, captions: tuple[str, ...], loudness: float | None = None) -> str:
     """The digest of a row as written, with its captions and loudness target as they apply (its own, or
-    ``--captions`` and ``--loudness``), each only when there is one: a row without them keeps the digest it had
-    before they existed, so its finished output stays done."""
-    rest = {k: v for k, v in obj.items() if k not in ("captions", "loudness")}
+    ``--captions`` and ``--loudness``) and its lexicon, each only when there is one: a row without them keeps
+    the digest it had before they existed, so its finished output stays done."""
+    rest = {k: v for k, v in obj.items() if k not in ("captions", "loudness", "lexicon")}
+    if obj.get("lexicon"):
+        rest["lexicon"] = obj["lexicon"]
     if captions:
         rest["captions"] = list(captions)
     if loudness is not None:
@@ -113,6 +125,28 @@ def caption_formats(value, name: str = "captions") -> tuple[tuple[str, ...], str
     if unknown:
         return (), f"{name}: unknown caption format(s) {', '.join(map(repr, unknown))}; use {allowed}"
     return tuple(f for f in CAPTION_FORMATS if f in items), None
+
+
+def lexicon_entries(value) -> tuple[tuple[tuple[str, str], ...] | None, str | None]:
+    """A row's ``lexicon`` (an object ``{"word": "[t][o][k]..."}``, as the HTTP request's field) as its entries,
+    each checked as a lexicon file's line is (its tokens against CosyVoice3's pronunciation tokens; the model's
+    vocabulary when the row runs); ``(None, None)`` for none, or ``(None, problem)``."""
+    from ..text.lexicon import Lexicon, LexiconError
+
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        return None, (f"lexicon must be an object {{\"word\": \"[t][o][k]...\"}} (docs/pronunciation.md), got "
+                      f"{type(value).__name__}")
+    for word, tokens in value.items():
+        if not isinstance(tokens, str):
+            return None, (f"lexicon entry {word!r}: its tokens must be a string, e.g. \"[T][AH0][M]\", not "
+                          f"{type(tokens).__name__}")
+    try:
+        Lexicon.from_mapping(value)
+    except LexiconError as e:
+        return None, str(e) if str(e).startswith("lexicon") else f"lexicon {e}"  # a duplicate word names its entries
+    return (tuple(value.items()) or None), None
 
 
 def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = None,
@@ -180,6 +214,9 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
             problems.append(problem)
     if "loudness" in obj:  # a row's own target, null included (none), wins over --loudness
         loudness = obj["loudness"]
+    lexicon, problem = lexicon_entries(obj.get("lexicon"))
+    if problem:
+        problems.append(problem)
     for one in (SynthesisOptions(seed=seed), SynthesisOptions(speed=speed), SynthesisOptions(loudness=loudness)):
         try:
             check_options(one)
@@ -203,7 +240,7 @@ def check_row(obj, line: int, base_dir: Path, voices: Collection[str] | None = N
     return Row(line=line, id=rid, text=text, mode=mode, voice=voice, prompt_wav=prompt_wav,
                prompt_text=prompt_text, instructions=instructions, seed=seed, greedy=greedy,
                speed=float(speed), captions=captions, loudness=None if loudness is None else float(loudness),
-               digest=_row_digest(obj, captions, loudness))
+               lexicon=lexicon, digest=_row_digest(obj, captions, loudness))
 
 
 def read_manifest(path: str | Path, voices: Collection[str] | None = None,

@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
                                      "optionally on a Ray cluster)")
     b.add_argument("manifest", metavar="MANIFEST.jsonl",
                    help="one JSON object per line: id, text, mode, voice | prompt_wav [+ prompt_text], "
-                        "optional instructions, seed, greedy, speed, captions, loudness")
+                        "optional instructions, seed, greedy, speed, captions, loudness, lexicon")
     b.add_argument("--out", required=True, metavar="DIR", help="output directory: <id>.<format> and results.jsonl")
     b.add_argument("--model-dir", required=True, help="official CosyVoice3 model directory")
     b.add_argument("--gguf", help="run the LLM on llama.cpp from this GGUF (default: PyTorch)")
@@ -62,6 +62,10 @@ def add_parser(sub) -> None:
     add_loudness_option(b, "the loudness target (LUFS, ITU-R BS.1770, e.g. -16) of rows whose manifest line gives "
                            "none: each row's audio brought to it by one gain, never past a -1 dBFS true peak "
                            "(docs/loudness.md; needs the loudness extra); default: off")
+    b.add_argument("--lexicon", metavar="FILE",
+                   help="a pronunciation lexicon every row speaks (word<TAB>tokens lines, or a .json object; "
+                        "docs/pronunciation.md); a voice folder's lexicon.txt and a row's lexicon field add to it, "
+                        "their entries winning; checked before the model loads")
     b.add_argument("--retry-failed", action="store_true", help="synthesize again the rows that failed before")
     b.add_argument("--dry-run", action="store_true",
                    help="check the manifest and show what would run; synthesize nothing")
@@ -130,8 +134,13 @@ def _check_args(args) -> EngineOptions:
         changes["threads"] = max(1, int(args.ray_cpus))  # an actor computes on the CPUs it reserved
     # LoadOptions holds the model directory and GGUF absolute, so Ray's actors find them from their own cwd
     load = load_options(args, parallel=args.concurrency, **changes)
+    lexicon = None
+    if args.lexicon is not None:
+        from ..text.lexicon import Lexicon
+
+        lexicon = Lexicon.load(args.lexicon)  # a bad file is one line before any row (the vocabulary: at load)
     return EngineOptions(load, voices=voices, concurrency=args.concurrency, fmt=args.format,
-                         flow_slots=args.flow_slots)
+                         flow_slots=args.flow_slots, lexicon=lexicon)
 
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool], dict[str, bool]]:
