@@ -203,7 +203,8 @@ def test_a_row_writing_its_file_when_the_run_is_abandoned_publishes_none(tmp_pat
     from cosyllama.batch.manifest import Row
 
     audio = np.zeros(2400, np.float32)
-    syn = SimpleNamespace(audio=lambda: audio, timings=SimpleNamespace(tokens=[[1]], frontend=0, llm=0, token2wav=0))
+    syn = SimpleNamespace(audio=lambda: audio, timings=SimpleNamespace(tokens=[[1]], frontend=0, llm=0, token2wav=0,
+                                                                         retries=[]))
     tts = SimpleNamespace(sample_rate=24000, run=lambda request, cancel: syn)
     synth = batch_engine.RowSynthesizer(tts, tmp_path, "wav")
     row = Row(line=1, id="r1", text="hi", mode="cross-lingual", voice="v")

@@ -160,7 +160,7 @@ def test_an_abandoned_row_leaves_no_caption_file(tmp_path):
 
     audio = np.zeros(4800, np.float32)
     segs = [Segment(0, "One.", 0, 2400, 24000, words_why="no words here"), Segment(1, "Two.", 2400, 4800, 24000)]
-    timings = SimpleNamespace(tokens=[[1]], frontend=0, llm=0, token2wav=0.5, align=0.25)
+    timings = SimpleNamespace(tokens=[[1]], frontend=0, llm=0, token2wav=0.5, align=0.25, retries=[])
     syn = SimpleNamespace(audio=lambda: audio, timings=timings, segments=segs)
     tts = SimpleNamespace(sample_rate=24000, run=lambda request, cancel: syn)
     synth = batch_engine.RowSynthesizer(tts, tmp_path, "wav")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..defaults import RETRIES
 from ..errors import CosyllamaError, InputError
 from ..options import LoadOptions
 from .manifest import Row
@@ -48,6 +49,7 @@ class EngineOptions:
     fmt: str = "wav"
     flow_slots: int = 0  # rows in the flow + vocoder at once (0: no limit)
     lexicon: Any = None  # cosyllama.text.lexicon.Lexicon | None (pickled to Ray's actors with the rest)
+    retries: int = RETRIES  # takes made again when one loops or runs away (--retries; docs/retries.md)
 
 
 def voice_files(path: str | Path) -> list[Path]:
@@ -138,10 +140,11 @@ def loudness_fields(target: float, t) -> dict:
 
 
 class RowSynthesizer:
-    """Turns one row into its audio file and result record (thread-safe)."""
+    """Turns one row into its audio file and result record (thread-safe); ``retries``: the takes a text segment
+    may be made again (``--retries``)."""
 
-    def __init__(self, tts, out_dir: Path, fmt: str):
-        self.tts, self.out_dir, self.fmt = tts, Path(out_dir), fmt
+    def __init__(self, tts, out_dir: Path, fmt: str, retries: int = RETRIES):
+        self.tts, self.out_dir, self.fmt, self.retries = tts, Path(out_dir), fmt, retries
         self._voices: OrderedDict[tuple[str, str | None], Future] = OrderedDict()
         self._lock = threading.Lock()
         # Set by abandon() when the run that owns the rows stops without waiting for them: a row still
@@ -212,7 +215,7 @@ class RowSynthesizer:
             cancel.check()  # a row cancelled before it started makes no voice
             voice = row.voice if row.voice is not None else self._clip_voice(row.prompt_wav, row.prompt_text)
             voice_s = time.perf_counter() - t0
-            options = row.options(self.tts.frontend.tokenizer if row.lexicon else None)
+            options = row.options(self.tts.frontend.tokenizer if row.lexicon else None, self.retries)
             syn = self.tts.run(SynthesisRequest(row.text, row.mode, voice=voice, instruction=row.instructions,
                                                 options=options), cancel=cancel)
             audio = syn.audio()
@@ -240,7 +243,13 @@ class RowSynthesizer:
         return {"id": row.id, "line": row.line, "status": "ok", "error": None, "file": audio_name(row.id, self.fmt),
                 "bytes": nbytes, "audio_seconds": round(audio.size / self.tts.sample_rate, 4),
                 "tokens": sum(len(x) for x in t.tokens), "seconds": seconds, **captions,
-                **(loudness_fields(row.loudness, t) if row.loudness is not None else {}), "digest": row.digest}
+                **(loudness_fields(row.loudness, t) if row.loudness is not None else {}),
+                **(self._bad_takes(t.retries) if t.retries else {}), "digest": row.digest}
+
+    def _bad_takes(self, caught) -> dict:
+        """A row's caught takes (docs/retries.md), each as the HTTP door's ``retries`` list has it, and the
+        ``--retries`` they were caught under (a run with another makes the row again)."""
+        return {"retries": [b.as_dict() for b in caught], "retries_allowed": self.retries}
 
 
 _STOP = object()
@@ -297,7 +306,7 @@ class BatchEngine:
         # the rows' pipeline: the models and voices, batched decoding, at most flow_slots rows in the flow
         self.tts = TTS.from_models(models, token_source=self.scheduler, voices=voices if voices is not None
                                    else VoiceStore(), flow_slots=opts.flow_slots, lexicon=lexicon)
-        self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt)
+        self.synth = RowSynthesizer(self.tts, out_dir, opts.fmt, opts.retries)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, name=f"cosyllama-batch-{i}", daemon=True)

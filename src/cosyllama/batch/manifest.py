@@ -19,6 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from ..defaults import RETRIES
 from ..errors import InputError
 from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
@@ -51,16 +52,16 @@ class Row:
     # of the row's JSON as written (with its captions and loudness as they apply): a changed row is not "already done"
     digest: str = ""
 
-    def options(self, tokenizer=None) -> SynthesisOptions:
-        """The row's synthesis options (word times when it has captions); its lexicon's tokens checked against
-        ``tokenizer`` when given (:class:`~cosyllama.text.lexicon.LexiconError`)."""
+    def options(self, tokenizer=None, retries: int = RETRIES) -> SynthesisOptions:
+        """The row's synthesis options (word times when it has captions; ``retries``: the run's); its lexicon's
+        tokens checked against ``tokenizer`` when given (:class:`~cosyllama.text.lexicon.LexiconError`)."""
         lexicon = None
         if self.lexicon:
             from ..text.lexicon import Lexicon
 
             lexicon = Lexicon.from_mapping(dict(self.lexicon), tokenizer)
         return SynthesisOptions(speed=self.speed, greedy=self.greedy, seed=self.seed, word_times=bool(self.captions),
-                                loudness=self.loudness, lexicon=lexicon)
+                                loudness=self.loudness, lexicon=lexicon, retries=retries)
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, ensure_ascii=False)

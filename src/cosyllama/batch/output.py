@@ -6,7 +6,8 @@ file with its final name is always complete. ``results.jsonl`` gets one line per
 flushed as the row finishes; at the end of a run it is rewritten (atomically) with the latest line
 of each row, in manifest order. A row counts as done when its latest line says ``ok``, it was made
 from the same manifest row (``digest``), its file is on disk with the recorded size and its caption
-files (``captions``) are on disk.
+files (``captions``) are on disk, and, when takes of it were caught (``retries``), it ran with the same
+``--retries`` (``retries_allowed``).
 """
 
 from __future__ import annotations
@@ -136,9 +137,14 @@ def read_results(out_dir: Path) -> dict[str, dict]:
     return latest
 
 
-def is_done(rec: dict | None, out_dir: Path, fmt: str, digest: str, captions: tuple[str, ...] = ()) -> bool:
+def is_done(rec: dict | None, out_dir: Path, fmt: str, digest: str, captions: tuple[str, ...] = (),
+            retries: int | None = None) -> bool:
     """An ok result for this very row whose file is on disk, whole, and so are its caption files (the formats
-    ``captions``)."""
+    ``captions``). ``retries``: this run's ``--retries``; a row that had takes caught under another is not done
+    (what became of them depends on it), one whose takes all passed is the same whatever it is (None: not
+    checked)."""
+    if retries is not None and rec and rec.get("retries") and rec.get("retries_allowed") != retries:
+        return False
     if not rec or rec.get("status") != "ok" or rec.get("digest") != digest or rec.get("file") != audio_name(
             rec["id"], fmt):
         return False

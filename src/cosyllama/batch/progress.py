@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from typing import TextIO
 
 STAGES = ("frontend", "llm", "flow_vocoder", "write")
@@ -35,6 +36,8 @@ class BatchProgress:
         self.words_why: set[str] = set()  # why the others have sentence times only
         self.normalized = self.held = 0  # rows with a loudness target; samples of them held at the ceiling
         self.gain_db = (0.0, 0.0)  # the lowest and highest gain they got, dB
+        self.bad_takes = self.rows_with_bad_takes = 0  # caught takes (docs/retries.md), and the rows they were in
+        self.take_actions: Counter[str] = Counter()  # what was done with them: retried, cut, kept
 
     def restart_clock(self) -> None:
         """Count time from now (after the model is loaded)."""
@@ -59,6 +62,10 @@ class BatchProgress:
                 self.captioned += 1
                 self.word_level += rec.get("caption_level") == "word"
                 self.words_why.update(rec.get("words_why") or ())
+            if rec.get("retries"):
+                self.rows_with_bad_takes += 1
+                self.bad_takes += len(rec["retries"])
+                self.take_actions.update(b.get("action") for b in rec["retries"])
             if rec.get("loudness_gain_db") is not None:
                 g = rec["loudness_gain_db"]
                 self.gain_db = (min(self.gain_db[0], g), max(self.gain_db[1], g)) if self.normalized else (g, g)

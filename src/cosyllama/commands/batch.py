@@ -24,9 +24,15 @@ from ..batch.output import (
     read_results,
 )
 from ..batch.progress import SOME_STAGES, STAGES, BatchProgress
-from ..defaults import PRECISION
+from ..defaults import PRECISION, RETRIES
 from ..errors import InputError
-from .flags import PRECISION_CHOICES, add_gpu_options, add_llm_weights_option, add_loudness_option
+from .flags import (
+    PRECISION_CHOICES,
+    add_gpu_options,
+    add_llm_weights_option,
+    add_loudness_option,
+    add_retries_option,
+)
 from .options import load_options
 
 EXIT_SOME_FAILED = 3
@@ -62,6 +68,7 @@ def add_parser(sub) -> None:
     add_loudness_option(b, "the loudness target (LUFS, ITU-R BS.1770, e.g. -16) of rows whose manifest line gives "
                            "none: each row's audio brought to it by one gain, never past a -1 dBFS true peak "
                            "(docs/loudness.md; needs the loudness extra); default: off")
+    add_retries_option(b)
     b.add_argument("--lexicon", metavar="FILE",
                    help="a pronunciation lexicon every row speaks (word<TAB>tokens lines, or a .json object; "
                         "docs/pronunciation.md); a voice folder's lexicon.txt and a row's lexicon field add to it, "
@@ -101,18 +108,18 @@ def captions_flag(value: str | None) -> tuple[str, ...]:
     return formats
 
 
-def loudness_flag(value: float | None) -> float | None:
-    """``--loudness``, checked as every door checks a target (InputError naming the flag)."""
+def check_synthesis_flags(args) -> None:
+    """``--loudness`` and ``--retries``, checked as every door checks them (InputError naming the flag)."""
     from ..request import RequestError, SynthesisOptions, check_options
 
     try:
-        check_options(SynthesisOptions(loudness=value))
+        check_options(SynthesisOptions(loudness=args.loudness, retries=args.retries))
     except RequestError as e:
         raise e.as_flag() from None
-    return value
 
 
 def _check_args(args) -> EngineOptions:
+    check_synthesis_flags(args)
     if args.concurrency < 1:
         raise InputError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.flow_slots < 0:
@@ -140,7 +147,7 @@ def _check_args(args) -> EngineOptions:
 
         lexicon = Lexicon.load(args.lexicon)  # a bad file is one line before any row (the vocabulary: at load)
     return EngineOptions(load, voices=voices, concurrency=args.concurrency, fmt=args.format,
-                         flow_slots=args.flow_slots, lexicon=lexicon)
+                         flow_slots=args.flow_slots, lexicon=lexicon, retries=args.retries)
 
 
 def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool], dict[str, bool]]:
@@ -165,13 +172,14 @@ def _voice_ids(path: str | None) -> tuple[set[str], dict[str, bool], dict[str, b
     return set(transcripts), transcripts, instructions
 
 
-def plan(manifest: Manifest, out_dir: Path, fmt: str, retry_failed: bool):
-    """Split the valid rows into (to run, already done, failed before and not retried)."""
+def plan(manifest: Manifest, out_dir: Path, fmt: str, retry_failed: bool, retries: int = RETRIES):
+    """Split the valid rows into (to run, already done, failed before and not retried); ``retries``: this run's
+    ``--retries`` (a row whose takes were caught in a run with another is made again)."""
     latest = read_results(out_dir) if out_dir.is_dir() else {}
     todo, done, failed = [], [], []
     for row in manifest.rows:
         rec = latest.get(row.id)
-        if is_done(rec, out_dir, fmt, row.digest, row.captions):
+        if is_done(rec, out_dir, fmt, row.digest, row.captions, retries):
             done.append(row)
         elif (not retry_failed and rec is not None and rec.get("status") == "error"
               and rec.get("stage") == "synthesis" and rec.get("digest") == row.digest):
@@ -185,7 +193,7 @@ def run_batch(args, out=None, err=None) -> int:
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     opts = _check_args(args)
-    captions, loudness = captions_flag(args.captions), loudness_flag(args.loudness)
+    captions, loudness = captions_flag(args.captions), args.loudness
     ids, transcripts, instructions = _voice_ids(opts.voices)
     manifest = read_manifest(args.manifest, ids if opts.voices else set(), transcripts, instructions, captions,
                              loudness)
@@ -196,7 +204,7 @@ def run_batch(args, out=None, err=None) -> int:
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out {args.out!r} is a file; give a directory")
-    todo, done, failed = plan(manifest, out_dir, opts.fmt, args.retry_failed)
+    todo, done, failed = plan(manifest, out_dir, opts.fmt, args.retry_failed, opts.retries)
 
     for b in manifest.bad:
         print(f"{args.manifest}:{b.line}: " + (f"row {b.id!r}: " if b.id else "") + b.error, file=err)
@@ -288,6 +296,10 @@ def _summary(out, manifest: Manifest, p: BatchProgress, n_done: int, n_failed_be
     if p.captioned:
         why = "".join(f"; without them: {r}" for r in sorted(p.words_why))
         print(f"captions for {p.captioned} row(s), word times in {p.word_level}{why}", file=out)
+    if p.bad_takes:
+        actions = ", ".join(f"{n} {a}" for a, n in sorted(p.take_actions.items()))
+        print(f"bad takes: {p.bad_takes} caught in {p.rows_with_bad_takes} row(s) ({actions}); each is in the "
+              f"row's retries in {out_dir / RESULTS}", file=out)
     if p.normalized:
         print(f"loudness: {p.normalized} row(s) brought to their target by gains of {p.gain_db[0]:+.2f} to "
               f"{p.gain_db[1]:+.2f} dB" + (f"; {p.held} sample(s) held at the ceiling" if p.held else ""), file=out)
