@@ -169,3 +169,29 @@ def test_entries_the_models_vocabulary_lacks_fail_their_row_or_the_run(tmp_path)
     opts = EngineOptions(LoadOptions(model_dir=MODEL_DIR), lexicon=Lexicon.from_mapping(RUN_LEX))
     with pytest.raises(LexiconError, match=r"\[EY1\] is not in this model's vocabulary"):
         run_lexicon(opts, models)
+
+
+def test_ray_gives_the_same_files_with_lexicons_and_loudness(tmp_path, voices):
+    """The run's lexicon (pickled with the engine options), a voice folder's, a row's, and loudness targets
+    (a row's and --loudness) reach Ray's actors: the same files and results as the local run."""
+    pytest.importorskip("ray.data", reason="Ray is not installed: pip install 'cosyllama[ray]'")
+    pytest.importorskip("pyloudnorm")
+    import torch
+
+    lex = tmp_path / "lex.txt"
+    lex.write_text("".join(f"{w}\t{t}\n" for w, t in RUN_LEX.items()))
+    m = write_manifest(tmp_path / "m.jsonl", [dict(CLIP, loudness=-35), VOICE, OWN])
+    flags = ("--voices", str(voices), "--lexicon", str(lex), "--loudness", "-30", "--retries", "1")
+    assert batch(m, tmp_path / "local", *flags) == 0
+    # the actor computes with as many threads as this process did (float sums depend on the split)
+    assert batch(m, tmp_path / "ray", *flags, "--ray", "--ray-cpus", str(torch.get_num_threads()),
+                 "--ray-batch-size", "3") == 0
+    local, ray = results(tmp_path / "local"), results(tmp_path / "ray")
+    for rid in ("clip", "voice", "own"):
+        assert (tmp_path / "ray" / f"{rid}.wav").read_bytes() == (tmp_path / "local" / f"{rid}.wav").read_bytes()
+        keep = ("status", "bytes", "tokens", "digest", "loudness", "loudness_gain_db", "retries")
+        assert {k: ray[rid].get(k) for k in keep} == {k: local[rid].get(k) for k in keep}, rid
+    assert [local[rid]["loudness"] for rid in ("clip", "voice", "own")] == [-35.0, -30.0, -30.0]
+    # the lexicons made a difference: the same text in the same voice, with and without the row's own
+    assert local["own"]["digest"] != local["voice"]["digest"]
+    assert (tmp_path / "local" / "own.wav").read_bytes() != (tmp_path / "local" / "voice.wav").read_bytes()
