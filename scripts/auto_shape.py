@@ -1,5 +1,5 @@
 """Does ``auto``'s timed solve predict the real work? Times fp32 and int8 flow solves at auto's timing shape
-(``check.TIME_PROMPT_TOKENS`` + ``check.TIME_TOKENS``) and at larger ones, in turns (A B, B A after one untimed
+(``auto.TIME_PROMPT_TOKENS`` + ``auto.TIME_TOKENS``) and at larger ones, in turns (A B, B A after one untimed
 solve each), on the full-size random model; prints each candidate's rounds and fp32's best over int8's.
 
     python scripts/auto_shape.py --shapes 25+50,75+150 --threads 2 --engine fbgemm
@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from cosyllama.flow import Flow, check
+from cosyllama.flow import Flow, auto, check
 from cosyllama.precision import INT8
 from cosyllama.progress import to_stderr
 from cosyllama.tools.bench_setup import ensure_full_model
@@ -20,7 +20,7 @@ from cosyllama.tools.bench_setup import ensure_full_model
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=f"{check.TIME_PROMPT_TOKENS}+{check.TIME_TOKENS},75+150",
+    p.add_argument("--shapes", default=f"{auto.TIME_PROMPT_TOKENS}+{auto.TIME_TOKENS},75+150",
                    help="prompt+new tokens, comma-separated")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engine", default="fbgemm", help="the int8 engine to time against fp32")
@@ -32,12 +32,12 @@ def main() -> None:
     out = []
     for shape in a.shapes.split(","):
         prompt, tokens = (int(x) for x in shape.split("+"))
-        inp = check._random_input(flow, check.CHECK_SEED + 1, prompt, tokens)
+        inp = check.random_input(flow, check.CHECK_SEED + 1, prompt, tokens)
         for c in cands:
-            check._solve(flow, c, inp)  # untimed: kernels chosen, buffers sized
+            auto._solve(flow, c, inp)  # untimed: kernels chosen, buffers sized
         rounds: dict[str, list[float]] = {c.name: [] for c in cands}
         for c in cands + cands[::-1]:
-            rounds[c.name].append(round(check._solve(flow, c, inp)[0], 3))
+            rounds[c.name].append(round(auto._solve(flow, c, inp)[0], 3))
         best = {k: min(v) for k, v in rounds.items()}
         ratio = best[cands[0].name] / best[cands[1].name]
         out.append({"prompt": prompt, "tokens": tokens, "rounds": rounds, "fp32_over_int8": round(ratio, 3)})

@@ -1,6 +1,6 @@
 """``--precision auto`` measures: every candidate that passes the fidelity check is timed on this machine in
 interleaved rounds and the fastest is kept, the int8 engine being one of the choices
-(cosyllama.flow.check.choose_fastest). A busy machine cannot fool it: a measurement during which the process
+(cosyllama.flow.auto.choose_fastest). A busy machine cannot fool it: a measurement during which the process
 got too little of the CPU, or taken at a load average above the cores, is not cached; the rule of thumb runs
 and the next start measures again. Where a choice is asserted the clock, the load average and the process's
 CPU time are mocked (the ``machine`` fixture), so no test depends on this machine's speed or load."""
@@ -15,7 +15,7 @@ import torch
 
 from cosyllama import precision as prec
 from cosyllama.cpu import CpuPath
-from cosyllama.flow import Flow, check, fast_dit
+from cosyllama.flow import Flow, auto, check, fast_dit
 from cosyllama.precision import INT8
 from helpers import MODEL_DIR
 
@@ -62,7 +62,7 @@ def check_outcomes(tmp_path_factory) -> dict:
         mp.setattr(prec, "cpu_has_int8_vnni", lambda: True)  # see vnni below
         flow = Flow.from_dir(MODEL_DIR)
         ref: dict = {}
-        for cand in check.candidates(flow):
+        for cand in auto.candidates(flow):
             if cand.dtype != torch.float32:
                 assert check.check_candidate(flow, cand, ref).passed
         return json.loads((cache / "precision-checks.json").read_text())
@@ -79,10 +79,10 @@ def vnni(monkeypatch):
 @pytest.fixture
 def fresh_machine(monkeypatch, measuring):
     m = Machine()
-    monkeypatch.setattr(check, "_solve", m.solve)
-    monkeypatch.setattr(check, "_clock", lambda: m.now)
-    monkeypatch.setattr(check, "_loadavg", lambda: m.load)
-    monkeypatch.setattr(check, "_cores", lambda: m.cores)
+    monkeypatch.setattr(auto, "_solve", m.solve)
+    monkeypatch.setattr(auto, "_clock", lambda: m.now)
+    monkeypatch.setattr(auto, "_loadavg", lambda: m.load)
+    monkeypatch.setattr(auto, "_cores", lambda: m.cores)
     return m
 
 
@@ -154,7 +154,7 @@ def test_auto_keeps_the_fastest_candidate(native, times, want, engine, monkeypat
     ({"fp32": 3.9, "int8/fbgemm": 2.9, "int8/onednn": 2.6}, "int8/onednn"),  # both past it: the fastest
 ])
 def test_a_lossy_path_must_beat_fp32_by_the_margin(times, want, monkeypatch, machine):
-    assert check.LOSSY_MIN_GAIN == 1.3
+    assert auto.LOSSY_MIN_GAIN == 1.3
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
     machine.seconds = times
     c = Flow.from_dir(MODEL_DIR, precision="auto").precision_choice
@@ -175,7 +175,7 @@ def test_candidates_are_timed_in_interleaved_rounds(monkeypatch, machine):
     names = _names(True)
     machine.seconds = _times(True)
     Flow.from_dir(MODEL_DIR, precision="auto")
-    assert check.TIME_ROUNDS == 2
+    assert auto.TIME_ROUNDS == 2
     assert machine.solves == names + names + names[::-1]
 
 
@@ -325,8 +325,8 @@ def test_a_candidate_that_fails_the_check_is_never_timed_nor_chosen(monkeypatch,
 def test_real_timings_are_cached_per_machine(monkeypatch, measuring):
     """On the real clock (whatever wins on the tiny model; the busy-machine rules are lifted, as the shared
     test machine is rarely quiet), the second process reads the verdict back."""
-    monkeypatch.setattr(check, "CPU_SHARE_MIN", 0.0)
-    monkeypatch.setattr(check, "LOAD_SLACK", 1e9)
+    monkeypatch.setattr(auto, "CPU_SHARE_MIN", 0.0)
+    monkeypatch.setattr(auto, "LOAD_SLACK", 1e9)
     flow = Flow.from_dir(MODEL_DIR, precision="auto")
     first = flow.precision_choice.auto
     assert first.source == "measured" and set(first.seconds) >= {"fp32"}
@@ -355,7 +355,7 @@ def test_a_fixed_precision_says_so_on_the_cpu_line(machine):
 @pytest.mark.parametrize("seconds,want", [(0, "0 s"), (59, "59 s"), (61, "1 min"), (3 * 3600, "3 h"),
                                           (2 * 86400 + 5, "2 d"), (-5, "0 s")])
 def test_ages_read_as_a_person_would_say_them(seconds, want):
-    assert check.format_age(seconds) == want
+    assert auto.format_age(seconds) == want
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from cosyllama import precision as prec
 from cosyllama.cpu import CpuPath
-from cosyllama.flow import Flow, check, fast_dit
+from cosyllama.flow import Flow, auto, check, fast_dit
 from cosyllama.precision import INT8
 from helpers import MODEL_DIR, load_fixture, recorded_flow_calls
 
@@ -179,7 +179,7 @@ def test_mixed_path_is_refused_where_bf16_is_emulated(monkeypatch):
     flow = Flow.from_dir(MODEL_DIR)
     with pytest.raises(InputError, match="only emulates"):
         flow.decoder.set_compute_dtype(INT8, "onednn+bf16")
-    assert "onednn+bf16" not in [c.int8_engine for c in check.candidates(flow)]
+    assert "onednn+bf16" not in [c.int8_engine for c in auto.candidates(flow)]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ PRECISION_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}  # other spellings t
 PRECISION = "auto"
 DEVICES = ("cpu", "cuda")  # where the flow, vocoder and torch LLM run; "cuda:N" names one GPU
 # auto trusts a timing of the flow candidates only if the process got this share of the CPU its threads asked for
-# (why this value: cosyllama.flow.check.CPU_SHARE_MIN)
+# (why this value: cosyllama.flow.auto.CPU_SHARE_MIN)
 AUTO_CPU_SHARE_MIN = 0.8
 SPEED_RANGE = (0.25, 4.0)  # time-stretch factors allowed (OpenAI's speech API allows the same)
 # bad takes (a loop, a runaway) made again per text segment, and the most a request may ask for (docs/retries.md):

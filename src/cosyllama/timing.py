@@ -1,7 +1,7 @@
 """How cosyllama times things, in one place: one call's wall and process CPU time with CUDA work waited
 for on both sides (:func:`timed`), configurations timed in interleaved rounds (:func:`rounds`), the
 best of repeated calls (:func:`best_of`). Used by ``cosyllama bench``, ``--precision auto``'s timing of
-the flow (:mod:`cosyllama.flow.check`) and the bench scripts; what they time on is in
+the flow (:mod:`cosyllama.flow.auto`) and the bench scripts; what they time on is in
 :mod:`cosyllama.tools.bench_setup`."""
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class _LowpLinear:
 
 # PyTorch's int8 kernel library for the dynamic linear: the default one. fbgemm and oneDNN ("onednn") ran at the
 # same speed at the DiT's shapes on an AVX2 CPU; on Intel AMX oneDNN runs AMX-INT8 (2.3x fbgemm's products). `auto`
-# times both where both exist (cosyllama.flow.check); an explicit "int8" uses this one.
+# times both where both exist (cosyllama.flow.auto); an explicit "int8" uses this one.
 INT8_ENGINE = "fbgemm"
 # "onednn+bf16" is the mixed path: int8 products on oneDNN (AMX-INT8 where the CPU has it) with the activations
 # between them, attention, the K/V cache and the tail steps' products in bfloat16, where the other two keep float32

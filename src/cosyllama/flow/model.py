@@ -16,9 +16,10 @@ from ..config import FlowConfig, ModelConfig
 from ..device import on_true_fp32, resolve_device
 from ..errors import InputError
 from ..precision import is_auto, precision_name, resolve_precision
+from .auto import AUTO_ENV, AutoChoice, choose_fastest
 from .cache import FlowStreamCache
 from .cfm import CFM
-from .check import AUTO_ENV, AutoChoice, Candidate, CheckResult, check_candidate, choose_fastest
+from .check import Candidate, CheckResult, check_candidate
 from .dit import PreLookaheadLayer
 
 log = logging.getLogger("cosyllama.flow")

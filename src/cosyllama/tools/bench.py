@@ -139,18 +139,18 @@ def run_llm(model_dir: Path, threads: int, prompt_s: float, output_s: float, rep
 
 def run_auto(model_dir: Path, progress: Progress, device: torch.device = torch.device("cpu")) -> dict:
     """``--parts auto``: ``--precision auto``'s measurement of the flow candidates, taken again now
-    whatever is cached and whatever the load (:func:`cosyllama.flow.check.choose_fastest` with
+    whatever is cached and whatever the load (:func:`cosyllama.flow.auto.choose_fastest` with
     ``remeasure``), beside the verdict cached before; a trusted measurement replaces that verdict."""
-    from ..flow import Flow, check
+    from ..flow import Flow, auto
 
     if device.type != "cpu":
         raise InputError("--parts auto measures the flow candidates on the CPU; on a GPU, auto is bf16 where the "
                          "GPU computes it, fp32 elsewhere")
     flow = Flow.from_dir(model_dir, device)
     progress("auto: checking the flow candidates and timing them again (interleaved rounds)")
-    c = check.choose_fastest(flow, remeasure=True)
+    c = auto.choose_fastest(flow, remeasure=True)
     m = c.measurement
-    now = check._clock()
+    now = auto._clock()
     prev = None
     if c.previous is not None:
         name, pm = c.previous
@@ -165,7 +165,7 @@ def run_auto(model_dir: Path, progress: Progress, device: torch.device = torch.d
 
 def format_auto(a: dict) -> list[str]:
     """The lines of the ``auto`` part: the candidates' rounds and checks, the new verdict, the cached one."""
-    from ..flow.check import CPU_SHARE_MIN, TIME_PROMPT_TOKENS, TIME_TOKENS, Measurement, format_age
+    from ..flow.auto import CPU_SHARE_MIN, TIME_PROMPT_TOKENS, TIME_TOKENS, Measurement, format_age
 
     m = Measurement.from_record(a["measurement"])
     n = max(len(rs) for rs in m.rounds.values())
