@@ -418,10 +418,10 @@ def test_malformed_events_are_protocol_errors_without_tracebacks(server, caplog)
 
 
 def test_bad_client_warnings_are_rate_limited(caplog):
-    from cosyllama.server import wyoming
+    from cosyllama.server.wyoming_service import RateLimitedLog
 
     caplog.set_level(logging.WARNING, logger="cosyllama.wyoming")
-    warn = wyoming._RateLimitedLog(3, 3600.0)
+    warn = RateLimitedLog(3, 3600.0)
     for i in range(50):
         warn("client %d broke the protocol", i)
     assert len(caplog.records) == 3
