@@ -19,7 +19,7 @@ Mel error against the float32 solve of the same inputs; static scales are calibr
 of other random inputs. The export is specialised to the call's frame count: another length needs a
 new export, calibration and compile (the setup times are reported).
 
-Needs ``pip install torchao`` (not a cosyllama dependency). Numbers: docs/benchmarks.md#findings.
+Needs ``pip install torchao`` (not a cosyllama dependency). Numbers: docs/performance-notes.md#pytorchs-int8-route-pt2e.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """llama.cpp never loads its AMX buffer type where its kernels crash (an AMX-INT8 CPU with a build that has
 them), and keeps extra buffer types (repacked weights) everywhere else; the CPU flags and the build's features
 are mocked, so every class is covered on any machine. The crash itself needs a full-size model on such a CPU
-(the fixture model is too small to reach those kernels): docs/benchmarks.md#llamacpp-on-amx."""
+(the fixture model is too small to reach those kernels): docs/performance-notes.md#llamacpp-on-amx."""
 
 from __future__ import annotations
 

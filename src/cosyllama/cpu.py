@@ -195,8 +195,8 @@ def torch_kernels() -> str:
 # upstream pull request on ggml's AMX code says the tile-data permission is requested on the main thread only and
 # the tile configuration can be optimised away). The buffer type exists only where the CPU has AMX-INT8 and the
 # build compiled the kernels in, so models load without extra buffer types exactly there
-# (docs/benchmarks.md#llamacpp-on-amx). The environment variable overrides the choice: 1 keeps them (once llama.cpp
-# is fixed), 0 drops them.
+# (docs/performance-notes.md#llamacpp-on-amx). The environment variable overrides the choice: 1 keeps them (once
+# llama.cpp is fixed), 0 drops them.
 LLAMA_EXTRA_BUFTS_ENV = "COSYLLAMA_LLAMA_EXTRA_BUFTS"
 
 
@@ -215,7 +215,7 @@ def llama_extra_buffer_types(features: str | None = None, flags: frozenset[str] 
     built = {f.strip() for f in (features or "").split(",")}
     if "amx_int8" in flags and "AMX_INT8" in built:
         return False, ("extra buffer types off: this build's AMX int8 kernels crash on this CPU "
-                       "(docs/benchmarks.md#llamacpp-on-amx)")
+                       "(docs/performance-notes.md#llamacpp-on-amx)")
     return True, "extra buffer types on (repacked weights)"
 
 
