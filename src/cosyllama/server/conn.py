@@ -10,12 +10,13 @@ uvicorn's own protocol class (h11's, or httptools' when that is installed) with 
   (of the connection, for its first request);
 * its body within ``body_timeout`` seconds of its headers (whatever the rate: a trickle cannot
   stretch it by sending a byte now and then);
-* a response whose bytes wait to be sent (the client reads nothing) for ``write_timeout`` seconds
-  without one more of them leaving is aborted: the connection is dropped and the route sees the
-  client gone (its synthesis is cancelled, its slot freed). A slow reader is not cut as long as it
-  reads something now and then. The socket's send buffer is :data:`SEND_BUFFER_BYTES`, so the
-  writes stall soon after the client stops reading; the watch covers an upgraded connection (a
-  WebSocket) too;
+* the one write bound of every door (:class:`WriteWatch`): a connection whose bytes wait to be sent
+  (the client reads nothing) for ``write_timeout`` seconds without one more of them leaving is
+  aborted: the connection is dropped and the route or session sees the client gone (its synthesis
+  is cancelled, its slot freed). A slow reader is never cut as long as it reads something now and
+  then; no write has a deadline of its own. The socket's send buffer is :data:`SEND_BUFFER_BYTES`,
+  so the writes stall soon after the client stops reading; the watch covers an upgraded connection
+  (a WebSocket) too, and the Wyoming server watches its connections with the same class;
 * a connection with no request in progress is closed after ``idle_timeout`` seconds (uvicorn's
   keep-alive timeout, set from it);
 * at most ``max_connections`` connections are open; one more gets 503 with ``Retry-After`` at once
@@ -23,15 +24,24 @@ uvicorn's own protocol class (h11's, or httptools' when that is installed) with 
   read and dropped first, so that closing does not reset the connection under the 503.
 
 A request over the header or body timeout gets 408 when no response to it has started, and its
-connection is closed; the route reading the body sees the client gone. Needs the ``server`` extra.
+connection is closed; the route reading the body sees the client gone. uvicorn's WebSocket keepalive
+pings are off (:func:`uvicorn_options`): a ping waits behind the audio a client has not read yet, so its
+pong came too late from a slow reader that was still reading, and uvicorn closed it (1011); a client that
+is gone is found by the write bound while audio is sent and by ``--idle-timeout`` otherwise. For a
+server's stop, the guard's class knows its connections with a request in progress and aborts what is
+left at the end of the drain (:meth:`GuardedProtocol.busy`, :meth:`GuardedProtocol.cut`,
+:mod:`cosyllama.server.shutdown`). Needs the ``server`` extra.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import socket
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from ..defaults import RETRY_AFTER_S
@@ -92,21 +102,72 @@ def _raw_response(status: int, reason: str, message: str, type: str, code: str,
     return head.encode("ascii") + body
 
 
-class _CountedTransport:
-    """A transport that counts the bytes written to it and says when they are written or it is
-    closed; the rest is the transport's. What has left (reached the kernel) is ``written`` less
-    the transport's buffer."""
+class WriteWatch:
+    """The write bound of every door, on progress: once bytes written to ``transport`` wait to leave (its
+    buffer is not empty), it is looked at every second at most; when none of them has left for
+    ``write_timeout`` seconds (the client reads nothing), the connection is aborted and one line says so
+    (``who()``: the client, e.g. ``HTTP 127.0.0.1:5000``). A client that reads, however slowly, is never
+    cut. The door tells it what it writes (:meth:`wrote`; :meth:`arm` after a close, whose bytes must leave
+    too) and :meth:`stop` when the connection is lost."""
 
-    def __init__(self, transport, on_write, on_close=None):
-        self._transport = transport
-        self._on_write = on_write
-        self._on_close = on_close  # returns True when it closes the transport itself, later
+    def __init__(self, transport, write_timeout: float, who: Callable[[], str],
+                 loop: asyncio.AbstractEventLoop | None = None):
+        self.transport, self.write_timeout, self.who = transport, write_timeout, who
+        self.loop = loop or asyncio.get_running_loop()
+        self.check_s = min(1.0, write_timeout / 4)  # a stalled connection is aborted at most this late
         self.written = 0
+        self._look = None  # the next look, while bytes wait
+        self._mark = self._since = 0
+        self._stopped = False
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        self.arm()
+
+    def sent(self) -> int:
+        """Bytes that have left (reached the kernel): those written less those still buffered."""
+        return self.written - self.transport.get_write_buffer_size()
+
+    def arm(self) -> None:
+        """Watch the bytes waiting now, if any (the next write that has to wait starts it again)."""
+        if self._look is None and not self._stopped and self.transport.get_write_buffer_size():
+            self._mark, self._since = self.sent(), self.loop.time()
+            self._look = self.loop.call_later(self.check_s, self._check)
+
+    def stop(self) -> None:
+        self._stopped = True
+        if self._look is not None:
+            self._look.cancel()
+            self._look = None
+
+    def _check(self) -> None:
+        self._look = None
+        if self._stopped or not self.transport.get_write_buffer_size():
+            return
+        now, sent = self.loop.time(), self.sent()
+        if sent != self._mark:
+            self._mark, self._since = sent, now
+        elif now - self._since >= self.write_timeout:
+            log.info("aborted the connection of %s: it read nothing for %g s (--write-timeout)", self.who(),
+                     self.write_timeout)
+            self.stop()
+            self.transport.abort()  # the door sees the connection lost; the route or session, its client gone
+            return
+        self._look = self.loop.call_later(self.check_s, self._check)
+
+
+class _CountedTransport:
+    """A transport that tells its :class:`WriteWatch` what is written to it and when it is closed; the rest
+    is the transport's."""
+
+    def __init__(self, transport, watch: WriteWatch, on_close=None):
+        self._transport = transport
+        self._watch = watch
+        self._on_close = on_close  # returns True when it closes the transport itself, later
 
     def write(self, data) -> None:
         self._transport.write(data)
-        self.written += len(data)
-        self._on_write()
+        self._watch.wrote(len(data))
 
     def writelines(self, lines) -> None:
         for data in lines:
@@ -115,10 +176,7 @@ class _CountedTransport:
     def close(self) -> None:
         if self._on_close is None or not self._on_close():
             self._transport.close()
-        self._on_write()  # what is still buffered must leave within the write timeout too
-
-    def sent(self) -> int:
-        return self.written - self._transport.get_write_buffer_size()
+        self._watch.arm()  # what is still buffered must leave within the write timeout too
 
     def __getattr__(self, name):
         return getattr(self._transport, name)
@@ -143,9 +201,8 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
     full = _raw_response(503, "Service Unavailable", f"the server has {limits.max_connections} connections open, "
                          f"its limit (--max-connections); retry in {RETRY_AFTER_S} s", "server_busy",
                          "too_many_connections", {"retry-after": str(RETRY_AFTER_S)})
-    # how often a stalled response is looked at: it is aborted at most this much after write_timeout
-    write_check_s = min(1.0, limits.write_timeout / 4)
     lingering = set()  # refused connections waiting for their client to read the 503 and close
+    live = weakref.WeakSet()  # every connection (an upgraded one lives as long as its WebSocket)
 
     class GuardedProtocol(base):
         def __init__(self, *args, **kwargs) -> None:
@@ -158,10 +215,10 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             self._timer_kind = None
             self._seen = None  # the request whose headers were complete last
             self._lost = self._dropping = False  # _dropping: what the client sends is read and dropped
-            self._watch = None  # the write watchdog's next look, while bytes wait to leave
-            self._sent_mark = self._progress_at = 0
-            self._counted = _CountedTransport(transport, self._wrote, self._close_after_the_body)
+            self._watch = WriteWatch(transport, limits.write_timeout, self._who, self.loop)
+            self._counted = _CountedTransport(transport, self._watch, self._close_after_the_body)
             super().connection_made(self._counted)
+            live.add(self)
             if len(self.connections) > limits.max_connections:
                 self._refuse()
                 return
@@ -184,9 +241,7 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
         def connection_lost(self, exc) -> None:
             self._lost = True
             self._disarm()
-            if self._watch is not None:
-                self._watch.cancel()
-                self._watch = None
+            self._watch.stop()
             lingering.discard(self)
             super().connection_lost(exc)
 
@@ -234,29 +289,28 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
             else:
                 self._timer = self.loop.call_later(REFUSED_LINGER_S, self.transport.close)
 
-        # -- the write timeout ------------------------------------------------------------------
+        # -- the write bound and the server's stop ------------------------------------------
 
-        def _wrote(self) -> None:
-            """Bytes were written (or the transport closed): watch them leave, when some wait."""
-            if self._watch is None and not self._lost and self._counted.get_write_buffer_size():
-                self._sent_mark = self._counted.sent()
-                self._progress_at = self.loop.time()
-                self._watch = self.loop.call_later(write_check_s, self._check_writes)
+        def _upgraded(self) -> bool:
+            return self._counted.get_protocol() is not self
 
-        def _check_writes(self) -> None:
-            self._watch = None
-            if self._lost or not self._counted.get_write_buffer_size():
-                return  # all sent: the next write that has to wait starts the watch again
-            now, sent = self.loop.time(), self._counted.sent()
-            if sent != self._sent_mark:
-                self._sent_mark, self._progress_at = sent, now
-            elif now - self._progress_at >= limits.write_timeout:
-                client = "%s:%d" % self.client if self.client else "a client"
-                log.info("aborted the connection of %s: its response made no progress for %g s (--write-timeout)",
-                         client, limits.write_timeout)
-                self._counted.abort()  # uvicorn sees the connection lost; the route, its client gone
-                return
-            self._watch = self.loop.call_later(write_check_s, self._check_writes)
+        def _who(self) -> str:
+            client = "%s:%d" % self.client if self.client else "a client"
+            return f"{'WebSocket' if self._upgraded() else 'HTTP'} {client}"
+
+        @classmethod
+        def busy(cls) -> bool:
+            """An HTTP request is in progress on some connection (a WebSocket's work is its session's)."""
+            return any(not p._lost and not p._upgraded() and p.cycle is not None and not p.cycle.response_complete
+                       for p in list(live))
+
+        @classmethod
+        def cut(cls) -> None:
+            """Abort every connection still open (the end of a server's drain: a response still being sent, a
+            WebSocket whose last words did not go out)."""
+            for p in list(live):
+                if not p._lost and not p._counted.is_closing():
+                    p._counted.abort()
 
         # -- the header and body timeouts --------------------------------------------------------
 
@@ -309,9 +363,10 @@ def guarded_protocol(limits: ConnectionLimits, base: type | None = None) -> type
 
 
 def uvicorn_options(limits: ConnectionLimits) -> dict:
-    """The ``uvicorn.run`` / ``uvicorn.Config`` arguments that apply ``limits``."""
-    return {"http": guarded_protocol(limits)}
+    """The ``uvicorn.run`` / ``uvicorn.Config`` arguments that apply ``limits``: the guarded protocol, and no
+    WebSocket keepalive pings (the module docstring says why)."""
+    return {"http": guarded_protocol(limits), "ws_ping_interval": None, "ws_ping_timeout": None}
 
 
-__all__ = ["CONNECTION_HELP", "SEND_BUFFER_BYTES", "ConnectionLimits", "bound_send_buffer", "guarded_protocol",
-           "uvicorn_options"]
+__all__ = ["CONNECTION_HELP", "SEND_BUFFER_BYTES", "ConnectionLimits", "WriteWatch", "bound_send_buffer",
+           "guarded_protocol", "uvicorn_options"]
