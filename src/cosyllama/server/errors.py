@@ -14,7 +14,8 @@ How a field is named depends on the door (``input`` over HTTP, ``text`` in a Web
 =================================  ==========  =============================  =========  ==================
 exception                          HTTP        code                           WebSocket  Wyoming code
 =================================  ==========  =============================  =========  ==================
-:class:`Refusal` (a door's rule)   its status  its code                       1008       its code
+:class:`Refusal` (a door's rule)   its status  its code                       its close  its code
+                                                                              (1008)
 :class:`ServerBusyError`, a full   503         ``server_busy``                1013       ``busy``
 scheduler or backend
 :class:`LimitExceeded`             413         ``string_above_max_length``,   1008       ``limit_exceeded``
@@ -26,6 +27,9 @@ other :class:`InputError`          422         (none)                         10
 other :class:`CosyllamaError`      400         (none)                         1008       ``invalid_request``
 anything else                      500         ``internal_error``             1011       ``internal_error``
 =================================  ==========  =============================  =========  ==================
+
+A refusal closes a WebSocket with 1008, but a message too large (1009) and a server that stops (1001,
+``server_stopping``, :func:`cosyllama.server.session.stopping_refusal`).
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ INTERNAL_ERROR = "internal error; the server's log has the details"
 # strings in it already cut to 64 characters; this only keeps the line short)
 LOGGED_MESSAGE_CHARS = 200
 
-# WebSocket close codes (RFC 6455, 7.4.1)
-CLOSE_NORMAL, CLOSE_REFUSED, CLOSE_TOO_BIG, CLOSE_FAILED, CLOSE_BUSY = 1000, 1008, 1009, 1011, 1013
+# WebSocket close codes (RFC 6455, 7.4.1): 1001 "going away" is a server that stops
+CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_REFUSED, CLOSE_TOO_BIG = 1000, 1001, 1008, 1009
+CLOSE_FAILED, CLOSE_BUSY = 1011, 1013
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -7,7 +7,9 @@ whose long texts normalize in a helper process), the scheduler, the admission ga
 (:class:`~cosyllama.server.admission.Admission`), the threads model code runs in, and the options.
 ``POST /v1/audio/speech`` runs one :class:`~cosyllama.server.job.SynthesisJob` per request through it;
 the WebSocket endpoint and the Wyoming server run :class:`~cosyllama.server.session.Session` over it.
-One process serving both protocols (``serve --wyoming``) has one :class:`Serving`, so one gate.
+One process serving both protocols (``serve --wyoming``) has one :class:`Serving`, so one gate. It knows the
+streamed sessions open on it (:attr:`Serving.sessions`), so a stopping process stops every door's work in one
+place (:meth:`Serving.stop_taking_work`, :meth:`Serving.cut`; :mod:`cosyllama.server.shutdown`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Serving:
         self.executor = ThreadPoolExecutor(max_concurrent + EXTRA_THREADS, thread_name_prefix="cosyllama-serve")
         self._gate = Admission(max_concurrent, self.max_queue)
         self._gate_loop = None  # the event loop the gate belongs to, once used
+        self.sessions: set = set()  # the streamed sessions open now (cosyllama.server.session.Session)
+        self.stopping = False  # stop_taking_work() came
 
     @property
     def voices(self) -> VoiceStore:
@@ -63,6 +67,24 @@ class Serving:
     def gate(self) -> Admission:
         """The gate (for reports and tests)."""
         return self._gate
+
+    def stop_taking_work(self) -> None:
+        """The server stops: the gate admits nothing more (what waits for a slot and what comes is refused:
+        HTTP 503, WebSocket 1013, Wyoming ``busy``), and every session takes no new utterance and ends once
+        its work is spoken (:meth:`~cosyllama.server.session.Session.stop`). Call it in the serving's loop."""
+        self.stopping = True
+        self.admission().close("the server is stopping; retry in a moment (another server may answer)")
+        for session in list(self.sessions):
+            session.stop()
+
+    def busy(self) -> bool:
+        """Work runs or waits: a request holds or waits for a slot, or a session is open."""
+        return bool(self.sessions) or self._gate.running > 0 or self._gate.waiting > 0
+
+    def cut(self) -> None:
+        """End every session now (the end of a stopping server's drain)."""
+        for session in list(self.sessions):
+            session.cut()
 
     async def call(self, fn, *args):
         """``fn(*args)`` in the threads that run model code (never the event loop)."""

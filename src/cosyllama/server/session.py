@@ -1,11 +1,21 @@
-"""One client's streamed speech, whatever carries it: :class:`Session`.
+"""One client's streamed speech, whatever carries it: :class:`Session`, which owns the connection's life.
 
 The WebSocket endpoint (:mod:`cosyllama.server.speech_stream`) and the Wyoming server
-(:mod:`cosyllama.server.wyoming`) are codecs over it: each turns its client's messages into calls
-here (:meth:`Session.configure`, :meth:`~Session.add_text`, :meth:`~Session.add_whole`,
-:meth:`~Session.end_utterance`, :meth:`~Session.close`) and the session's events into its frames
-(:class:`Door`). What the session does is the same for both:
+(:mod:`cosyllama.server.wyoming`) are codecs over it, each a :class:`Door`: it reads its client's messages
+(:meth:`Door.read`), turns each into calls here (:meth:`Door.take`: :meth:`Session.configure`,
+:meth:`~Session.add_text`, :meth:`~Session.add_whole`, :meth:`~Session.end_utterance`, :meth:`~Session.close`),
+writes the session's events as its frames (:meth:`Door.send`) and says the connection's end in its protocol
+(:meth:`Door.end`). What the session does is the same for both:
 
+* **The life.** :meth:`Session.run` reads the client's messages and hands each to the door while a speaker
+  task speaks what they queued, until the connection ends one of three ways, which the door then says: closed
+  (the client's close, once what it queued is spoken), gone (the client left, or was cut for reading nothing:
+  there is no one to tell) or an error (a refusal, the idle timeout, the server stopping, a failure of the
+  server's: an ``error`` and a close). Then, in one place, the sentence being spoken is cancelled (its LLM
+  sequence goes at the next decode step) and the slot freed; every task of the session has its exception
+  retrieved, so a client that leaves while a write waits is no traceback in the log.
+* **In order.** A door may refuse a message after what was queued before it (:class:`AfterQueued`; Wyoming's
+  requests are answered in order): the earlier utterances are spoken, then the refusal ends the connection.
 * **Sentences.** Text as it is written is cut into sentences (:class:`~cosyllama.server.sentences.SentenceStream`),
   each one :class:`~cosyllama.request.SynthesisRequest` made from the utterance's template, checked
   when it is queued (a refusal is the client's error at once) and spoken in order.
@@ -17,13 +27,15 @@ here (:meth:`Session.configure`, :meth:`~Session.add_text`, :meth:`~Session.add_
 * **Admission.** An utterance holds one of the server's running slots
   (:class:`~cosyllama.server.admission.Admission`, the gate HTTP requests take) from its first
   sentence to its end; an utterance without sentences takes none.
-* **Cancel.** :meth:`Session.aclose` (the client went away, or broke a rule) cancels the sentence being
-  spoken: its LLM sequence is released at the next decode step, its slot at once.
 * **Idle timeout.** :meth:`Session.receive` waits for the client's next message; with nothing queued
   or being spoken it waits at most ``idle_timeout`` seconds from the last message (or from when
   the last audio was sent), then refuses with ``idle_timeout``.
-* **Write timeout.** A door's :meth:`Door.send` raises :class:`Stalled` (or ``ConnectionError``)
-  when its client has read nothing for ``write_timeout`` seconds; the session ends there.
+* **Write bound.** A door's :meth:`Door.send` waits as long as its client reads (no deadline of its own);
+  the connection's :class:`~cosyllama.server.conn.WriteWatch` aborts it once nothing has left for
+  ``--write-timeout``, and the send raises ``ConnectionError``: the client is gone.
+* **The server's stop** (:mod:`cosyllama.server.shutdown`): :meth:`Session.stop` takes no new utterance (the
+  client is told ``server_stopping`` after what it queued) and ends the session once its work is spoken,
+  at once when it has none; :meth:`Session.cut` ends it now.
 
 Model code runs in the serving's threads (:meth:`~cosyllama.server.serving.Serving.call`), never in
 the event loop.
@@ -32,7 +44,6 @@ the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -40,13 +51,26 @@ from ..limits import LimitExceeded
 from ..llm.scheduler import RequestCancelled
 from ..request import SynthesisRequest
 from ..seeds import offset_seed
-from .errors import Refusal
+from .errors import CLOSE_GOING_AWAY, Refusal
 from .job import SynthesisJob
 from .sentences import SentenceStream
 
+STOPPING = "server_stopping"  # the code of the refusal a stopping server answers with
 
-class Stalled(Exception):
-    """The client has read nothing of what was sent for ``write_timeout`` seconds."""
+
+def stopping_refusal() -> Refusal:
+    """What a session is told when the server stops (WebSocket: then close 1001, going away)."""
+    return Refusal("the server is stopping; connect again (to another server) for more", STOPPING,
+                   close=CLOSE_GOING_AWAY)
+
+
+class AfterQueued(Exception):
+    """Raised by :meth:`Door.take`: ``error`` answers this message once what was queued before it is spoken
+    (no message is taken after it), instead of at once."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -93,6 +117,9 @@ class UtteranceDone:
     door: object  # its Template.door
 
 
+CLOSED = "closed"  # an ending: the client's close honoured (the others: None, gone; an exception, an error)
+
+
 class Door(Protocol):
     """What a codec gives the session."""
 
@@ -100,14 +127,42 @@ class Door(Protocol):
         """The synthesis of one sentence (:meth:`SynthesisJob.output` is what :class:`Audio` carries)."""
         ...
 
+    async def read(self) -> object | None:
+        """The client's next message (as the door reads it), None once the client has left."""
+        ...
+
+    async def take(self, message) -> None:
+        """``message`` as calls on the session; raises what refuses it (at once, or :class:`AfterQueued`)."""
+        ...
+
     async def send(self, event: Audio | SentenceDone | UtteranceDone) -> None:
-        """Write ``event`` as the door's frames; :class:`Stalled` or ``ConnectionError`` when the
-        client reads nothing."""
+        """Write ``event`` as the door's frames, however slowly the client reads; ``ConnectionError`` when
+        the client is gone (or was cut for reading nothing)."""
+        ...
+
+    async def end(self, ending: str | Exception | None) -> None:
+        """Say the connection's end and close it: :data:`CLOSED`, None (gone: nothing to say) or the
+        exception it ends with (an ``error``, then a close where the protocol has one)."""
         ...
 
 
 _CLOSE = object()  # the speaker's last item (close())
-GONE = (asyncio.CancelledError, ConnectionError, RequestCancelled)  # what a client that went away raises
+_FINISHED = object()  # receive(): the speaker ended after close()
+GONE = (ConnectionError, RequestCancelled)  # what a client that went away (or was cut) makes a session raise
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The speaker's item of a refusal answered in order (:class:`AfterQueued`)."""
+
+    error: Exception
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A done callback: the task's exception is retrieved (the session says what matters; asyncio would log
+    the rest as "never retrieved" with a traceback when the task is collected)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class Session:
@@ -115,7 +170,7 @@ class Session:
     its events sent through ``door``. ``text_per_utterance``: each utterance cuts its own text (its
     ``--max-session-chars`` counted per utterance; else per connection); ``max_waiting_chars``: characters
     queued and not yet being spoken (None: no bound); :attr:`pending` counts the utterances waiting or
-    being spoken (a door may bound it). Made inside the running event loop; :meth:`start` it."""
+    being spoken (a door may bound it). Made inside the running event loop; :meth:`run` it."""
 
     def __init__(self, serving, door: Door, *, idle_timeout: float, text_per_utterance: bool = False,
                  max_waiting_chars: int | None = None, noun: str = "message"):
@@ -132,19 +187,81 @@ class Session:
         self.took_text = False  # the open utterance has taken text
         self.pending = 0  # utterances queued or being spoken
         self.waiting_chars = 0  # characters queued, not yet being spoken
-        self.closing = False  # close() came
+        self.closing = False  # close() came, or a refusal in order: no message is taken any more
+        self.stopping = False  # stop(): no new utterance
+        self.cut_now = False  # cut(): end now
         self.partial = False  # the sentence that failed had sent audio
         self.job: SynthesisJob | None = None
         self._work: asyncio.Queue = asyncio.Queue()
         self._in_hand = None  # the item the speaker is on
-        self._wake = asyncio.Event()  # the speaker ran out of work
+        self._wake = asyncio.Event()  # the speaker ran out of work, or the server stops
         self._loop = asyncio.get_running_loop()
         self.quiet_since = self._loop.time()
         self._speaker: asyncio.Task | None = None
         self._reading: asyncio.Future | None = None
 
-    def start(self) -> None:
+    # -- the life -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The connection's life, from its first message to its close (the module docstring); returns when
+        it is over. Cancelled, it stops its work (and the door's connection ends with its task)."""
         self._speaker = asyncio.create_task(self._speak())
+        self._speaker.add_done_callback(_retrieve)
+        sessions = self.serving.sessions
+        sessions.add(self)
+        if self.serving.stopping:
+            self.stop()
+        try:
+            try:
+                ending = await self._converse()
+            finally:
+                await self._stop_work()
+        finally:
+            sessions.discard(self)
+        try:
+            await self.door.end(ending)
+        except GONE:
+            pass  # the client went away meanwhile: there is no one to tell
+
+    async def _converse(self) -> str | Exception | None:
+        """Messages to the door until the connection ends: how it ends (:meth:`Door.end`)."""
+        try:
+            while True:
+                message = await self.receive()
+                if message is _FINISHED:
+                    return CLOSED
+                if message is None:
+                    return None  # the client left
+                if not self.closing:
+                    try:
+                        await self.door.take(message)
+                    except AfterQueued as e:
+                        self.refuse(e.error)
+        except GONE:
+            return None
+        except Exception as e:  # a refusal, the idle timeout, the server stopping, a failure of the server's
+            return e
+
+    def refuse(self, error: Exception) -> None:
+        """Answer ``error`` once what was queued before it is spoken; no message is taken after it."""
+        if not self.closing:
+            self.closing = True
+            self._work.put_nowait(_Refused(error))
+
+    def stop(self) -> None:
+        """The server stops: no new utterance is taken (the client is told after what it queued); the session
+        ends once its work is spoken, at once when it has none."""
+        self.stopping = True
+        self._wake.set()
+
+    def cut(self) -> None:
+        """The server's drain is over: the session ends now, telling the client the server stops."""
+        self.cut_now = True
+        self._wake.set()
+
+    def has_work(self) -> bool:
+        """An utterance is open, queued or being spoken."""
+        return self.pending > 0 or self.busy()
 
     # -- what the client sends ------------------------------------------------------------------
 
@@ -163,6 +280,8 @@ class Session:
 
     def _open(self) -> Template:
         if self.open_template is None:
+            if self.stopping:
+                raise AfterQueued(stopping_refusal())
             if self.template is None:
                 raise Refusal("text before the session is configured", "session_not_configured")
             self.open_template = self.template
@@ -239,26 +358,34 @@ class Session:
         """The client's turn begins now: the idle timeout restarts."""
         self.quiet_since = self._loop.time()
 
-    async def receive(self, read: Callable[[], Awaitable]):
-        """The client's next message (what ``read()`` returns), within the idle timeout; None once the
-        speaker has ended after :meth:`close`. Raises what the speaker failed with, and a
-        :class:`~cosyllama.server.errors.Refusal` ``idle_timeout`` when the client sent nothing for
-        ``idle_timeout`` seconds while nothing was being spoken."""
+    async def receive(self):
+        """The client's next message (what :meth:`Door.read` returns: None once the client left) within the
+        idle timeout, or :data:`_FINISHED` once the speaker has ended after :meth:`close`. Raises what the
+        speaker failed with, a :class:`~cosyllama.server.errors.Refusal` ``idle_timeout`` when the client sent
+        nothing for ``idle_timeout`` seconds while nothing was being spoken, and ``server_stopping`` once the
+        server stops and the session has no work (or at once, cut)."""
         loop, idle = self._loop, self.idle_timeout
         if self._reading is None:
-            self._reading = asyncio.ensure_future(read())
+            self._reading = asyncio.ensure_future(self.door.read())
+            self._reading.add_done_callback(_retrieve)
         while True:
+            if self.cut_now or (self.stopping and not self.has_work()):
+                raise stopping_refusal()
             waker = asyncio.ensure_future(self._wake.wait())
             timeout = None if self.busy() else max(0.0, self.quiet_since + idle - loop.time())
-            done, _ = await asyncio.wait({self._reading, waker, self._speaker}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            waker.cancel()
+            try:
+                done, _ = await asyncio.wait({self._reading, waker, self._speaker}, timeout=timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
             if self._wake.is_set():
                 self._wake.clear()
                 self.quiet_since = max(self.quiet_since, loop.time())
             if self._speaker in done:
+                if self._speaker.cancelled():  # its work was cancelled under it (the model threads stopped)
+                    raise ConnectionAbortedError("the session's work was cancelled")
                 self._speaker.result()  # raises what the speaker failed with
-                return None
+                return _FINISHED
             if self._reading in done:
                 reading, self._reading = self._reading, None
                 message = reading.result()
@@ -268,17 +395,17 @@ class Session:
                 raise Refusal(f"no {self.noun} for {idle:g} s with nothing being spoken (the server's "
                               "--idle-timeout); the connection is closed", "idle_timeout")
 
-    async def aclose(self) -> None:
-        """Stop: cancel the sentence being spoken (its LLM sequence goes at the next decode step) and
-        the speaker; its slot is free when this returns."""
-        if self._reading is not None:
-            self._reading.cancel()
-            self._reading = None
+    async def _stop_work(self) -> None:
+        """The one place a session's work stops: the read in progress and the sentence being spoken are
+        cancelled (its LLM sequence goes at the next decode step), then the speaker; its slot is free when
+        this returns."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            reading.cancel()
         if self.job is not None:
             self.job.token.cancel()
-        if self._speaker is not None:
-            self._speaker.cancel()
-            await asyncio.shield(asyncio.wait([self._speaker]))
+        self._speaker.cancel()
+        await asyncio.shield(asyncio.wait([self._speaker]))
 
     # -- the speaker ----------------------------------------------------------------------------
 
@@ -291,6 +418,8 @@ class Session:
                 item = self._in_hand = await self._work.get()
                 if item is _CLOSE:
                     return
+                if isinstance(item, _Refused):
+                    raise item.error
                 if isinstance(item, UtteranceDone):
                     await self.door.send(item)
                     self.pending -= 1
@@ -330,4 +459,5 @@ class Session:
             await asyncio.shield(call(job.close))
 
 
-__all__ = ["GONE", "Audio", "Door", "Sentence", "SentenceDone", "Session", "Stalled", "Template", "UtteranceDone"]
+__all__ = ["CLOSED", "GONE", "STOPPING", "AfterQueued", "Audio", "Door", "Sentence", "SentenceDone", "Session",
+           "Template", "UtteranceDone", "stopping_refusal"]

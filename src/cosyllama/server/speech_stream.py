@@ -39,13 +39,14 @@ is one scheduler request, decoded with everyone else's; sentence ``k`` of an utt
 the config's ``seed + k``. Everything a client controls is bounded: a message's size, a piece, a sentence
 and the text waiting for its end (``--max-input-chars``), the session's text in all
 (``--max-session-chars``), the time with nothing to do (``--idle-timeout``: no message and no
-audio being made) and a client that stops reading (``--write-timeout``). A client that goes
-away cancels its sentence at once: its LLM sequence is released at the next decode step.
+audio being made) and a client that stops reading (``--write-timeout``: the connection's write bound,
+:class:`~cosyllama.server.conn.WriteWatch`; a send has no deadline of its own, so a slow reader that keeps
+reading is never cut). A client that goes away cancels its sentence at once: its LLM sequence is released
+at the next decode step.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import dataclass, replace
@@ -69,7 +70,7 @@ from .errors import (
     log_refusal,
     websocket_error,
 )
-from .session import GONE, Audio, Sentence, SentenceDone, Session, Stalled, Template, UtteranceDone
+from .session import CLOSED, Audio, Sentence, SentenceDone, Session, Template, UtteranceDone
 from .speech import SpeechJob, SpeechRequest, check_request
 
 log = logging.getLogger("cosyllama.server")
@@ -128,41 +129,28 @@ class _Connection:
     def __init__(self, ws: WebSocket):
         state = state_of(ws.app)
         self.ws, self.state, self.serving = ws, state, state.serving
-        conn = self.serving.options.connection_limits
-        self.write_timeout = conn.write_timeout
         self.max_bytes = message_bytes(self.serving.limits)
-        self.session = Session(self.serving, self, idle_timeout=conn.idle_timeout)
+        self.session = Session(self.serving, self, idle_timeout=self.serving.options.connection_limits.idle_timeout)
         self.started = False  # the sentence being sent has had its audio.start
         self.sent = 0  # its bytes so far
 
     async def run(self) -> None:
         await self.ws.accept()
-        session = self.session
-        session.start()
-        try:
-            while True:
-                message = await session.receive(self.ws.receive)
-                if message is None:  # the speaker ended after session.close
-                    await self._send_close(CLOSE_NORMAL)
-                    return
-                if message["type"] == "websocket.disconnect":
-                    return  # the client went away
-                if not session.closing:
-                    await self._take(message)
-        except (WebSocketDisconnect, *GONE):
-            return  # the client went away
-        except Stalled:
-            log.info("closed the %s session of %s: it read nothing for %g s (--write-timeout)", PATH,
-                     self._client(), self.write_timeout)
-        except Exception as e:
-            await session.aclose()
-            await self._fail(e)
-        finally:
-            await session.aclose()
+        await self.session.run()
+
+    async def read(self) -> dict | None:
+        message = await self.ws.receive()
+        return None if message["type"] == "websocket.disconnect" else message
+
+    async def end(self, ending) -> None:
+        if ending is CLOSED:  # session.close, its sentences spoken
+            await self._send_close(CLOSE_NORMAL)
+        elif ending is not None:
+            await self._fail(ending)
 
     # -- the client's messages ----------------------------------------------------------------
 
-    async def _take(self, message: dict) -> None:
+    async def take(self, message: dict) -> None:
         raw = message.get("text")
         if raw is None:
             raise Refusal("binary messages are not taken here; send JSON text messages (session.config, input.text, "
@@ -271,10 +259,12 @@ class _Connection:
     # -- sending ------------------------------------------------------------------------------
 
     async def _send(self, message: dict) -> None:
+        """Send ``message`` when uvicorn's buffer has room, however long the client takes to read (the
+        connection's write bound cuts a client that reads nothing); ``ConnectionError`` once it is gone."""
         try:
-            await asyncio.wait_for(self.ws.send(message), self.write_timeout)
-        except TimeoutError:
-            raise Stalled() from None
+            await self.ws.send(message)
+        except WebSocketDisconnect:
+            raise ConnectionResetError("the client is gone") from None
 
     async def _send_json(self, payload: dict) -> None:
         await self._send({"type": "websocket.send", "text": json.dumps(payload, separators=(",", ":"))})
@@ -296,8 +286,8 @@ class _Connection:
         try:
             await self._send_json(payload)
             await self._send_close(close, payload["code"][:120])
-        except (WebSocketDisconnect, Stalled, RuntimeError):
-            pass  # the client is gone or reads nothing: there is no one to tell
+        except (ConnectionError, RuntimeError):
+            pass  # the client is gone, or was cut for reading nothing: there is no one to tell
 
 
 def word_frame(segments) -> dict:

@@ -28,20 +28,21 @@ to ``-stop``) is one of the session's utterances: it holds one of the server's r
 first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
 batched with everyone else's. The protocol carries no synthesis options: every request takes the server's
 (``--seed``, ``--greedy``, ``--speed``, ``--loudness``, ``--retries``); with ``--seed N`` sentence ``k`` is
-seeded ``N + k`` (without it, each sentence gets a fresh seed). A bad
-request (unknown voice, no text, over a limit, the server busy) is answered with an ``error`` event,
-after which the server closes the connection (Home Assistant's client waits for audio until then). A
-client that closes the connection cancels its session: the LLM sequence is released at the next decode
-step.
+seeded ``N + k`` (without it, each sentence gets a fresh seed). Requests are answered in the order they
+came: a bad request (unknown voice, no text, over a limit, the connection's fifth, an event out of order) is
+answered with an ``error`` event once the requests accepted before it are spoken, after which the server
+closes the connection (Home Assistant's client waits for audio until then). A client that closes the
+connection cancels its session: the LLM sequence is released at the next decode step.
 
 The protocol has no authentication, so everything a client controls is bounded
 (:class:`~cosyllama.server.conn.ConnectionLimits`, the flags ``serve`` has too, and
 :func:`event_caps`): events are read here, not by the `wyoming` package (which buffers whatever a
 header announces): a header line and its data at most so many bytes for the event's type, checked
 before they are read, no payload; an event complete within ``header_timeout`` of its first byte;
-no event for ``idle_timeout`` while nothing is being spoken closes the connection; a write that
-makes no progress for ``write_timeout`` (a client that stops reading) aborts the connection and
-frees its session's sequence, flow work and slot; ``max_connections`` open at once. A malformed
+no event for ``idle_timeout`` while nothing is being spoken closes the connection; a connection whose
+writes make no progress for ``write_timeout`` (a client that stops reading; the one write bound of every
+door, :class:`~cosyllama.server.conn.WriteWatch`) is aborted, which frees its session's sequence, flow work
+and slot; ``max_connections`` open at once. A malformed
 event gets ``error`` ``protocol_error`` with a one-line reason and the connection is closed; the
 log says so in one warning line per client (rate-limited), never a traceback.
 """
@@ -61,10 +62,10 @@ from ..defaults import LANGUAGES
 from ..errors import InputError, MissingDependencyError
 from ..request import API_NAMES, SynthesisRequest
 from ..text.normalize import is_only_punctuation
-from .conn import bound_send_buffer
-from .errors import Refusal, log_refusal, wyoming_error
+from .conn import WriteWatch, bound_send_buffer
+from .errors import log_refusal, wyoming_error
 from .job import SynthesisJob
-from .session import GONE, Audio, Sentence, Session, Template, UtteranceDone
+from .session import AfterQueued, Audio, Sentence, Session, Template, UtteranceDone
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -100,7 +101,6 @@ SAMPLE_WIDTH = 2  # bytes: 16-bit PCM
 CHANNELS = 1
 
 MAX_SESSIONS = 4  # requests one connection may have waiting or speaking
-STOP_GRACE_S = 5.0  # seconds a stopping server lets connections take their last events
 QUEUED_INPUTS = 8  # text one connection may have waiting to be spoken, in --max-input-chars
 # the text a request's template is checked with: each sentence's own is checked as it comes
 STAND_IN_TEXT = "synthesize"
@@ -118,10 +118,6 @@ def error_event(e: BaseException) -> Event:
 # A connection
 
 
-class _Closed(Exception):
-    """The connection ends here (the client left, or it was answered and closed)."""
-
-
 @dataclass(frozen=True)
 class _Request:
     """A request's kind (:attr:`Template.door <cosyllama.server.session.Template.door>`): a stream ends with
@@ -131,68 +127,52 @@ class _Request:
 
 
 class _Connection:
-    """One client: reads its events (bounded, :meth:`_read_event`) and turns them into calls on its
-    :class:`~cosyllama.server.session.Session`; writes the session's events as Wyoming events (its
-    :class:`~cosyllama.server.session.Door`), with a bound on how long a write may make no progress
-    (:meth:`write_event`)."""
+    """One client, a :class:`~cosyllama.server.session.Door` of its :class:`~cosyllama.server.session.Session`:
+    its events are read within bounds (:meth:`read`, :meth:`take`) and become calls on the session, each
+    request answered in the order it came (a refused one after those accepted before it); the session's events
+    are written as Wyoming events, under the connection's write bound (:class:`~cosyllama.server.conn.WriteWatch`)."""
 
     def __init__(self, service: WyomingService, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.service, self.reader, self.writer = service, reader, writer
         self.limits = service.limits
-        self.loop = asyncio.get_running_loop()
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "a client"
+        self.watch = WriteWatch(writer.transport, self.limits.write_timeout, lambda: f"Wyoming {self.peer}")
         limits = service.serving.limits
         self.session = Session(service.serving, self, idle_timeout=self.limits.idle_timeout, text_per_utterance=True,
                                max_waiting_chars=QUEUED_INPUTS * limits.input_chars, noun="event")
         self.stream = False  # a synthesize-start ... -stop is open
-        self.failed = False
         self.logged = False  # the failure being answered has its line in the log already
         self.started = False  # the request being spoken has sent audio-start
         self.ms = 0.0  # its audio so far
 
-    # -- the loop ------------------------------------------------------------------------------
-
     async def run(self) -> None:
         """Answer events until the client leaves, breaks the protocol or is refused; never raises."""
-        self.session.start()
-        try:
-            while not self.failed:
-                try:
-                    event = await self._read_event()
-                except InputError as e:  # a malformed event, one over its bounds, the idle timeout, a refusal
-                    if isinstance(e, Refusal) and e.code == "idle_timeout":  # the session's own refusal
-                        log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer,
-                                 self.limits.idle_timeout)
-                        self.logged = True
-                    await self.session.aclose()
-                    await self.fail(e)
-                    break
-                if event is None or not await self.handle_event(event):
-                    break
-        except (_Closed, asyncio.IncompleteReadError, *GONE):
-            pass
-        except Exception as e:  # a request failed in the session (refused, or the server's failure)
-            await self.session.aclose()
-            await self.fail(e)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.session.aclose()
-            self._close()
+        await self.session.run()
 
     # -- reading -------------------------------------------------------------------------------
 
-    async def _read_event(self) -> Event | None:
-        """The next event, read within bounds: None when the client left. :class:`ProtocolError`
-        (or :class:`LimitExceeded`) for an event this server does not read."""
-        first = await self.session.receive(lambda: self.reader.read(1))  # within the idle timeout
-        if not first:
-            return None
+    async def read(self) -> bytes | None:
+        """An event's first byte (the session waits for it within the idle timeout); None when the client left."""
+        return await self.reader.read(1) or None
+
+    async def take(self, first: bytes) -> None:
+        """The event that begins with ``first``, read within bounds and answered. A malformed one (or one over
+        its bounds, or too slow) is refused at once; a refused request after the requests before it."""
+        event = await self._read_rest(first)
         try:
-            return await read_event(self.reader, first, self.service.caps, self.limits.header_timeout,
-                                    self.service.serving.limits.input_chars)
+            await self.handle_event(event)
+        except InputError as e:  # a request refused (busy, unknown voice, no text, a stop without a start ...)
+            raise AfterQueued(e) from None
+
+    async def _read_rest(self, first: bytes) -> Event:
+        """The event whose first byte is ``first``: :class:`ProtocolError` (or :class:`LimitExceeded`) for one
+        this server does not read, ``request_timeout`` past ``--header-timeout``."""
+        try:
+            event = await read_event(self.reader, first, self.service.caps, self.limits.header_timeout,
+                                     self.service.serving.limits.input_chars)
         except InputError as e:  # malformed, or over its bounds: one (rate-limited) line for the operator
-            if not isinstance(e, ProtocolError):  # fail() says so for a ProtocolError
+            if not isinstance(e, ProtocolError):  # end() says so for a ProtocolError
                 self.service.warn_bad_client(self.peer, str(e))
                 self.logged = True
             raise
@@ -201,52 +181,46 @@ class _Connection:
             log.info("closed the Wyoming connection of %s: an event took more than %g s (--header-timeout)",
                      self.peer, seconds)
             self.logged = True
-            await self.fail(RequestRefused(f"the event did not arrive within {seconds:g} s of its first byte "
-                                           "(--header-timeout)", "request_timeout"))
-            raise _Closed from None
+            raise RequestRefused(f"the event did not arrive within {seconds:g} s of its first byte "
+                                 "(--header-timeout)", "request_timeout") from None
+        if event is None:
+            raise ConnectionResetError("the client left in the middle of an event")
+        return event
 
     # -- answering -----------------------------------------------------------------------------
 
-    async def handle_event(self, event: Event) -> bool:
-        """Answer one (well-formed) event; False once the connection is to close."""
-        try:
-            data, kind = event.data, event.type
-            if Describe.is_type(kind):
-                await self.write_event((await self.service.call(self.service.info)).event())
-            elif Ping.is_type(kind):
-                await self.write_event(Pong(text=optional_str(data, "text", "ping")).event())
-            elif SynthesizeStart.is_type(kind):
-                voice = voice_field(data, kind)
-                if self.stream:
-                    raise ProtocolError("synthesize-start inside a stream; end it with synthesize-stop first")
-                await self._configure(voice, streaming=True)
-                self.session.begin()
-                self.stream = True
-            elif SynthesizeChunk.is_type(kind):
-                text = text_field(data, kind)
-                self._in_stream(kind)
-                self.session.add_text(text)
-            elif SynthesizeStop.is_type(kind):
-                self._in_stream(kind)
-                self.stream = False
-                self.session.end_utterance(if_empty=RequestRefused(
-                    "the stream ended without text to speak; send synthesize-chunk events with text between "
-                    "synthesize-start and synthesize-stop", "empty_text"))
-            elif Synthesize.is_type(kind):
-                text, voice = text_field(data, kind), voice_field(data, kind)
-                if not self.stream:  # inside a stream: its copy for old servers, ignored
-                    if is_only_punctuation(text.strip()):  # empty, blank or nothing to say
-                        raise RequestRefused("text is empty; give some text to speak", "empty_text")
-                    await self._configure(voice, streaming=False)
-                    self.session.add_whole(text)
-                    self.session.end_utterance()
-            return True
-        except (ConnectionError, _Closed):
-            return False
-        except Exception as e:
-            await self.session.aclose()
-            await self.fail(e)
-            return False
+    async def handle_event(self, event: Event) -> None:
+        """Answer one (well-formed) event; raises what refuses it."""
+        data, kind = event.data, event.type
+        if Describe.is_type(kind):
+            await self.write_event((await self.service.call(self.service.info)).event())
+        elif Ping.is_type(kind):
+            await self.write_event(Pong(text=optional_str(data, "text", "ping")).event())
+        elif SynthesizeStart.is_type(kind):
+            voice = voice_field(data, kind)
+            if self.stream:
+                raise ProtocolError("synthesize-start inside a stream; end it with synthesize-stop first")
+            await self._configure(voice, streaming=True)
+            self.session.begin()
+            self.stream = True
+        elif SynthesizeChunk.is_type(kind):
+            text = text_field(data, kind)
+            self._in_stream(kind)
+            self.session.add_text(text)
+        elif SynthesizeStop.is_type(kind):
+            self._in_stream(kind)
+            self.stream = False
+            self.session.end_utterance(if_empty=RequestRefused(
+                "the stream ended without text to speak; send synthesize-chunk events with text between "
+                "synthesize-start and synthesize-stop", "empty_text"))
+        elif Synthesize.is_type(kind):
+            text, voice = text_field(data, kind), voice_field(data, kind)
+            if not self.stream:  # inside a stream: its copy for old servers, ignored
+                if is_only_punctuation(text.strip()):  # empty, blank or nothing to say
+                    raise RequestRefused("text is empty; give some text to speak", "empty_text")
+                await self._configure(voice, streaming=False)
+                self.session.add_whole(text)
+                self.session.end_utterance()
 
     def _in_stream(self, what: str) -> None:
         if not self.stream:
@@ -293,50 +267,43 @@ class _Connection:
     # -- writing and closing -------------------------------------------------------------------
 
     async def write_event(self, event: Event) -> None:
-        """Send ``event``; a ``ConnectionError`` when the client is gone, or when the write made no
-        progress for ``write_timeout`` seconds (then the connection is aborted)."""
-        transport = self.writer.transport
-        if transport.is_closing():
+        """Send ``event``, however slowly the client reads (the write bound aborts a connection whose client
+        reads nothing for ``--write-timeout``); a ``ConnectionError`` when the client is gone."""
+        if self.writer.transport.is_closing():
             raise ConnectionResetError("the connection is closed")
-        self.writer.write(event_bytes(event))
-        seconds = self.limits.write_timeout
-        while True:
-            before = transport.get_write_buffer_size()
-            try:
-                await asyncio.wait_for(self.writer.drain(), seconds)
-                return
-            except asyncio.TimeoutError:
-                if not transport.is_closing() and transport.get_write_buffer_size() < before:
-                    continue  # a slow reader, but it reads
-            log.info("closed the Wyoming connection of %s: it read nothing for %g s (--write-timeout)",
-                     self.peer, seconds)
-            self.failed = True
-            transport.abort()  # its sessions are cancelled as when it leaves
-            raise ConnectionResetError("the client stopped reading")
+        data = event_bytes(event)
+        self.writer.write(data)
+        self.watch.wrote(len(data))
+        await self.writer.drain()
 
-    async def fail(self, e: BaseException) -> None:
-        """Answer ``e`` with an ``error`` event, then close the connection; the log has one line of it (a
-        broken protocol's warning, a refusal's line, the server's own failure with its traceback)."""
-        if self.failed:
-            return
-        self.failed = True
-        event = error_event(e)
-        if isinstance(e, ProtocolError):
-            self.service.warn_bad_client(self.peer, str(e))
-        elif not self.logged and event.data["code"] != "internal_error":
-            log_refusal("a Wyoming request", self.peer, event.data["code"], event.data["text"])
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await self.write_event(event)
+    async def end(self, ending) -> None:
+        """Answer the exception the connection ends with (if any) with an ``error`` event, then close it; the
+        log has one line of it (the idle timeout's, a broken protocol's warning, a refusal's line, the server's
+        own failure with its traceback)."""
+        if isinstance(ending, BaseException):
+            event = error_event(ending)
+            code = event.data["code"]
+            if code == "idle_timeout":
+                log.info("closed the Wyoming connection of %s: no event for %g s (--idle-timeout)", self.peer,
+                         self.limits.idle_timeout)
+            elif isinstance(ending, ProtocolError):
+                self.service.warn_bad_client(self.peer, str(ending))
+            elif not self.logged and code != "internal_error":
+                log_refusal("a Wyoming request", self.peer, code, event.data["text"])
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.write_event(event)
         self._close()
 
     def _close(self) -> None:
-        """Close the connection: what is written goes out, within ``write_timeout``; the reader ends."""
+        """Close the connection: what is written goes out under the write bound."""
         transport = self.writer.transport
         if not transport.is_closing():
             transport.close()
-            if transport.get_write_buffer_size():
-                self.loop.call_later(self.limits.write_timeout, transport.abort)
-        self.reader.feed_eof()
+            self.watch.arm()
+
+    def abort(self) -> None:
+        """Drop the connection now (what is not sent is lost)."""
+        self.writer.transport.abort()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,21 +337,39 @@ def check_listen(uri: str) -> None:
 
 
 class WyomingServer:
-    """A running Wyoming server (from :func:`start_wyoming`); ``address`` is where it listens."""
+    """A running Wyoming server (from :func:`start_wyoming`); ``address`` is where it listens. A stopping process
+    (:class:`~cosyllama.server.shutdown.Shutdown`) calls :meth:`stop_taking_work`, :meth:`busy` and :meth:`cut`
+    (the sessions' own stop is the serving's); :meth:`stop` ends it."""
 
     def __init__(self, server: asyncio.AbstractServer, service: WyomingService, address, unix_path: str | None):
         self.server, self.service, self.address, self.unix_path = server, service, address, unix_path
 
-    async def stop(self) -> None:
-        """Stop listening and end every connection (their sessions are cancelled)."""
+    def stop_taking_work(self) -> None:
+        """Stop listening: a new connection is refused."""
         self.server.close()
+
+    def busy(self) -> bool:
+        return bool(self.service.connections)
+
+    def cut(self) -> None:
+        """Abort every connection still open (its last words did not go out in time)."""
+        for conn in list(self.service.connections.values()):
+            conn.abort()
+
+    async def stop(self) -> None:
+        """Stop listening and end every connection now: its session ends telling the client the server stops;
+        a connection whose last words did not leave within :data:`~cosyllama.server.shutdown.FAREWELL_S` is
+        aborted."""
+        from .shutdown import FAREWELL_S
+
+        self.stop_taking_work()
         connections = dict(self.service.connections)
         for conn in connections.values():
-            conn._close()  # each connection's reader ends, so it cancels its sessions
+            conn.session.cut()
         if connections:
-            _, stuck = await asyncio.wait(list(connections), timeout=STOP_GRACE_S)
+            _, stuck = await asyncio.wait(list(connections), timeout=FAREWELL_S)
             for task in stuck:  # a client that reads nothing: drop what it was sent
-                connections[task].writer.transport.abort()
+                connections[task].abort()
             if stuck:
                 await asyncio.wait(stuck)
         if self.unix_path is not None:
@@ -398,13 +383,13 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
     limit = service.limits.max_connections
     if len(service.connections) >= limit:
         service.warn("refused a Wyoming connection: %d open, --max-connections %d", limit, limit)
-        refusal = Error(text=f"the server has {limit} connections open, its limit (--max-connections); retry in "
-                             "a moment", code="busy").event()
+        refusal = event_bytes(Error(text=f"the server has {limit} connections open, its limit (--max-connections); "
+                                         "retry in a moment", code="busy").event())
         with contextlib.suppress(Exception):
-            writer.write(event_bytes(refusal))
+            watch = WriteWatch(writer.transport, service.limits.write_timeout, lambda: "a refused Wyoming client")
+            writer.write(refusal)
+            watch.wrote(len(refusal))
             writer.transport.close()
-            if writer.transport.get_write_buffer_size():
-                asyncio.get_running_loop().call_later(service.limits.write_timeout, writer.transport.abort)
         return
     bound_send_buffer(writer.transport)  # the kernel holds at most 128 KiB a client has not read (else up to MBs)
     conn = _Connection(service, reader, writer)
@@ -413,6 +398,7 @@ async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer:
         await conn.run()
     finally:
         service.connections.pop(task, None)
+        conn._close()
 
 
 async def start_wyoming(uri: str, serving) -> WyomingServer:
