@@ -46,11 +46,11 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     monkeypatch.setattr(server, "check_can_listen", lambda *a: None)  # the port need not be free
     monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     ran = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.append(self.config))
     options = ServeOptions(ServingOptions(LoadOptions(MODEL_DIR)), host="127.0.0.1", port=8000)
     with caplog.at_level("WARNING", logger="cosyllama.server"):
         server.serve(options)
-    assert ran and ran[0]["host"] == "127.0.0.1"
+    assert ran and ran[0].host == "127.0.0.1"
     said = [r.getMessage() for r in caplog.records if "OpenMP" in r.getMessage()]
     assert len(said) == (1 if hinted else 0)
     if hinted:
@@ -100,11 +100,11 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
         models=models, tts=None, close=lambda: None))
     monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     ran = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.append(kw))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.append(self.config))
     assert main([*base, "--body-timeout", "7", "--max-connections", "9"]) == 0
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    protocol = ran[0]["http"]
+    protocol = ran[0].http
     assert issubclass(protocol, AutoHTTPProtocol) and protocol.__name__.startswith("Guarded")
     assert protocol.limits == ConnectionLimits(body_timeout=7.0, max_connections=9)
 

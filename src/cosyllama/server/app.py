@@ -38,6 +38,7 @@ from ..request import SynthesisOptions
 from ..voices import VoiceStore
 from .options import DEFAULT_MAX_PROMPT_BYTES, ServeOptions, ServingOptions
 from .serving import Serving, prepare
+from .shutdown import FAREWELL_S, draining_server
 from .startup import check_can_listen, log_start, ready, start
 
 try:
@@ -250,7 +251,8 @@ def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFA
 
 def serve(options: ServeOptions, log_level: str = LOG_LEVEL) -> None:
     """Run the server until interrupted (``cosyllama serve``): the shared start-up
-    (:func:`cosyllama.server.startup.start`), the app, uvicorn (its own lines from ``log_level`` up)."""
+    (:func:`cosyllama.server.startup.start`), the app, uvicorn (its own lines from ``log_level`` up); a SIGTERM
+    or SIGINT drains it (:mod:`cosyllama.server.shutdown`) and it returns."""
     import uvicorn
 
     s = options.serving
@@ -275,9 +277,11 @@ def serve(options: ServeOptions, log_level: str = LOG_LEVEL) -> None:
         log.warning("listening on %s without an API key (--api-key or $%s): anyone who reaches it can use it",
                     options.host, API_KEY_ENV)
     log_start(s.load, voices, f"http://{options.host}:{options.port}")
+    connection = uvicorn_options(s.connection_limits)  # the guard, no keepalive pings (cosyllama.server.conn)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level=log_level,
+                            timeout_graceful_shutdown=FAREWELL_S, **connection, **uvicorn_ws_options(s.limits))
     try:
-        uvicorn.run(app, host=options.host, port=options.port, log_level=log_level,
-                    **uvicorn_options(s.connection_limits), **uvicorn_ws_options(s.limits))
+        draining_server(config, app, connection["http"]).run()  # SIGTERM: drained, then exit 0 (shutdown.py)
     finally:
         serving.close()
 

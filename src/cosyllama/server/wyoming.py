@@ -32,7 +32,8 @@ seeded ``N + k`` (without it, each sentence gets a fresh seed). Requests are ans
 came: a bad request (unknown voice, no text, over a limit, the connection's fifth, an event out of order) is
 answered with an ``error`` event once the requests accepted before it are spoken, after which the server
 closes the connection (Home Assistant's client waits for audio until then). A client that closes the
-connection cancels its session: the LLM sequence is released at the next decode step.
+connection cancels its session: the LLM sequence is released at the next decode step. On SIGTERM the server
+stops as :mod:`cosyllama.server.shutdown` says (``server_stopping``).
 
 The protocol has no authentication, so everything a client controls is bounded
 (:class:`~cosyllama.server.conn.ConnectionLimits`, the flags ``serve`` has too, and
@@ -434,6 +435,7 @@ def run_wyoming(options, uri: str) -> None:
     """Run ``cosyllama wyoming`` at ``uri`` until interrupted; ``options``: a
     :class:`~cosyllama.server.startup.ServingOptions` (the start-up is the one ``serve`` has)."""
     from .serving import prepare
+    from .shutdown import Shutdown
     from .startup import log_start, ready, start
 
     uri = check_uri(uri)
@@ -444,11 +446,14 @@ def run_wyoming(options, uri: str) -> None:
     async def main():
         server = await start_wyoming(uri, serving)
         log_start(options.load, voices, uri)
-        stopped = asyncio.Event()
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # SIGTERM (systemd, docker stop): stop cleanly
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+        shutdown = Shutdown(serving, [server])
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # systemd, docker stop, Ctrl+C: drain, then stop
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, shutdown.ask)
         try:
-            await stopped.wait()
+            await shutdown.asked()
+            await shutdown.drain()
         finally:
             await server.stop()
         log.info("Wyoming server stopped")
