@@ -97,7 +97,9 @@ def _fuzz(server, max_examples: int, budget_s: float, derandomize: bool):
 
 
 def test_fuzz_the_api_from_its_schema(server):
-    seen = _fuzz(server, max_examples=200, budget_s=40, derandomize=True)
+    # no time budget here: the examples are derandomized, so which of them reach synthesis must not depend on how
+    # busy the machine is (with a 40 s budget a loaded machine cut the run before any speech reached a 200)
+    seen = _fuzz(server, max_examples=200, budget_s=float("inf"), derandomize=True)
     print(sorted(seen.items()))
     assert any(k.startswith("POST /v1/audio/speech 200") for k in seen), seen  # synthesis was reached
 
