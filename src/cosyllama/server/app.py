@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from .. import __version__
 from ..defaults import LOG_LEVEL, MAX_QUEUE, MAX_VOICES
-from ..errors import MissingDependencyError
+from ..errors import CosyllamaError, MissingDependencyError
 from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
 from ..request import SynthesisOptions
@@ -54,7 +54,7 @@ from .client_json import clip_param  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
 from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
 from .dialogue import router as dialogue_router  # noqa: E402
-from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body, log_refusal  # noqa: E402
+from .errors import ApiError, api_error, describe_invalid, error_body, log_refusal, server_failure  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
 from .speech import VoiceNames  # noqa: E402
@@ -110,12 +110,16 @@ def _refused(request, status: int, code: str | None, message: str) -> None:
     """The operator's line for a refused request (:func:`~cosyllama.server.errors.log_refusal`); its path is
     the client's, cut to 64 characters."""
     client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-    log_refusal(f"{request.method} {clip_param(request.url.path)}", client, f"{status} {code or '-'}", message)
+    method = getattr(request, "method", "WebSocket")  # a WebSocket's handshake has none
+    log_refusal(f"{method} {clip_param(request.url.path)}", client, f"{status} {code or '-'}", message)
 
 
-async def _api_error(request, e: ApiError):
-    _refused(request, e.status, e.code, e.message)
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+async def _api_error(request, e: Exception):
+    """The project's exceptions a route raises (a :class:`~cosyllama.server.errors.Refusal`, an unknown voice, a
+    limit, the server busy ...), answered as the one mapper says (:func:`~cosyllama.server.errors.api_error`)."""
+    err = api_error(e)
+    _refused(request, err.status, err.code, err.message)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def _validation_error(request, e: RequestValidationError):
@@ -133,13 +137,17 @@ async def _http_error(request, e: StarletteHTTPException):
 
 
 async def _unexpected_error(request, e: Exception):
-    """A bug: answer 500 with the JSON error body (the traceback goes to the log)."""
-    return JSONResponse(error_body(INTERNAL_ERROR, "internal_error"), status_code=500)
+    """A bug: answer the mapper's 500 (:func:`~cosyllama.server.errors.server_failure`; the ASGI server logs the
+    traceback)."""
+    err = server_failure()
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 def add_error_handlers(app) -> None:
-    """Every error answered as OpenAI's API does: JSON ``{"error": {"message", "type", "param", "code"}}``."""
+    """Every error answered as OpenAI's API does: JSON ``{"error": {"message", "type", "param", "code"}}``; the
+    project's own exceptions through the one mapper, so a route just raises them."""
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(CosyllamaError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -44,13 +44,12 @@ from starlette.concurrency import run_in_threadpool
 
 from ..defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
 from ..errors import InputError
-from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
-from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
+from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, SynthesisOptions, SynthesisRequest
 from ..text.lexicon import Lexicon, LexiconError
 from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import AppState, admit, client_gone
-from .errors import ApiError, error_body
+from .errors import ApiError, Refusal, error_body
 from .errors import api_error as synthesis_error
 from .job import SynthesisJob
 from .wire import (
@@ -179,8 +178,8 @@ class SpeechRequest(BaseModel):
         """How the audio is sent: None (the whole file), "audio" or "sse"."""
         if self.stream_format is not None:
             if "stream" in self.model_fields_set and not self.stream:
-                raise ApiError(422, f"stream=false contradicts stream_format {self.stream_format!r}; "
-                               "leave stream out", param="stream", code="conflicting_fields")
+                raise Refusal(f"stream=false contradicts stream_format {self.stream_format!r}; leave stream out",
+                              "conflicting_fields", status=422, param="stream")
             return self.stream_format
         return "audio" if self.stream else None
 
@@ -197,7 +196,7 @@ def request_lexicon(body: SpeechRequest, tokenizer) -> Lexicon | None:
     try:
         return Lexicon.from_mapping(body.lexicon, tokenizer)
     except LexiconError as e:
-        raise ApiError(422, str(e), param="lexicon", code="invalid_lexicon") from None
+        raise Refusal(str(e), "invalid_lexicon", status=422, param="lexicon") from None
 
 
 class SpeechJob(SynthesisJob):
@@ -292,8 +291,8 @@ async def voice_of(tts, names: VoiceNames, name: str):
     :class:`~cosyllama.frontend.PromptFeatures`): 422 for an empty name, 404 for one that is not
     registered and not mapped (the store may read a file or make a folder's voice: off the event loop)."""
     if isinstance(name, str) and not name.strip():
-        raise ApiError(422, "voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
-                       param="voice", code="empty_string")
+        raise Refusal("voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
+                      "empty_string", status=422, param="voice")
     return await run_in_threadpool(_voice, tts.voices, names, name)
 
 
@@ -302,8 +301,9 @@ async def check_request(body: SpeechRequest, state: AppState,
     """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
     ``response_format`` aac, the voice's name), the serving options' ``defaults`` (seed, greedy, speed,
     loudness, retries) filled in where the body gives none, then the one
-    :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as :class:`ApiError` (422
-    naming the field, 413 over a limit); ``state``: the app's state (tts, limits, voice names); ``text``:
+    :class:`~cosyllama.request.SynthesisRequest` it asks for; a broken rule raises the project's exception
+    (a :class:`~cosyllama.server.errors.Refusal`, ``RequestError``, ``LimitExceeded``), which the app and the
+    WebSocket answer through the one mapper; ``state``: the app's state (tts, limits, voice names); ``text``:
     instead of ``body.input`` (a streamed session's sentence).
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
     (:mod:`cosyllama.server.speech_stream`)."""
@@ -316,15 +316,12 @@ async def check_request(body: SpeechRequest, state: AppState,
     if body.response_format == "aac" and not aac_available():
         log.warning("a request for aac: %s", AAC_HINT)
         formats = ", ".join(f for f in FORMATS if f != "aac")
-        raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
-                       param="response_format", code="unsupported_value")
+        raise Refusal(f"response_format 'aac' is not available on this server; use one of {formats}",
+                      "unsupported_value", status=422, param="response_format")
     lexicon = request_lexicon(body, state.tts.frontend.tokenizer)
     synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits, text, lexicon)
     voice = await voice_of(state.tts, state.voice_names, body.voice_name())
-    try:
-        return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
-    except RequestError as e:
-        raise synthesis_error(e) from None
+    return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
 
 
 def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
@@ -337,11 +334,8 @@ def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
     synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
     options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed,
                                loudness=body.loudness, retries=body.retries, lexicon=lexicon)
-    try:
-        return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
-                                instruction=body.instructions, options=options, limits=limits)
-    except (RequestError, LimitExceeded) as e:
-        raise synthesis_error(e) from None
+    return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
+                            instruction=body.instructions, options=options, limits=limits)
 
 
 async def run_speech_job(request: Request, state: AppState, job: SpeechJob) -> Response:
