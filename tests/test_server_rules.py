@@ -1,9 +1,13 @@
 """One rule per thing across the server's doors (issue #53): one error mapper that every path reaches (a route
-just raises the project's exceptions)."""
+just raises the project's exceptions) and one OpenAI error body."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
+
+from test_structure import PACKAGE
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -14,7 +18,7 @@ from cosyllama.limits import LimitExceeded  # noqa: E402
 from cosyllama.request import RequestError  # noqa: E402
 from cosyllama.server.admission import ServerBusyError  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
-from cosyllama.server.errors import Refusal, api_error  # noqa: E402
+from cosyllama.server.errors import Refusal, api_error, error_body  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import UnknownVoiceError, VoiceStore  # noqa: E402
 
@@ -26,7 +30,7 @@ def view(tts, voice):
     return v
 
 
-# -- the error mapper ----------------------------------------------------------------------------
+# -- the error mapper and the body ----------------------------------------------------------------------------
 
 
 RAISED = {
@@ -56,3 +60,18 @@ def test_a_route_just_raises_and_the_app_answers_through_the_mapper(view):
             assert (r.status_code, r.json()) == (want.status, want.body()), kind
             assert r.headers.get("retry-after") == (want.headers or {}).get("Retry-After")
     assert api_error(RAISED["refusal"]).type == "permission_error"  # a refusal's type is its status's
+
+
+def test_the_openai_error_body_is_built_in_one_place():
+    """``{"error": {...}}`` is written by ``errors.error_body`` only: the connection guard's raw answers and the
+    origin and key checks use it too."""
+    built = [p.name for p in sorted((PACKAGE / "server").glob("*.py"))
+             if re.search(r"""["']error["']\s*:\s*\{\s*["']message["']\s*:""", p.read_text(encoding="utf-8"))]
+    assert built == ["errors.py"], built
+    from cosyllama.server.conn import _raw_response
+
+    head, _, body = _raw_response(408, "Request Timeout", "late", "invalid_request_error", "request_timeout") \
+        .partition(b"\r\n\r\n")
+    import json
+
+    assert json.loads(body) == error_body("late", "invalid_request_error", code="request_timeout")
