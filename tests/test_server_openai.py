@@ -292,8 +292,9 @@ def test_the_voice_as_an_object_and_by_openais_names(client, reference):
 def test_voice_names_resolve_in_order():
     """Alias first, then a registered id, then (OpenAI's names only) the default voice; a 404 says
     how to register one, and names no file or library."""
-    from cosyllama.server.errors import ApiError
-    from cosyllama.server.speech import VoiceNames, _voice_id
+    from cosyllama.server.errors import api_error
+    from cosyllama.server.voice_names import VoiceNames
+    from cosyllama.voices import UnknownVoiceError
 
     class Store(set):
         def ids(self):
@@ -301,26 +302,27 @@ def test_voice_names_resolve_in_order():
 
     voices = Store({"anna", "alloy", "bob"})
     names = VoiceNames({"ash": "bob", "echo": "carl"}, default="anna")
-    assert _voice_id(voices, names, "alloy") == "alloy"  # registered under OpenAI's name
-    assert _voice_id(voices, names, "ash") == "bob"
-    assert _voice_id(voices, names, "nova") == "anna"
-    assert _voice_id(voices, names, "bob") == "bob"
+    assert names.voice_id(voices, "alloy") == "alloy"  # registered under OpenAI's name
+    assert names.voice_id(voices, "ash") == "bob"
+    assert names.voice_id(voices, "nova") == "anna"
+    assert names.voice_id(voices, "bob") == "bob"
     for name, where in (("echo", "--voice-alias echo=carl"), ("zed", "POST /v1/voices")):
-        with pytest.raises(ApiError) as ei:
-            _voice_id(voices, names, name)
-        assert ei.value.status == 404 and where in ei.value.message
-    with pytest.raises(ApiError) as ei:
-        _voice_id(voices, VoiceNames(), "nova")  # no --default-voice: no silent fallback
-    assert ei.value.status == 404 and ei.value.code == "voice_not_found"
-    assert "--default-voice ID or --voice-alias nova=ID" in ei.value.message
-    assert "register a voice with id 'nova' (POST /v1/voices)" in ei.value.message
+        with pytest.raises(UnknownVoiceError) as ei:
+            names.voice_id(voices, name)
+        assert api_error(ei.value).status == 404 and where in str(ei.value)
+    with pytest.raises(UnknownVoiceError) as ei:
+        VoiceNames().voice_id(voices, "nova")  # no --default-voice: no silent fallback
+    err = api_error(ei.value)
+    assert err.status == 404 and err.code == "voice_not_found"
+    assert "--default-voice ID or --voice-alias nova=ID" in err.message
+    assert "register a voice with id 'nova' (POST /v1/voices)" in err.message
     with pytest.raises(Exception, match="voice id"):
         VoiceNames({"ash": "../x"})
 
 
 def test_voice_alias_flags_are_checked():
     from cosyllama.errors import InputError
-    from cosyllama.server.speech import parse_voice_aliases
+    from cosyllama.server.voice_names import parse_voice_aliases
 
     assert parse_voice_aliases(["alloy=anna", " echo = bob "]) == {"alloy": "anna", "echo": "bob"}
     assert parse_voice_aliases(None) == {}

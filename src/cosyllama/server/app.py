@@ -57,10 +57,10 @@ from .dialogue import router as dialogue_router  # noqa: E402
 from .errors import ApiError, api_error, describe_invalid, error_body, log_refusal, server_failure  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
-from .speech import VoiceNames  # noqa: E402
 from .speech_route import router as speech_router  # noqa: E402
 from .speech_stream import router as speech_stream_router  # noqa: E402
 from .speech_stream import uvicorn_ws_options  # noqa: E402
+from .voice_names import VoiceNames  # noqa: E402
 from .voices import router as voices_router  # noqa: E402
 from .wire import BodyLimit, RequestId  # noqa: E402
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..dialogue import MAX_PAUSE_S, MAX_TURNS, turn_seed
 from ..errors import CosyllamaError, InputError
 from .common import state_of
-from .errors import ApiError, Refusal, api_error
+from .errors import Refusal, api_error
 from .speech import CustomVoice, SpeechJob, SpeechRequest, check_request, log, run_speech_job
 
 PATH = "/v1/audio/dialogue"
@@ -101,7 +101,7 @@ async def turn_requests(body: SpeechRequest, state, turns: list[DialogueTurn], w
                                                                     exclude_unset=True), **update})
         try:
             streaming, request = await check_request(turn_body, state)
-        except (ApiError, CosyllamaError) as e:  # the mapper's answer, said of the turn: its index, voice, field
+        except CosyllamaError as e:  # the mapper's answer, said of the turn: its index, its voice, its field
             err = api_error(e)
             err.message = f"{where}[{k}] ({t.voice_name()}): {err.message}"
             if err.param in ("voice", "input", "speed", "instructions"):

@@ -22,7 +22,8 @@ encoded: the same audio as without ``stream_format``, its first bytes after the 
 
 The voice is a registered id, as a string or OpenAI's custom-voice object ``{"id": ...}``. A name in
 the ``--voice-alias`` table speaks with the voice it names; one of OpenAI's built-in names that is
-not registered speaks with ``--default-voice`` when there is one (:class:`VoiceNames`).
+not registered speaks with ``--default-voice`` when there is one
+(:class:`~cosyllama.server.voice_names.VoiceNames`, every door's resolver).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import asyncio
 import base64
 import json
 import logging
-from dataclasses import dataclass, field
 from typing import Literal
 
 import anyio
@@ -43,13 +43,12 @@ from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from ..defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
-from ..errors import InputError
 from ..llm.scheduler import CancelToken, RequestCancelled
 from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, SynthesisOptions, SynthesisRequest
 from ..text.lexicon import Lexicon, LexiconError
-from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
+from ..voices import show_id
 from .common import AppState, admit, client_gone
-from .errors import ApiError, Refusal, error_body
+from .errors import Refusal, error_body
 from .errors import api_error as synthesis_error
 from .job import SynthesisJob
 from .wire import (
@@ -67,46 +66,8 @@ from .wire import (
 log = logging.getLogger("cosyllama.server")
 
 SSE_MEDIA_TYPE = "text/event-stream"
-LISTED_BY = " (GET /v1/voices lists them)"  # where an HTTP client finds every voice id
-# the built-in voice names of OpenAI's speech API (its reference for POST /v1/audio/speech); some
-# clients (pipecat's OpenAITTSService) send nothing else
 # a request's lexicon: entries, characters of a word, characters of its tokens (the body is bounded too)
 MAX_LEXICON_ENTRIES, MAX_LEXICON_WORD_CHARS, MAX_LEXICON_TOKENS_CHARS = 1000, 64, 256
-OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
-                 "shimmer", "verse")
-
-
-@dataclass(frozen=True)
-class VoiceNames:
-    """How a request's voice name finds a registered voice: ``aliases`` (``--voice-alias NAME=ID``)
-    first, then the registered id itself, then, for one of :data:`OPENAI_VOICES`, ``default``
-    (``--default-voice``)."""
-
-    aliases: dict[str, str] = field(default_factory=dict)
-    default: str | None = None
-
-    def __post_init__(self):
-        for name, target in self.aliases.items():
-            check_voice_id(name)
-            check_voice_id(target)
-        if self.default is not None:
-            check_voice_id(self.default)
-
-
-def parse_voice_aliases(values) -> dict[str, str]:
-    """``--voice-alias NAME=ID`` values as a table (each checked; a NAME given twice is an error)."""
-    out: dict[str, str] = {}
-    for value in values or ():
-        name, sep, target = value.partition("=")
-        name, target = name.strip(), target.strip()
-        if not sep or not name or not target:
-            raise InputError(f"--voice-alias {value!r} is not NAME=ID, e.g. alloy=anna")
-        if name in out:
-            raise InputError(f"--voice-alias gives {name!r} twice ({out[name]!r} and {target!r})")
-        out[name] = target
-    return out
-
-
 class CustomVoice(BaseModel):
     """OpenAI's custom-voice form of ``voice`` (the SDK sends it for ``voice={"id": ...}``)."""
 
@@ -280,31 +241,15 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
     token.cancel()
 
 
-def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
-    """The 404 for a voice that is not registered (or whose file the server skipped)."""
-    return ApiError(404, unknown_voice(voice_id, ids, more=LISTED_BY)
-                    + "; add one with POST /v1/voices", "not_found_error", param="voice", code="voice_not_found")
-
-
-async def voice_of(tts, names: VoiceNames, name: str):
-    """The registered voice a request's ``name`` speaks with, its features (a
-    :class:`~cosyllama.frontend.PromptFeatures`): 422 for an empty name, 404 for one that is not
-    registered and not mapped (the store may read a file or make a folder's voice: off the event loop)."""
-    if isinstance(name, str) and not name.strip():
-        raise Refusal("voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
-                      "empty_string", status=422, param="voice")
-    return await run_in_threadpool(_voice, tts.voices, names, name)
-
-
 async def check_request(body: SpeechRequest, state: AppState,
                         text: str | None = None) -> tuple[str | None, SynthesisRequest]:
     """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
     ``response_format`` aac, the voice's name), the serving options' ``defaults`` (seed, greedy, speed,
     loudness, retries) filled in where the body gives none, then the one
     :class:`~cosyllama.request.SynthesisRequest` it asks for; a broken rule raises the project's exception
-    (a :class:`~cosyllama.server.errors.Refusal`, ``RequestError``, ``LimitExceeded``), which the app and the
-    WebSocket answer through the one mapper; ``state``: the app's state (tts, limits, voice names); ``text``:
-    instead of ``body.input`` (a streamed session's sentence).
+    (a :class:`~cosyllama.server.errors.Refusal`, ``RequestError``, ``LimitExceeded``, ``UnknownVoiceError``),
+    which the app and the WebSocket answer through the one mapper; ``state``: the app's state (tts, limits,
+    voice names); ``text``: instead of ``body.input`` (a streamed session's sentence).
     Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
     (:mod:`cosyllama.server.speech_stream`)."""
     defaults = state.serving.options.defaults  # for clients that cannot send cosyllama's fields
@@ -320,7 +265,12 @@ async def check_request(body: SpeechRequest, state: AppState,
                       "unsupported_value", status=422, param="response_format")
     lexicon = request_lexicon(body, state.tts.frontend.tokenizer)
     synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits, text, lexicon)
-    voice = await voice_of(state.tts, state.voice_names, body.voice_name())
+    name = body.voice_name()
+    if not name.strip():
+        raise Refusal("voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
+                      "empty_string", status=422, param="voice")
+    # found as every door finds one (the store may read a file or make a folder's voice: off the event loop)
+    _, voice = await run_in_threadpool(state.voice_names.resolve, state.tts.voices, name)
     return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
 
 
@@ -410,38 +360,6 @@ async def run_job(request: Request, state: AppState, job: SynthesisJob, first_pa
         if not handed_off:
             with anyio.CancelScope(shield=True):
                 await cleanup()
-
-
-def _voice(voices, names: VoiceNames, name: str):
-    """The features of the registered voice a request's ``name`` speaks with, or 404."""
-    voice_id = _voice_id(voices, names, name)
-    try:
-        return voices.get(voice_id)
-    except UnknownVoiceError:  # removed meanwhile
-        raise unknown_voice_error(voice_id, voices.ids()) from None
-
-
-def _voice_id(voices, names: VoiceNames, name: str) -> str:
-    """The registered voice a request's ``name`` speaks with (see :class:`VoiceNames`), or 404."""
-    if name in names.aliases:
-        target, how = names.aliases[name], f"--voice-alias {name}={names.aliases[name]}"
-    elif name in voices:
-        return name
-    elif name in OPENAI_VOICES and names.default is not None:
-        target, how = names.default, f"--default-voice {names.default}"
-    else:
-        if name in OPENAI_VOICES:
-            ids = describe_ids(voices.ids(), more=LISTED_BY)
-            msg = (f"voice {name!r} (one of OpenAI's names) is not registered here and the server has no default "
-                   f"voice; register a voice with id {name!r} (POST /v1/voices), or start the server with "
-                   f"--default-voice ID or --voice-alias {name}=ID; registered voices: {ids}")
-            raise ApiError(404, msg, "not_found_error", param="voice", code="voice_not_found")
-        raise unknown_voice_error(name, voices.ids())
-    if target not in voices:
-        raise ApiError(404, f"voice {show_id(name)} speaks with {target!r} ({how}), which is not registered; "
-                       f"registered voices: {describe_ids(voices.ids(), more=LISTED_BY)} "
-                       "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
-    return target
 
 
 async def _pieces(job: SpeechJob, first: bytes | None):
