@@ -467,9 +467,9 @@ def test_a_streamed_aac_is_a_file_sent_as_it_is_encoded():
 
 
 def test_aac_without_pyav_is_a_422_naming_the_formats(client, monkeypatch):
-    from cosyllama.server import speech
+    from cosyllama.server import openai_speech
 
-    monkeypatch.setattr(speech, "aac_available", lambda: False)
+    monkeypatch.setattr(openai_speech, "aac_available", lambda: False)
     with pytest.raises(openai.UnprocessableEntityError) as ei:
         _create(client, response_format="aac")
     _error(ei, 422, "response_format", "unsupported_value", "use one of mp3, wav, pcm, flac, opus")

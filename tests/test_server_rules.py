@@ -1,14 +1,18 @@
 """One rule per thing across the server's doors (issue #53): one voice resolver with one not-found error, one
-error mapper that every path reaches (a route just raises the project's exceptions) and one OpenAI error body."""
+error mapper that every path reaches (a route just raises the project's exceptions), one OpenAI error body, one
+request vocabulary that the HTTP route and the WebSocket codec both import, and one place where the server's
+defaults meet what a client sent, which leaves the client's body as it came."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from test_structure import PACKAGE
+from test_structure import PACKAGE, import_graph
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -16,7 +20,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from cosyllama.errors import InputError  # noqa: E402
 from cosyllama.limits import LimitExceeded, RequestLimits  # noqa: E402
-from cosyllama.request import RequestError  # noqa: E402
+from cosyllama.request import RequestError, SynthesisOptions  # noqa: E402
 from cosyllama.server.admission import ServerBusyError  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.errors import Refusal, api_error, error_body  # noqa: E402
@@ -25,12 +29,55 @@ from cosyllama.server.voice_names import VoiceNames  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import UnknownVoiceError, VoiceStore  # noqa: E402
 
+SERVER = "cosyllama.server"
+
 
 @pytest.fixture(scope="module")
 def view(tts, voice):
     v = TTS.from_models(tts.models, voices=VoiceStore())
     v.voices.add("en", voice)
     return v
+
+
+# -- the vocabulary -------------------------------------------------------------------------------------------
+
+
+def test_the_websocket_codec_and_the_http_route_share_the_vocabulary_not_each_other():
+    """Following a field from a ``session.config`` to the synthesis enters the codec and the vocabulary once
+    each: the codec imports the vocabulary and the job, never the HTTP route's modules."""
+    graph = import_graph()
+    codec = graph[f"{SERVER}.speech_stream"]
+    assert f"{SERVER}.openai_speech" in codec and f"{SERVER}.openai_speech" in graph[f"{SERVER}.speech_route"]
+    assert not codec & {f"{SERVER}.speech", f"{SERVER}.speech_route"}, codec
+    # Wyoming (its own extra, without fastapi) finds its voices where the HTTP app does
+    assert f"{SERVER}.voice_names" in graph[f"{SERVER}.wyoming_service"] & graph[f"{SERVER}.app"]
+
+
+def test_the_servers_defaults_fill_in_and_the_clients_body_is_left_as_it_came(tts, voice):
+    """``--seed``, ``--greedy``, ``--speed``, ``--loudness``, ``--retries`` reach a request that gives none
+    through ``ServingOptions.request_options``, the overlay Wyoming uses too; the body the client sent is not
+    written to (it once was, field by field)."""
+    from cosyllama.server.openai_speech import SpeechRequest, check_request
+
+    defaults = SynthesisOptions(seed=5, greedy=True, speed=1.25, loudness=-20.0, retries=2)
+    options = ServingOptions(tts.options, defaults=defaults)
+    store = VoiceStore()
+    store.add("en", voice)
+    state = SimpleNamespace(serving=SimpleNamespace(options=options), tts=SimpleNamespace(voices=store,
+                            frontend=tts.frontend), limits=RequestLimits(), voice_names=VoiceNames())
+
+    body = SpeechRequest(input="Hi there.", voice="en")
+    sent = body.model_dump()
+    streaming, request = asyncio.run(check_request(body, state))
+    assert body.model_dump() == sent and body.model_fields_set == {"input", "voice"}
+    assert streaming is None and request.options == replace(defaults, stream=False)
+    assert request.options == options.request_options(streams=True)  # Wyoming's, at a speed other than 1
+
+    own = SpeechRequest(input="Hi there.", voice="en", speed=1, seed=None, response_format="pcm",
+                        stream_format="audio")
+    _, request = asyncio.run(check_request(own, state))
+    assert (own.speed, own.seed, own.greedy) == (1, None, False)
+    assert request.options == replace(defaults, speed=1.0, seed=None, stream=True)  # a null seed is the client's
 
 
 # -- the voice resolver ---------------------------------------------------------------------------------------

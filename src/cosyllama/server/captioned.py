@@ -1,7 +1,7 @@
 """``POST /dev/captioned_speech``: speech with its word times, in Kokoro-FastAPI's shapes, so its clients work
 unchanged. Needs the ``server`` extra; word times need the ``align`` extra (docs/captions.md).
 
-The request is that of ``POST /v1/audio/speech`` (:class:`~cosyllama.server.speech.SpeechRequest`, checked the
+The request is that of ``POST /v1/audio/speech`` (:class:`~cosyllama.server.openai_speech.SpeechRequest`, checked the
 same way, with the same bounds) with Kokoro's fields:
 
 * ``stream`` (default true, as Kokoro's): the answer is one JSON object per line (``application/x-ndjson``), an
@@ -38,7 +38,9 @@ from ..captions import Segment, to_srt, to_vtt
 from ..llm.scheduler import RequestCancelled
 from .common import state_of
 from .errors import Refusal, api_error
-from .speech import SpeechJob, SpeechRequest, check_request, log, run_job
+from .job import SpeechJob
+from .openai_speech import SpeechRequest, check_request
+from .speech import log, run_job
 from .wire import MEDIA_TYPES, AudioStream
 
 PATH = "/dev/captioned_speech"

@@ -21,7 +21,9 @@ from ..dialogue import MAX_PAUSE_S, MAX_TURNS, turn_seed
 from ..errors import CosyllamaError, InputError
 from .common import state_of
 from .errors import Refusal, api_error
-from .speech import CustomVoice, SpeechJob, SpeechRequest, check_request, log, run_speech_job
+from .job import SpeechJob
+from .openai_speech import CustomVoice, SpeechRequest, check_request, speech_options
+from .speech import log, run_speech_job
 
 PATH = "/v1/audio/dialogue"
 
@@ -89,8 +91,9 @@ async def turn_requests(body: SpeechRequest, state, turns: list[DialogueTurn], w
     ``/v1/audio/speech`` checks a request (its voice found: a 404 names the turn ``where[k]``) and seeded by
     the dialogue's seed rule; returns how it streams, the requests and the turns' voice names."""
     streaming, requests = None, []
-    # the dialogue's seed: the body's, else the server's (--seed), which each turn's explicit seed would hide
-    seed = body.seed if "seed" in body.model_fields_set else state.serving.options.defaults.seed
+    # the dialogue's seed as the body runs with it (its own, else the server's --seed), which each turn's
+    # explicit seed would hide
+    seed = speech_options(body, state.serving.options, None).seed
     for k, t in enumerate(turns):
         update = {"input": t.text, "voice": t.voice_name(), "seed": turn_seed(seed, k)}
         if t.speed is not None:

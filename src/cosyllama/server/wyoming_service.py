@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 from .. import __version__
 from ..defaults import LANGUAGES
 from ..errors import MissingDependencyError
-from ..request import check_options
 from ..voices import UnknownVoiceError
 from .client_json import clip
 from .conn import ConnectionLimits
@@ -45,11 +43,9 @@ class WyomingService:
         self.serving, self.tts = serving, serving.tts
         self.names = VoiceNames.wyoming(serving.options.default_voice)  # how a request's voice name finds its voice
         self.languages = serving.options.languages or LANGUAGES  # what describe lists, the first one first
-        defaults = serving.options.defaults
-        # streaming synthesis, but at a speed other than 1 (which stretches the finished audio) each sentence is
-        # synthesized whole, as a WebSocket stream at that speed is
-        self.options = replace(defaults, stream=defaults.speed == 1.0)
-        check_options(self.options)
+        # the server's defaults, all of them (the events carry no option); streamed, but at a speed other than 1
+        # each sentence is synthesized whole, as a WebSocket stream at that speed is
+        self.options = serving.options.request_options(streams=True)
         self.limits: ConnectionLimits = serving.options.connection_limits
         self.caps = event_caps(serving.limits)
         self.connections: dict[asyncio.Task, object] = {}  # each open connection's task and its codec
