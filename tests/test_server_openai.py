@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
 
@@ -39,8 +40,9 @@ def server(tiny_gguf):
 
     backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
     # OpenAI's built-in names speak with "en"; "verse" through the alias table, to a voice never registered
-    srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend), default_voice="en",
-                                    voice_aliases={"verse": "nobody", "narrator": "en"}))
+    tts = TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options, default_voice="en"),
+                                                      voice_aliases={"verse": "nobody", "narrator": "en"})))
     r = httpx.post(f"{srv.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                    data={"text": "Hello, this is my voice.", "id": "en"}, timeout=60)
     assert r.status_code == 200, r.text

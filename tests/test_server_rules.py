@@ -24,7 +24,7 @@ from cosyllama.request import RequestError, SynthesisOptions  # noqa: E402
 from cosyllama.server.admission import ServerBusyError  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.errors import Refusal, api_error, error_body  # noqa: E402
-from cosyllama.server.options import ServingOptions  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.server.voice_names import VoiceNames  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import UnknownVoiceError, VoiceStore  # noqa: E402
@@ -183,3 +183,20 @@ def test_the_openai_error_body_is_built_in_one_place():
     import json
 
     assert json.loads(body) == error_body("late", "invalid_request_error", code="request_timeout")
+
+
+# -- the options ----------------------------------------------------------------------------------------------
+
+
+def test_create_app_takes_the_serving_options(view):
+    """``create_app(tts, options)``: a :class:`ServingOptions` (or the :class:`ServeOptions` around one) is what a
+    test or script gives, not keywords repeating their fields."""
+    with TestClient(create_app(view, ServingOptions(view.options, max_concurrent=3, max_queue=1))) as c:
+        health = c.get("/health").json()
+    assert (health["max_concurrent"], health["max_queue"]) == (3, 1)
+    app = create_app(view, ServeOptions(ServingOptions(view.options, max_queue=2), api_key="k"))
+    with TestClient(app) as c:
+        assert c.get("/health").json()["max_queue"] == 2
+        assert c.get("/v1/voices").status_code == 401
+    with pytest.raises(TypeError):
+        create_app(view, max_concurrent=3)

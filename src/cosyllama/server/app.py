@@ -25,18 +25,14 @@ Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from .. import __version__
-from ..defaults import LOG_LEVEL, MAX_QUEUE, MAX_VOICES
+from ..defaults import LOG_LEVEL
 from ..errors import CosyllamaError, MissingDependencyError
-from ..limits import RequestLimits
 from ..llm.scheduler import BatchScheduler
-from ..request import SynthesisOptions
-from ..voices import VoiceStore
-from .options import DEFAULT_MAX_PROMPT_BYTES, ServeOptions, ServingOptions
+from .options import ServeOptions, ServingOptions
 from .serving import Serving, prepare
 from .startup import check_can_listen, log_start, ready, start
 
@@ -52,7 +48,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
 from .captioned import router as captioned_router  # noqa: E402
 from .client_json import clip_param  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
-from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from .conn import uvicorn_options  # noqa: E402
 from .dialogue import router as dialogue_router  # noqa: E402
 from .errors import ApiError, api_error, describe_invalid, error_body, log_refusal, server_failure  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
@@ -66,8 +62,6 @@ from .wire import BodyLimit, RequestId  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
-DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
-DEFAULT_MAX_VOICES = MAX_VOICES
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 
 
@@ -156,7 +150,7 @@ def add_error_handlers(app) -> None:
 # -- the factory ------------------------------------------------------------------------------
 
 
-def create_app(serving, options: ServeOptions | None = None, **conveniences) -> FastAPI:
+def create_app(serving, options: ServeOptions | ServingOptions | None = None) -> FastAPI:
     """The FastAPI app serving ``serving`` (a :class:`~cosyllama.server.serving.Serving`, which the caller
     closes) with the HTTP server's ``options`` (:class:`~cosyllama.server.options.ServeOptions`; its
     ``serving`` field, what ``serving`` was prepared from, is not read again). Every response carries
@@ -164,17 +158,18 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
     (:mod:`cosyllama.server.page`). With ``options.wyoming`` the app, while it runs, also answers the Wyoming
     protocol there (:mod:`cosyllama.server.wyoming`) from the same serving core and gate.
 
-    A convenience for tests and scripts: ``create_app(tts, **keywords)`` with a :class:`cosyllama.TTS` (left
-    as it is) prepares a serving core over its models and voices first, closed with the app; the
-    keywords are those of :func:`serving_for` and the fields of :class:`ServeOptions`."""
+    A convenience for tests and scripts: ``create_app(tts, options)`` with a loaded :class:`cosyllama.TTS` (left
+    as it is) first prepares a serving core over it (:func:`serving_for`), closed with the app; ``options`` is then
+    a :class:`ServeOptions`, or only its :class:`ServingOptions`, or None (the defaults)."""
     if not isinstance(serving, Serving):
-        if options is not None:
-            raise TypeError("create_app(tts, ...) takes keywords, not a ServeOptions")
-        serving, options = serving_for(serving, **conveniences)
+        if options is None or isinstance(options, ServingOptions):
+            options = ServeOptions(options if options is not None else ServingOptions(serving.options))
+        serving = serving_for(serving, options.serving)
         owns = True
     else:
-        if conveniences:
-            raise TypeError(f"create_app(serving, options) takes no keywords, got {sorted(conveniences)}")
+        if isinstance(options, ServingOptions):
+            raise TypeError("create_app(serving, options) takes the HTTP server's ServeOptions; the serving core "
+                            "was prepared from its ServingOptions already")
         options = options if options is not None else ServeOptions(serving.options)
         owns = False
     limits = serving.limits
@@ -215,41 +210,18 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
     return app
 
 
-def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-                limits: RequestLimits | None = None, scheduler: BatchScheduler | None = None,
-                prefill_chunk: int | None = None, interleave: str | None = None, default_voice: str | None = None,
-                speech_defaults: dict | None = None, connection_limits: ConnectionLimits | None = None,
-                voices: VoiceStore | None = None, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
-                max_voices: int | None = DEFAULT_MAX_VOICES, voice_aliases: dict[str, str] | None = None,
-                lexicon=None) -> tuple[Serving, ServeOptions]:
-    """The serving core and HTTP options ``create_app(tts, **keywords)`` builds: a
-    :class:`~cosyllama.server.serving.Serving` over ``tts.models`` (decoding through ``scheduler``, else
-    ``tts.token_source`` when that is a :class:`BatchScheduler`, else one of its own), speaking with
-    ``voices`` (default ``tts.voices``); ``speech_defaults``: ``seed``, ``greedy`` and ``loudness`` of requests that
-    give none; ``lexicon``: every request's (default ``tts.lexicon``); the other keywords are fields of
-    :class:`ServingOptions` and :class:`ServeOptions`."""
-    speech_defaults = dict(speech_defaults or {})
-    if not set(speech_defaults) <= {"seed", "greedy", "loudness"}:
-        raise ValueError(f"speech_defaults takes seed, greedy and loudness, got {sorted(speech_defaults)}")
-    if scheduler is None and isinstance(tts.token_source, BatchScheduler):
-        scheduler = tts.token_source
-    fields = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None else {}
-    try:
-        serving_options = ServingOptions(
-            tts.options, limits=limits if limits is not None else RequestLimits(), interleave=interleave,
-            max_queue=max_queue, default_voice=default_voice, max_concurrent=max_concurrent,
-            connection_limits=connection_limits or ConnectionLimits(),
-            defaults=replace(SynthesisOptions(), **speech_defaults),
-            lexicon=lexicon if lexicon is not None else tts.lexicon, **fields)
-        options = ServeOptions(serving_options, api_key=api_key, allow_origins=tuple(allow_origins), wyoming=wyoming,
-                               max_voices=max_voices, voice_aliases=dict(voice_aliases or {}),
-                               max_prompt_bytes=max_prompt_bytes)
-    except Exception as e:  # the keywords' checks are ValueErrors, as they were
-        raise ValueError(str(e)) from None
-    serving = prepare(tts.models, serving_options, voices=tts.voices if voices is None else voices,
-                      scheduler=scheduler)
-    return serving, options
+def serving_for(tts, options: ServingOptions | None = None) -> Serving:
+    """The serving core over a loaded :class:`cosyllama.TTS` (left as it is), as ``create_app(tts, options)``
+    makes it: a :class:`~cosyllama.server.serving.Serving` over ``tts.models`` with ``options`` (default:
+    ``ServingOptions(tts.options)``; their ``load`` is not read again), speaking with ``tts.voices`` and, when
+    ``options`` has no lexicon, ``tts.lexicon``, decoding through ``tts.token_source`` when that is a
+    :class:`BatchScheduler` (else through one of its own). The caller closes it."""
+    if options is None:
+        options = ServingOptions(tts.options)
+    if options.lexicon is None and tts.lexicon is not None:
+        options = replace(options, lexicon=tts.lexicon)
+    scheduler = tts.token_source if isinstance(tts.token_source, BatchScheduler) else None
+    return prepare(tts.models, options, voices=tts.voices, scheduler=scheduler)
 
 
 # ----------------------------------------------------------------------------------------------
