@@ -15,7 +15,8 @@ from cosyllama.llm.decode import DecodeOptions, generate
 from cosyllama.llm.llamacpp_backend import BackendBusyError
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from cosyllama.llm.torch_backend import TorchLLM
-from helpers import FIXTURES, MODEL_DIR, StartInPieces, load_fixture
+from helpers import FIXTURES, MODEL_DIR, Gated, StartInPieces, load_fixture
+from server_helpers import wait_until
 
 
 class Watched(StartInPieces):
@@ -208,7 +209,8 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
         opts = DecodeOptions(greedy=True)
         alone = [list(generate(llm, p, n, opts)) for p, n in prefills]
         be = Watched(llm)
-        with BatchScheduler(llm) as sched, BatchScheduler(be) as watched:
+        gated = Gated(llm)  # the scheduler decodes ahead of its reader: held, the sequence is still live when looked at
+        with BatchScheduler(gated) as sched, BatchScheduler(be) as watched:
             assert sched.max_active == 8
             barrier = threading.Barrier(len(prefills))
 
@@ -222,11 +224,13 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
             assert batched == alone
             assert be.max_step >= 4
             assert llm.stats()["active_sequences"] == 0
+            gated.hold_after(1)
             it = sched.generate(*prefills[0], opts)
             next(it)
             assert llm.stats()["active_sequences"] == 1
             it.close()
-            assert llm.stats()["active_sequences"] == 0
+            gated.let_go()
+            wait_until(lambda: llm.stats()["active_sequences"] == 0, "the closed sequence released")
     finally:
         llm.close()
 

@@ -42,7 +42,7 @@ def server():
     serving = prepare(tts.models, options, voices=tts.voices)
     app = create_app(serving, ServeOptions(options, wyoming="tcp://127.0.0.1:0"))
     srv = LoopbackServer(app)
-    srv.app, srv.serving = app, serving
+    srv.app, srv.serving, srv.tts = app, serving, tts
     srv.wyoming_port = app.state.server.wyoming.address[1]
     yield srv
     srv.stop()
@@ -80,12 +80,24 @@ def test_every_door_is_on_the_one_core(server):
     assert info.type == "info" and "en" in [v["name"] for v in info.data["tts"][0]["voices"]]
 
 
+def _continued_pcm(server, text: str, seed: int) -> bytes:
+    """A streamed sentence after its utterance's first: ``text`` with the space before it (as the whole text's
+    segment keeps it, docs/server.md), sampled with ``seed``, streamed."""
+    from cosyllama.audio_out import pcm16
+    from cosyllama.request import SynthesisRequest
+
+    opts = SynthesisOptions(seed=seed, stream=True)
+    return pcm16(server.tts.run(SynthesisRequest(text=text, voice="en", options=opts, lead=" ")).audio())
+
+
 def test_both_streamed_doors_seed_sentence_k_with_seed_plus_k(server):
-    """Sampled (not greedy) with seed 5: the WebSocket's and Wyoming's k-th sentence equal
-    /v1/audio/speech of that sentence with seed 5 + k. The seeds matter here: the second sentence
-    with seed 5 is other audio (so one seed for every sentence fails this test)."""
-    http = [_http_pcm(server, s, SEED + k) for k, s in enumerate(SENTENCES)]
-    assert _http_pcm(server, SENTENCES[1], SEED) != http[1]  # the test can fail
+    """Sampled (not greedy) with seed 5: the WebSocket's and Wyoming's first sentence equals
+    /v1/audio/speech of that sentence with seed 5, the k-th that sentence continued (the space before it kept)
+    with seed 5 + k. The seeds matter here: the second sentence with seed 5 is other audio (so one seed for
+    every sentence fails this test)."""
+    http = [_http_pcm(server, SENTENCES[0], SEED)] + [_continued_pcm(server, s, SEED + k)
+                                                       for k, s in enumerate(SENTENCES) if k]
+    assert _continued_pcm(server, SENTENCES[1], SEED) != http[1]  # the test can fail
 
     with connect(f"ws://127.0.0.1:{server.port}/v1/audio/speech/stream", open_timeout=TIMEOUT,
                  close_timeout=TIMEOUT, max_size=None) as ws:
