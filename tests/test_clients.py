@@ -2,7 +2,7 @@
 pipecat's ``OpenAITTSService`` through pipecat's own test pipeline, LiveKit's ``openai.TTS`` through
 its ``synthesize()`` and ``StreamAdapter`` ``stream()``, and the ``openai`` SDK's ``AsyncOpenAI``.
 None of them can send cosyllama's ``seed``; the server gives every request one that does not
-(``create_app(speech_defaults=...)``), so each client's audio is compared with a direct API call
+(``ServingOptions.defaults``), so each client's audio is compared with a direct API call
 carrying that seed: the same pcm bytes, or the same samples after decoding. They need the
 ``clients`` extra."""
 
@@ -23,7 +23,9 @@ pytest.importorskip("llama_cpp")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.config import load_config  # noqa: E402
+from cosyllama.request import SynthesisOptions  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServingOptions  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
 
@@ -39,8 +41,8 @@ def server(tiny_gguf):
     from cosyllama.tts import TTS
 
     backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
-    app = create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend), default_voice=VOICE,
-                     speech_defaults={"seed": SEED})
+    tts = TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)
+    app = create_app(tts, ServingOptions(tts.options, default_voice=VOICE, defaults=SynthesisOptions(seed=SEED)))
     srv = LoopbackServer(app)
     r = httpx.post(f"{srv.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                    data={"text": "Hello, this is my voice.", "id": VOICE}, timeout=60)

@@ -27,8 +27,10 @@ pytest.importorskip("fastapi")
 pytest.importorskip("wyoming")
 httpx = pytest.importorskip("httpx")
 
+from cosyllama.request import SynthesisOptions  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 
 LONG = "This is a long sentence that keeps the model busy for a good while, word after word after word."
 CONFIG = {"type": "session.config", "voice": "en", "greedy": True, "seed": 0, "response_format": "pcm"}
@@ -37,6 +39,11 @@ CONFIG = {"type": "session.config", "voice": "en", "greedy": True, "seed": 0, "r
 @pytest.fixture(scope="module")
 def tts():
     return voiced_tts()
+
+
+def _wyoming_options(tts, **defaults) -> ServeOptions:
+    """``serve --wyoming`` of ``tts`` on a free port, every request starting from ``defaults`` (greedy, seed)."""
+    return ServeOptions(ServingOptions(tts.options, defaults=SynthesisOptions(**defaults)), wyoming="tcp://127.0.0.1:0")
 
 
 class Paced:
@@ -60,7 +67,8 @@ def test_a_websocket_client_that_reads_slowly_but_steadily_is_not_cut(tts):
     so the write bound (no progress for 2 s) never fires. A deadline per send cut it: the frame after the big
     one waited for the whole backlog to drain (seconds)."""
     limits = ConnectionLimits(write_timeout=2.0)
-    srv = LoopbackServer(create_app(tts, connection_limits=limits), **uvicorn_options(limits))
+    srv = LoopbackServer(create_app(tts, ServingOptions(tts.options, connection_limits=limits)),
+                         **uvicorn_options(limits))
     try:
         ws = RawWebSocket(srv.port, rcvbuf=4096)
         try:
@@ -145,7 +153,7 @@ def test_a_client_that_resets_while_a_write_waits_leaves_no_task_exception_unret
                         lambda self: None if real_samples(self) is None else np.zeros(1 << 20, np.float32))
     blocked = _watch_blocked_write(monkeypatch, door)
     caplog.set_level(logging.ERROR, logger="asyncio")
-    app = create_app(tts, wyoming="tcp://127.0.0.1:0", speech_defaults={"greedy": True})
+    app = create_app(tts, _wyoming_options(tts, greedy=True))
     srv = LoopbackServer(app, **uvicorn_options(ConnectionLimits()))  # the bounded send buffer of serve
     gate = app.state.server.serving.gate
     try:
@@ -179,7 +187,7 @@ def test_a_client_that_resets_while_a_write_waits_leaves_no_task_exception_unret
 
 @pytest.fixture(scope="module")
 def wyoming_server(tts):
-    app = create_app(tts, wyoming="tcp://127.0.0.1:0", speech_defaults={"greedy": True, "seed": 0})
+    app = create_app(tts, _wyoming_options(tts, greedy=True, seed=0))
     srv = LoopbackServer(app)
     srv.app, srv.port = app, app.state.server.wyoming.address[1]
     yield srv

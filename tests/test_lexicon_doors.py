@@ -21,7 +21,9 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.cli import main  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.text.lexicon import Lexicon, LexiconError  # noqa: E402
+from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voice_directory import VoiceDirectory  # noqa: E402
 from server_helpers import PROMPT_TEXT, PROMPT_WAV, json_error, voiced_tts  # noqa: E402
 
@@ -81,8 +83,9 @@ def _has_wyoming() -> bool:
 def server(tts, store):
     recorder = Recorder(tts.frontend)
     tts.frontend._segments = recorder  # the served pipeline shares the models' frontend
-    app = create_app(tts, voices=store, lexicon=Lexicon.from_mapping(SERVER_LEX),
-                     wyoming="tcp://127.0.0.1:0" if _has_wyoming() else None)
+    view = TTS.from_models(tts.models, voices=store)
+    options = ServingOptions(view.options, lexicon=Lexicon.from_mapping(SERVER_LEX))
+    app = create_app(view, ServeOptions(options, wyoming="tcp://127.0.0.1:0" if _has_wyoming() else None))
     srv = LoopbackServer(app)
     srv.recorder = recorder
     srv.wyoming_port = app.state.server.wyoming.address[1] if _has_wyoming() else None

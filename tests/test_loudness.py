@@ -298,14 +298,18 @@ def http(tts, voices):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     from cosyllama.server.app import create_app
+    from cosyllama.server.options import ServingOptions
+    from cosyllama.tts import TTS
     from cosyllama.voices import VoiceStore
     from helpers import LoopbackServer
 
     store = VoiceStore()
     for level, v in voices.items():
         store.add(f"v{int(-level)}", v)
-    servers = [LoopbackServer(create_app(tts, voices=store)),
-               LoopbackServer(create_app(tts, voices=store, speech_defaults={"loudness": TARGET}))]
+    view = TTS.from_models(tts.models, voices=store)
+    servers = [LoopbackServer(create_app(view)),
+               LoopbackServer(create_app(view, ServingOptions(view.options,
+                                                              defaults=SynthesisOptions(loudness=TARGET))))]
     clients = [httpx.Client(base_url=s.url, timeout=120) for s in servers]
     yield clients
     for c in clients:

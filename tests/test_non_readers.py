@@ -19,8 +19,10 @@ from server_helpers import WAIT_S
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+from cosyllama.request import SynthesisOptions  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 
@@ -102,7 +104,7 @@ def test_an_http_client_that_stops_reading_is_cut_at_the_write_timeout(view, pro
     """A client that sends its request and reads nothing (its socket as the kernel makes it): the
     server's writes stall after at most SENT_BOUND bytes, its slot is free --write-timeout later
     (plus the clean-up), and the response is not finished into the kernel's buffers."""
-    app = CountingApp(create_app(view, max_concurrent=2, connection_limits=SLOW_LIMITS))
+    app = CountingApp(create_app(view, ServingOptions(view.options, max_concurrent=2, connection_limits=SLOW_LIMITS)))
     srv = LoopbackServer(app, http=guarded_protocol(SLOW_LIMITS, _http_base(protocol)))
     body = json.dumps({"input": SPOKEN, "voice": "en", "stream_format": "audio", "response_format": "pcm",
                        "greedy": True}).encode()
@@ -117,7 +119,7 @@ def test_an_http_client_that_stops_reading_is_cut_at_the_write_timeout(view, pro
 
 
 def test_a_websocket_client_that_stops_reading_is_cut_at_the_write_timeout(view):
-    app = CountingApp(create_app(view, max_concurrent=2, connection_limits=SLOW_LIMITS))
+    app = CountingApp(create_app(view, ServingOptions(view.options, max_concurrent=2, connection_limits=SLOW_LIMITS)))
     srv = LoopbackServer(app, http=guarded_protocol(SLOW_LIMITS))
     try:
         ws = RawWebSocket(srv.port)
@@ -148,8 +150,9 @@ def test_a_wyoming_client_that_stops_reading_is_cut_at_the_write_timeout(view, m
         return data
 
     monkeypatch.setattr(wyoming, "event_bytes", counted)
-    app = create_app(view, max_concurrent=2, wyoming="tcp://127.0.0.1:0",
-                     speech_defaults={"greedy": True}, connection_limits=SLOW_LIMITS)
+    options = ServingOptions(view.options, max_concurrent=2, defaults=SynthesisOptions(greedy=True),
+                             connection_limits=SLOW_LIMITS)
+    app = create_app(view, ServeOptions(options, wyoming="tcp://127.0.0.1:0"))
     srv = LoopbackServer(app)
     try:
         with socket.create_connection(("127.0.0.1", app.state.server.wyoming.address[1])) as s:

@@ -191,8 +191,9 @@ def server(tts):
     pytest.importorskip("fastapi")
     pytest.importorskip("wyoming")
     from cosyllama.server.app import create_app
+    from cosyllama.server.options import ServeOptions, ServingOptions
 
-    app = create_app(tts, wyoming="tcp://127.0.0.1:0")
+    app = create_app(tts, ServeOptions(ServingOptions(tts.options), wyoming="tcp://127.0.0.1:0"))
     srv = LoopbackServer(app)
     srv.wyoming_port = app.state.server.wyoming.address[1]
     yield srv

@@ -21,6 +21,7 @@ from fastapi import FastAPI, WebSocket  # noqa: E402  (module level: the route's
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, guarded_protocol  # noqa: E402
+from cosyllama.server.options import ServingOptions  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from helpers import LoopbackServer, SlowBackend  # noqa: E402
@@ -65,7 +66,9 @@ def stalled(request, tts, voice):
     """The server with a short write and idle timeout; uvicorn's own keep-alive timeout is an hour,
     so only the guard's idle timeout can close an idle connection."""
     protocol = guarded_protocol(LIMITS, _small_send_buffer(_base(request.param)))
-    srv = LoopbackServer(create_app(_view(tts, voice), max_concurrent=4), http=protocol, timeout_keep_alive=3600)
+    view = _view(tts, voice)
+    srv = LoopbackServer(create_app(view, ServingOptions(view.options, max_concurrent=4)), http=protocol,
+                         timeout_keep_alive=3600)
     yield srv
     srv.stop()
 
@@ -184,7 +187,7 @@ def test_a_request_whose_client_left_leaves_the_queue_at_once(tts, voice):
     view = _view(tts, voice)
     held = _HeldBackend(tts.llm)  # create_app makes its scheduler over tts.llm
     view = TTS.from_models(dataclasses.replace(tts.models, llm=held), voices=view.voices)
-    srv = LoopbackServer(create_app(view, max_concurrent=1, max_queue=4))
+    srv = LoopbackServer(create_app(view, ServingOptions(view.options, max_concurrent=1, max_queue=4)))
     socks = []
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as c:

@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.client_json import ClientJSONError, clip, clip_names, loads, nesting_depth  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 
@@ -41,7 +42,7 @@ def view(tts, voice):
 @pytest.fixture(scope="module")
 def server(view):
     """The HTTP API, its WebSocket and Wyoming, from one app."""
-    app = create_app(view, max_concurrent=2, wyoming="tcp://127.0.0.1:0")
+    app = create_app(view, ServeOptions(ServingOptions(view.options, max_concurrent=2), wyoming="tcp://127.0.0.1:0"))
     srv = LoopbackServer(app)
     srv.app, srv.wyoming_port = app, app.state.server.wyoming.address[1]
     yield srv

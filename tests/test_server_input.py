@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
@@ -29,7 +30,8 @@ def server(tts, voice):
 
     # with the connection guard, as `cosyllama serve` runs: a 413 answered before its body is read drains the
     # body instead of resetting the connection (plain uvicorn resets it now and then: the huge-body test saw it)
-    srv = LoopbackServer(create_app(view, max_prompt_bytes=1_000_000, max_voices=4),
+    srv = LoopbackServer(create_app(view, ServeOptions(ServingOptions(view.options), max_prompt_bytes=1_000_000,
+                                                       max_voices=4)),
                          **uvicorn_options(ConnectionLimits()))
     yield srv
     srv.stop()

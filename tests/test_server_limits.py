@@ -26,6 +26,7 @@ httpx = pytest.importorskip("httpx")
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.text.normalize import SPLIT_MERGE_LEN  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from server_helpers import PROMPT_WAV, WAIT_S, wait_until  # noqa: E402
@@ -64,7 +65,7 @@ def _register(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def server(tts):
-    srv = LoopbackServer(create_app(tts, max_prompt_bytes=1_000_000))
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options), max_prompt_bytes=1_000_000)))
     _register(srv.url)
     yield srv
     srv.stop()
@@ -100,10 +101,11 @@ def test_text_over_a_limit_is_refused_naming_it(client):
     assert client.get("/health").json()["llm"]["n_ctx"] == PARALLEL * SEQ_TOKENS
 
 
-def test_limits_come_from_create_app(tts):
-    """Tighter limits given to create_app apply to every field (the transcript of a new voice too)."""
+def test_limits_come_from_the_serving_options(tts):
+    """Tighter limits given to the serving options apply to every field (the transcript of a new voice too)."""
     small = RequestLimits(input_chars=20, instructions_tokens=12, transcript_chars=10)
-    srv = LoopbackServer(create_app(tts, limits=small, max_prompt_bytes=1_000_000))
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options, limits=small),
+                                                      max_prompt_bytes=1_000_000)))
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             r = c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
@@ -114,7 +116,7 @@ def test_limits_come_from_create_app(tts):
     finally:
         srv.stop()
     with pytest.raises(ValueError, match="max_seq_tokens"):
-        create_app(tts, limits=RequestLimits(seq_tokens=SEQ_TOKENS + 1))
+        create_app(tts, ServingOptions(tts.options, limits=RequestLimits(seq_tokens=SEQ_TOKENS + 1)))
 
 
 SHORT_TEXT = "Hi there."  # 5 text tokens; each segment of the long input has at least SPLIT_MERGE_LEN (20)
@@ -185,7 +187,7 @@ def test_long_input_beside_a_short_request(tts):
       input's segments start (the scheduler decodes them in the same steps: about one), and
       before the long input ends; a long input run to completion first starts all of its
       remaining segments meanwhile."""
-    app = create_app(tts, max_prompt_bytes=1_000_000)
+    app = create_app(tts, ServeOptions(ServingOptions(tts.options), max_prompt_bytes=1_000_000))
     served = app.state.server.tts
     events: list = []  # appended by the server's threads and the test's, in the order they happened
     served.normalizer = _Normalizing(served.normalizer, events)
@@ -252,7 +254,8 @@ def test_client_leaving_during_a_long_prefill_frees_its_sequence(tts, backend):
     whatever the machine's speed, and a busy machine makes the pieces slower, not more."""
     import json
 
-    app = create_app(tts, limits=RequestLimits(instructions_chars=8000, instructions_tokens=2000))
+    app = create_app(tts, ServingOptions(tts.options, limits=RequestLimits(instructions_chars=8000,
+                                                                           instructions_tokens=2000)))
     srv = LoopbackServer(app)
 
     def pieces() -> int:

@@ -130,12 +130,14 @@ def test_the_guards_refusals_are_logged_without_the_clients_header(caplog):
     """A request without the API key, or from a refused origin, is one line with its status and code; the
     Origin header (quoted whole in the 403's message) is not in it."""
     from cosyllama.server.app import create_app
+    from cosyllama.server.options import ServeOptions, ServingOptions
     from helpers import LoopbackServer
     from server_helpers import voiced_tts
 
     caplog.set_level(logging.INFO, logger="cosyllama")
     origin = "https://" + "o" * 300 + ".example"
-    srv = LoopbackServer(create_app(voiced_tts(gated=False), api_key="k"))
+    tts = voiced_tts(gated=False)
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options), api_key="k")))
     try:
         with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
             assert c.post("/v1/audio/speech", json={}).status_code == 401

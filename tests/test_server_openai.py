@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from helpers import LoopbackServer  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
 
@@ -39,8 +40,9 @@ def server(tiny_gguf):
 
     backend = LlamaCppLLM(tiny_gguf("speech", "F32"), load_config(MODEL_DIR), n_threads=1, n_seq_max=4)
     # OpenAI's built-in names speak with "en"; "verse" through the alias table, to a voice never registered
-    srv = LoopbackServer(create_app(TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend), default_voice="en",
-                                    voice_aliases={"verse": "nobody", "narrator": "en"}))
+    tts = TTS(MODEL_DIR, llm="llamacpp", llm_backend=backend)
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options, default_voice="en"),
+                                                      voice_aliases={"verse": "nobody", "narrator": "en"})))
     r = httpx.post(f"{srv.url}/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                    data={"text": "Hello, this is my voice.", "id": "en"}, timeout=60)
     assert r.status_code == 200, r.text
@@ -292,8 +294,9 @@ def test_the_voice_as_an_object_and_by_openais_names(client, reference):
 def test_voice_names_resolve_in_order():
     """Alias first, then a registered id, then (OpenAI's names only) the default voice; a 404 says
     how to register one, and names no file or library."""
-    from cosyllama.server.errors import ApiError
-    from cosyllama.server.speech import VoiceNames, _voice_id
+    from cosyllama.server.errors import api_error
+    from cosyllama.server.voice_names import VoiceNames
+    from cosyllama.voices import UnknownVoiceError
 
     class Store(set):
         def ids(self):
@@ -301,26 +304,27 @@ def test_voice_names_resolve_in_order():
 
     voices = Store({"anna", "alloy", "bob"})
     names = VoiceNames({"ash": "bob", "echo": "carl"}, default="anna")
-    assert _voice_id(voices, names, "alloy") == "alloy"  # registered under OpenAI's name
-    assert _voice_id(voices, names, "ash") == "bob"
-    assert _voice_id(voices, names, "nova") == "anna"
-    assert _voice_id(voices, names, "bob") == "bob"
+    assert names.voice_id(voices, "alloy") == "alloy"  # registered under OpenAI's name
+    assert names.voice_id(voices, "ash") == "bob"
+    assert names.voice_id(voices, "nova") == "anna"
+    assert names.voice_id(voices, "bob") == "bob"
     for name, where in (("echo", "--voice-alias echo=carl"), ("zed", "POST /v1/voices")):
-        with pytest.raises(ApiError) as ei:
-            _voice_id(voices, names, name)
-        assert ei.value.status == 404 and where in ei.value.message
-    with pytest.raises(ApiError) as ei:
-        _voice_id(voices, VoiceNames(), "nova")  # no --default-voice: no silent fallback
-    assert ei.value.status == 404 and ei.value.code == "voice_not_found"
-    assert "--default-voice ID or --voice-alias nova=ID" in ei.value.message
-    assert "register a voice with id 'nova' (POST /v1/voices)" in ei.value.message
+        with pytest.raises(UnknownVoiceError) as ei:
+            names.voice_id(voices, name)
+        assert api_error(ei.value).status == 404 and where in str(ei.value)
+    with pytest.raises(UnknownVoiceError) as ei:
+        VoiceNames().voice_id(voices, "nova")  # no --default-voice: no silent fallback
+    err = api_error(ei.value)
+    assert err.status == 404 and err.code == "voice_not_found"
+    assert "--default-voice ID or --voice-alias nova=ID" in err.message
+    assert "register a voice with id 'nova' (POST /v1/voices)" in err.message
     with pytest.raises(Exception, match="voice id"):
         VoiceNames({"ash": "../x"})
 
 
 def test_voice_alias_flags_are_checked():
     from cosyllama.errors import InputError
-    from cosyllama.server.speech import parse_voice_aliases
+    from cosyllama.server.voice_names import parse_voice_aliases
 
     assert parse_voice_aliases(["alloy=anna", " echo = bob "]) == {"alloy": "anna", "echo": "bob"}
     assert parse_voice_aliases(None) == {}
@@ -465,9 +469,9 @@ def test_a_streamed_aac_is_a_file_sent_as_it_is_encoded():
 
 
 def test_aac_without_pyav_is_a_422_naming_the_formats(client, monkeypatch):
-    from cosyllama.server import speech
+    from cosyllama.server import openai_speech
 
-    monkeypatch.setattr(speech, "aac_available", lambda: False)
+    monkeypatch.setattr(openai_speech, "aac_available", lambda: False)
     with pytest.raises(openai.UnprocessableEntityError) as ei:
         _create(client, response_format="aac")
     _error(ei, 422, "response_format", "unsupported_value", "use one of mp3, wav, pcm, flac, opus")

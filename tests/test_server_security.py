@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.server.startup import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
@@ -43,7 +44,7 @@ def vdir(tmp_path_factory, voice):
 @pytest.fixture(scope="module")
 def server(tts, vdir):
     view = TTS.from_models(tts.models, voices=open_voice_store(str(vdir)))
-    srv = LoopbackServer(create_app(view, api_key=KEY, max_voices=2))
+    srv = LoopbackServer(create_app(view, ServeOptions(ServingOptions(view.options), api_key=KEY, max_voices=2)))
     yield srv
     srv.stop()
 
@@ -265,7 +266,8 @@ def test_with_an_api_key_the_page_loads_and_its_origin_needs_the_key(tts, voice)
 
     view = TTS.from_models(tts.models, voices=VoiceStore())
     view.voices.add("en", voice)
-    with TestClient(create_app(view, api_key=KEY), base_url="http://tts.example") as c:
+    with TestClient(create_app(view, ServeOptions(ServingOptions(view.options), api_key=KEY)),
+                    base_url="http://tts.example") as c:
         page = c.get("/")
         assert page.status_code == 200 and "<html" in page.text
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]

@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 import cosyllama  # noqa: E402
 from cosyllama.config import load_config  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from server_helpers import PROMPT_WAV  # noqa: E402
 from server_helpers import speech as _speech  # noqa: E402
 from server_helpers import wait_idle as _wait_idle  # noqa: E402
@@ -46,7 +47,8 @@ def server(tts):
 
     # with the connection guard, as `cosyllama serve` runs: a 413 answered before its body is read
     # drains the body instead of resetting the connection (plain uvicorn resets it now and then)
-    srv = LoopbackServer(create_app(tts, max_prompt_bytes=1_000_000), **uvicorn_options(ConnectionLimits()))
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options), max_prompt_bytes=1_000_000)),
+                         **uvicorn_options(ConnectionLimits()))
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         wav = PROMPT_WAV.read_bytes()
         r = c.post("/v1/voices", files={"audio": ("p.wav", wav, "audio/wav")},
@@ -226,7 +228,7 @@ def test_bad_requests_get_json_errors(client):
 
 
 def test_full_server_answers_503(tts, server):
-    srv = LoopbackServer(create_app(tts, max_concurrent=1, max_queue=0))
+    srv = LoopbackServer(create_app(tts, ServingOptions(tts.options, max_concurrent=1, max_queue=0)))
     tts.llm.step_delay = 0.01  # the first request must still be running when the second comes
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:

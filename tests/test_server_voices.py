@@ -28,6 +28,7 @@ httpx = pytest.importorskip("httpx")
 
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.server.startup import open_voice_store  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voice_directory import VoiceDirectory  # noqa: E402
@@ -154,8 +155,8 @@ def test_replicas_share_a_voice_directory_and_survive_kill_9(tmp_path):
 @pytest.fixture(scope="module")
 def server(tts, tmp_path_factory):
     view = TTS.from_models(tts.models, voices=VoiceDirectory(tmp_path_factory.mktemp("voices")))
-    srv = LoopbackServer(create_app(view, api_key=KEY, allow_origins=[GOOD_ORIGIN],
-                                    limits=RequestLimits(transcript_chars=200)))
+    options = ServingOptions(view.options, limits=RequestLimits(transcript_chars=200))
+    srv = LoopbackServer(create_app(view, ServeOptions(options, api_key=KEY, allow_origins=(GOOD_ORIGIN,))))
     yield srv
     srv.stop()
 

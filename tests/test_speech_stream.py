@@ -23,6 +23,7 @@ from websockets.sync.client import connect  # noqa: E402
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from server_helpers import continued_pcm, voiced_tts  # noqa: E402
 from server_helpers import wait_until as _wait  # noqa: E402
 
@@ -238,7 +239,7 @@ def test_bad_messages_get_the_protocols_error_and_a_clean_close(server, messages
 
 def test_bounds_on_what_a_client_sends(tts):
     small = RequestLimits(input_chars=40, instructions_chars=20, session_chars=60)
-    srv = _serve(create_app(tts, limits=small))
+    srv = _serve(create_app(tts, ServingOptions(tts.options, limits=small)))
     try:
         def refused(*messages):
             with _ws(srv) as ws:
@@ -270,7 +271,7 @@ def test_an_idle_session_is_closed_and_a_long_one_outlives_the_header_timeout(tt
     # the sleep below must outlast the header timeout and not the idle one: 2.4 s to spare, so that only a
     # stalled test thread (not a busy machine) could wake up past the idle timeout
     idle_s, header_s, pause_s = 3.0, 0.2, 0.6
-    app = create_app(tts, connection_limits=ConnectionLimits(idle_timeout=idle_s))
+    app = create_app(tts, ServingOptions(tts.options, connection_limits=ConnectionLimits(idle_timeout=idle_s)))
     srv = _serve(app, **uvicorn_options(ConnectionLimits(header_timeout=header_s)))
     try:
         with _ws(srv) as ws:
@@ -296,7 +297,7 @@ def test_a_client_that_stops_reading_frees_its_slot(tts):
     that stops reading after one message make the server's sends block."""
     import socket
 
-    app = create_app(tts, connection_limits=ConnectionLimits(write_timeout=1.0))
+    app = create_app(tts, ServingOptions(tts.options, connection_limits=ConnectionLimits(write_timeout=1.0)))
     srv = _serve(app)
     srv.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted connections inherit it
     sock = socket.socket()
@@ -340,7 +341,7 @@ def test_disconnect_mid_stream_frees_the_sequence(server, tts):
 
 
 def test_a_busy_server_says_so(tts):
-    srv = _serve(create_app(tts, max_concurrent=1, max_queue=0))
+    srv = _serve(create_app(tts, ServingOptions(tts.options, max_concurrent=1, max_queue=0)))
     tts.llm.hold_after(0)
     try:
         with _ws(srv) as first, _ws(srv) as second:
@@ -361,7 +362,7 @@ def test_a_busy_server_says_so(tts):
 
 def test_the_api_key_and_the_origin_check(tts):
     key, allowed = "s3cret", "https://app.example.com"
-    srv = _serve(create_app(tts, api_key=key, allow_origins=[allowed]))
+    srv = _serve(create_app(tts, ServeOptions(ServingOptions(tts.options), api_key=key, allow_origins=(allowed,))))
     auth = {"Authorization": f"Bearer {key}"}
     try:
         for headers, status, code in (({}, 401, "invalid_api_key"),

@@ -206,12 +206,13 @@ def test_serve_routes_and_wyoming_serve_folders(tts, tmp_path):
     from fastapi.testclient import TestClient
 
     from cosyllama.server.app import create_app
+    from cosyllama.server.options import ServeOptions, ServingOptions
     from cosyllama.server.startup import open_voice_store
     from cosyllama.server.wyoming import WyomingService
 
     root = _layout(tmp_path / "voices")
     view = TTS.from_models(tts.models, voices=open_voice_store(str(root)))
-    app = create_app(view, max_voices=4)
+    app = create_app(view, ServeOptions(ServingOptions(view.options), max_voices=4))
     with TestClient(app) as c:  # create_app gave the store its encoder
         voices = {v["id"]: v for v in c.get("/v1/voices").json()["voices"]}
         assert sorted(voices) == ["anna", "bob", "carl"]

@@ -46,6 +46,7 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
 from cosyllama.limits import RequestLimits  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from cosyllama.server.wire import wav_header  # noqa: E402
 from cosyllama.tts import TTS  # noqa: E402
 from cosyllama.voices import VoiceStore  # noqa: E402
@@ -75,7 +76,8 @@ def tts():
 
 def _serve(tts, **kw) -> LoopbackServer:
     view = TTS.from_models(tts.models, voices=VoiceStore())
-    app = create_app(view, max_prompt_bytes=1_000_000, limits=RequestLimits(input_chars=MAX_INPUT), **kw)
+    options = ServingOptions(view.options, limits=RequestLimits(input_chars=MAX_INPUT))
+    app = create_app(view, ServeOptions(options, max_prompt_bytes=1_000_000, **kw))
     return LoopbackServer(app)
 
 

@@ -19,7 +19,9 @@ from wyoming.error import Error  # noqa: E402
 from wyoming.info import Describe, Info  # noqa: E402
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice  # noqa: E402
 
+from cosyllama.request import SynthesisOptions  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from server_helpers import continued_pcm, voiced_tts  # noqa: E402
 from server_helpers import wait_until as _wait  # noqa: E402
 
@@ -36,7 +38,8 @@ def tts():
 def server(tts):
     """``serve --wyoming``: the HTTP app with a Wyoming server on a free port, greedy, seed 0."""
 
-    app = create_app(tts, wyoming="tcp://127.0.0.1:0", speech_defaults={"greedy": True, "seed": 0})
+    options = ServingOptions(tts.options, defaults=SynthesisOptions(greedy=True, seed=0))
+    app = create_app(tts, ServeOptions(options, wyoming="tcp://127.0.0.1:0"))
     srv = LoopbackServer(app)
     srv.app, srv.port, srv.tts = app, app.state.server.wyoming.address[1], tts
     yield srv

@@ -33,8 +33,10 @@ from wyoming.error import Error  # noqa: E402
 from wyoming.info import Describe  # noqa: E402
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice  # noqa: E402
 
+from cosyllama.request import SynthesisOptions  # noqa: E402
 from cosyllama.server.app import create_app  # noqa: E402
 from cosyllama.server.conn import ConnectionLimits  # noqa: E402
+from cosyllama.server.options import ServeOptions, ServingOptions  # noqa: E402
 from server_helpers import PROMPT_WAV, voiced_tts  # noqa: E402
 from server_helpers import wait_until as _wait  # noqa: E402
 
@@ -55,8 +57,9 @@ def tts():
 def server(tts):
     """``serve --wyoming`` with two running slots (shared by both protocols) and short bounds."""
 
-    app = create_app(tts, max_concurrent=2, max_queue=8, wyoming="tcp://127.0.0.1:0",
-                     speech_defaults={"greedy": True, "seed": 0}, connection_limits=LIMITS)
+    options = ServingOptions(tts.options, max_concurrent=2, max_queue=8, defaults=SynthesisOptions(greedy=True, seed=0),
+                             connection_limits=LIMITS)
+    app = create_app(tts, ServeOptions(options, wyoming="tcp://127.0.0.1:0"))
     srv = LoopbackServer(app)
     srv.app, srv.port = app, app.state.server.wyoming.address[1]
     yield srv

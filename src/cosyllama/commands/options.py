@@ -86,7 +86,7 @@ def serve_options(args):
     key and origins, the voice aliases and default voice, the Wyoming URI (and its extra)."""
     from ..server.options import ServeOptions
     from ..server.security import guard_options
-    from ..server.speech import VoiceNames, parse_voice_aliases
+    from ..server.voice_names import VoiceNames, parse_voice_aliases
 
     api_key, origins = guard_options(args.api_key, args.allow_origin)
     serving = serving_options(args)

@@ -25,18 +25,14 @@ Needs the ``server`` extra (fastapi, uvicorn, python-multipart).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from .. import __version__
-from ..defaults import LOG_LEVEL, MAX_QUEUE, MAX_VOICES
-from ..errors import MissingDependencyError
-from ..limits import RequestLimits
+from ..defaults import LOG_LEVEL
+from ..errors import CosyllamaError, MissingDependencyError
 from ..llm.scheduler import BatchScheduler
-from ..request import SynthesisOptions
-from ..voices import VoiceStore
-from .options import DEFAULT_MAX_PROMPT_BYTES, ServeOptions, ServingOptions
+from .options import ServeOptions, ServingOptions
 from .serving import Serving, prepare
 from .shutdown import FAREWELL_S, draining_server
 from .startup import check_can_listen, log_start, ready, start
@@ -53,22 +49,20 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
 from .captioned import router as captioned_router  # noqa: E402
 from .client_json import clip_param  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
-from .conn import ConnectionLimits, uvicorn_options  # noqa: E402
+from .conn import uvicorn_options  # noqa: E402
 from .dialogue import router as dialogue_router  # noqa: E402
-from .errors import INTERNAL_ERROR, ApiError, describe_invalid, error_body, log_refusal  # noqa: E402
+from .errors import ApiError, api_error, describe_invalid, error_body, log_refusal, server_failure  # noqa: E402
 from .page import PAGE_PATHS, add_page  # noqa: E402
 from .security import API_KEY_ENV, add_guard, has_api_key  # noqa: E402
-from .speech import VoiceNames  # noqa: E402
 from .speech_route import router as speech_router  # noqa: E402
 from .speech_stream import router as speech_stream_router  # noqa: E402
 from .speech_stream import uvicorn_ws_options  # noqa: E402
+from .voice_names import VoiceNames  # noqa: E402
 from .voices import router as voices_router  # noqa: E402
 from .wire import BodyLimit, RequestId  # noqa: E402
 
 log = logging.getLogger("cosyllama.server")
 
-DEFAULT_MAX_QUEUE = MAX_QUEUE  # requests that may wait for a running slot
-DEFAULT_MAX_VOICES = MAX_VOICES
 BODY_SLACK_BYTES = 64 * 1024  # multipart headers, the other JSON fields
 
 
@@ -111,12 +105,16 @@ def _refused(request, status: int, code: str | None, message: str) -> None:
     """The operator's line for a refused request (:func:`~cosyllama.server.errors.log_refusal`); its path is
     the client's, cut to 64 characters."""
     client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
-    log_refusal(f"{request.method} {clip_param(request.url.path)}", client, f"{status} {code or '-'}", message)
+    method = getattr(request, "method", "WebSocket")  # a WebSocket's handshake has none
+    log_refusal(f"{method} {clip_param(request.url.path)}", client, f"{status} {code or '-'}", message)
 
 
-async def _api_error(request, e: ApiError):
-    _refused(request, e.status, e.code, e.message)
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+async def _api_error(request, e: Exception):
+    """The project's exceptions a route raises (a :class:`~cosyllama.server.errors.Refusal`, an unknown voice, a
+    limit, the server busy ...), answered as the one mapper says (:func:`~cosyllama.server.errors.api_error`)."""
+    err = api_error(e)
+    _refused(request, err.status, err.code, err.message)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 async def _validation_error(request, e: RequestValidationError):
@@ -134,13 +132,17 @@ async def _http_error(request, e: StarletteHTTPException):
 
 
 async def _unexpected_error(request, e: Exception):
-    """A bug: answer 500 with the JSON error body (the traceback goes to the log)."""
-    return JSONResponse(error_body(INTERNAL_ERROR, "internal_error"), status_code=500)
+    """A bug: answer the mapper's 500 (:func:`~cosyllama.server.errors.server_failure`; the ASGI server logs the
+    traceback)."""
+    err = server_failure()
+    return JSONResponse(err.body(), status_code=err.status)
 
 
 def add_error_handlers(app) -> None:
-    """Every error answered as OpenAI's API does: JSON ``{"error": {"message", "type", "param", "code"}}``."""
+    """Every error answered as OpenAI's API does: JSON ``{"error": {"message", "type", "param", "code"}}``; the
+    project's own exceptions through the one mapper, so a route just raises them."""
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(CosyllamaError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
@@ -149,7 +151,7 @@ def add_error_handlers(app) -> None:
 # -- the factory ------------------------------------------------------------------------------
 
 
-def create_app(serving, options: ServeOptions | None = None, **conveniences) -> FastAPI:
+def create_app(serving, options: ServeOptions | ServingOptions | None = None) -> FastAPI:
     """The FastAPI app serving ``serving`` (a :class:`~cosyllama.server.serving.Serving`, which the caller
     closes) with the HTTP server's ``options`` (:class:`~cosyllama.server.options.ServeOptions`; its
     ``serving`` field, what ``serving`` was prepared from, is not read again). Every response carries
@@ -157,17 +159,18 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
     (:mod:`cosyllama.server.page`). With ``options.wyoming`` the app, while it runs, also answers the Wyoming
     protocol there (:mod:`cosyllama.server.wyoming`) from the same serving core and gate.
 
-    A convenience for tests and scripts: ``create_app(tts, **keywords)`` with a :class:`cosyllama.TTS` (left
-    as it is) prepares a serving core over its models and voices first, closed with the app; the
-    keywords are those of :func:`serving_for` and the fields of :class:`ServeOptions`."""
+    A convenience for tests and scripts: ``create_app(tts, options)`` with a loaded :class:`cosyllama.TTS` (left
+    as it is) first prepares a serving core over it (:func:`serving_for`), closed with the app; ``options`` is then
+    a :class:`ServeOptions`, or only its :class:`ServingOptions`, or None (the defaults)."""
     if not isinstance(serving, Serving):
-        if options is not None:
-            raise TypeError("create_app(tts, ...) takes keywords, not a ServeOptions")
-        serving, options = serving_for(serving, **conveniences)
+        if options is None or isinstance(options, ServingOptions):
+            options = ServeOptions(options if options is not None else ServingOptions(serving.options))
+        serving = serving_for(serving, options.serving)
         owns = True
     else:
-        if conveniences:
-            raise TypeError(f"create_app(serving, options) takes no keywords, got {sorted(conveniences)}")
+        if isinstance(options, ServingOptions):
+            raise TypeError("create_app(serving, options) takes the HTTP server's ServeOptions; the serving core "
+                            "was prepared from its ServingOptions already")
         options = options if options is not None else ServeOptions(serving.options)
         owns = False
     limits = serving.limits
@@ -208,41 +211,18 @@ def create_app(serving, options: ServeOptions | None = None, **conveniences) -> 
     return app
 
 
-def serving_for(tts, *, max_concurrent: int | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-                limits: RequestLimits | None = None, scheduler: BatchScheduler | None = None,
-                prefill_chunk: int | None = None, interleave: str | None = None, default_voice: str | None = None,
-                speech_defaults: dict | None = None, connection_limits: ConnectionLimits | None = None,
-                voices: VoiceStore | None = None, max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
-                api_key: str | None = None, allow_origins: Sequence[str] = (), wyoming: str | None = None,
-                max_voices: int | None = DEFAULT_MAX_VOICES, voice_aliases: dict[str, str] | None = None,
-                lexicon=None) -> tuple[Serving, ServeOptions]:
-    """The serving core and HTTP options ``create_app(tts, **keywords)`` builds: a
-    :class:`~cosyllama.server.serving.Serving` over ``tts.models`` (decoding through ``scheduler``, else
-    ``tts.token_source`` when that is a :class:`BatchScheduler`, else one of its own), speaking with
-    ``voices`` (default ``tts.voices``); ``speech_defaults``: ``seed``, ``greedy`` and ``loudness`` of requests that
-    give none; ``lexicon``: every request's (default ``tts.lexicon``); the other keywords are fields of
-    :class:`ServingOptions` and :class:`ServeOptions`."""
-    speech_defaults = dict(speech_defaults or {})
-    if not set(speech_defaults) <= {"seed", "greedy", "loudness"}:
-        raise ValueError(f"speech_defaults takes seed, greedy and loudness, got {sorted(speech_defaults)}")
-    if scheduler is None and isinstance(tts.token_source, BatchScheduler):
-        scheduler = tts.token_source
-    fields = {"prefill_chunk": prefill_chunk} if prefill_chunk is not None else {}
-    try:
-        serving_options = ServingOptions(
-            tts.options, limits=limits if limits is not None else RequestLimits(), interleave=interleave,
-            max_queue=max_queue, default_voice=default_voice, max_concurrent=max_concurrent,
-            connection_limits=connection_limits or ConnectionLimits(),
-            defaults=replace(SynthesisOptions(), **speech_defaults),
-            lexicon=lexicon if lexicon is not None else tts.lexicon, **fields)
-        options = ServeOptions(serving_options, api_key=api_key, allow_origins=tuple(allow_origins), wyoming=wyoming,
-                               max_voices=max_voices, voice_aliases=dict(voice_aliases or {}),
-                               max_prompt_bytes=max_prompt_bytes)
-    except Exception as e:  # the keywords' checks are ValueErrors, as they were
-        raise ValueError(str(e)) from None
-    serving = prepare(tts.models, serving_options, voices=tts.voices if voices is None else voices,
-                      scheduler=scheduler)
-    return serving, options
+def serving_for(tts, options: ServingOptions | None = None) -> Serving:
+    """The serving core over a loaded :class:`cosyllama.TTS` (left as it is), as ``create_app(tts, options)``
+    makes it: a :class:`~cosyllama.server.serving.Serving` over ``tts.models`` with ``options`` (default:
+    ``ServingOptions(tts.options)``; their ``load`` is not read again), speaking with ``tts.voices`` and, when
+    ``options`` has no lexicon, ``tts.lexicon``, decoding through ``tts.token_source`` when that is a
+    :class:`BatchScheduler` (else through one of its own). The caller closes it."""
+    if options is None:
+        options = ServingOptions(tts.options)
+    if options.lexicon is None and tts.lexicon is not None:
+        options = replace(options, lexicon=tts.lexicon)
+    scheduler = tts.token_source if isinstance(tts.token_source, BatchScheduler) else None
+    return prepare(tts.models, options, voices=tts.voices, scheduler=scheduler)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """``POST /dev/captioned_speech``: speech with its word times, in Kokoro-FastAPI's shapes, so its clients work
 unchanged. Needs the ``server`` extra; word times need the ``align`` extra (docs/captions.md).
 
-The request is that of ``POST /v1/audio/speech`` (:class:`~cosyllama.server.speech.SpeechRequest`, checked the
+The request is that of ``POST /v1/audio/speech`` (:class:`~cosyllama.server.openai_speech.SpeechRequest`, checked the
 same way, with the same bounds) with Kokoro's fields:
 
 * ``stream`` (default true, as Kokoro's): the answer is one JSON object per line (``application/x-ndjson``), an
@@ -37,9 +37,10 @@ from ..alignment import LANGUAGE_CODE
 from ..captions import Segment, to_srt, to_vtt
 from ..llm.scheduler import RequestCancelled
 from .common import state_of
-from .errors import ApiError
-from .errors import api_error as synthesis_error
-from .speech import SpeechJob, SpeechRequest, check_request, log, run_job
+from .errors import Refusal, api_error
+from .job import SpeechJob
+from .openai_speech import SpeechRequest, check_request
+from .speech import log, run_job
 from .wire import MEDIA_TYPES, AudioStream
 
 PATH = "/dev/captioned_speech"
@@ -122,23 +123,23 @@ async def _lines(job: CaptionedJob, first: bytes | None):
     except RequestCancelled:
         return
     except Exception as e:  # the status line is gone: end the stream early and say why in the log
-        log.error("stream ended early: %s", synthesis_error(e).message)
+        log.error("stream ended early: %s", api_error(e).message)
 
 
 def _refuse_unsupported(body: CaptionedSpeechRequest) -> None:
     if body.stream_format is not None:
-        raise ApiError(422, "stream_format is not a field of /dev/captioned_speech; use stream (true: NDJSON lines "
-                       "as audio is made)", param="stream_format", code="unsupported_field")
+        raise Refusal("stream_format is not a field of /dev/captioned_speech; use stream (true: NDJSON lines as "
+                      "audio is made)", "unsupported_field", status=422, param="stream_format")
     if body.return_download_link:
-        raise ApiError(422, "return_download_link is not supported here: the answer carries the audio itself",
-                       param="return_download_link", code="unsupported_value")
+        raise Refusal("return_download_link is not supported here: the answer carries the audio itself",
+                      "unsupported_value", status=422, param="return_download_link")
     if body.lang_code is not None and not LANGUAGE_CODE.fullmatch(KOKORO_LANGUAGES.get(body.lang_code,
                                                                                      body.lang_code)):
-        raise ApiError(422, "lang_code must be a language code like en or pt-br, or one of Kokoro's letters "
-                       f"({', '.join(KOKORO_LANGUAGES)})", param="lang_code", code="invalid_value")
+        raise Refusal("lang_code must be a language code like en or pt-br, or one of Kokoro's letters "
+                      f"({', '.join(KOKORO_LANGUAGES)})", "invalid_value", status=422, param="lang_code")
     if body.volume_multiplier != 1.0:
-        raise ApiError(422, "volume_multiplier must be 1 here (the audio is the model's, unscaled)",
-                       param="volume_multiplier", code="unsupported_value")
+        raise Refusal("volume_multiplier must be 1 here (the audio is the model's, unscaled)", "unsupported_value",
+                      status=422, param="volume_multiplier")
 
 
 router = APIRouter()

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 
 from ..limits import RequestLimits
-from .admission import Admission, ServerBusyError
-from .errors import api_error
+from .admission import Admission
 from .options import ServeOptions
 from .serving import Serving
 
@@ -24,7 +23,7 @@ class AppState:
 
     serving: Serving
     options: ServeOptions
-    voice_names: object  # cosyllama.server.speech.VoiceNames
+    voice_names: object  # a cosyllama.server.voice_names.VoiceNames
     owns_serving: bool  # create_app prepared it (closed with the app)
     wyoming: object | None = None  # the WyomingServer while the app runs
 
@@ -43,11 +42,9 @@ def state_of(app: FastAPI) -> AppState:
 
 async def admit(gate: Admission, gone: asyncio.Future | None = None) -> bool:
     """A running slot of ``gate`` (True), or False when ``gone`` (the task waiting for the client to
-    leave) ended first; a full server is 503 with ``Retry-After``."""
-    try:
-        return await gate.admit(gone)
-    except ServerBusyError as e:
-        raise api_error(e) from None
+    leave) ended first; a full server raises :class:`~cosyllama.server.admission.ServerBusyError` (the app
+    answers 503 with ``Retry-After``)."""
+    return await gate.admit(gone)
 
 
 async def client_gone(request: Request) -> None:

@@ -95,7 +95,10 @@ class ConnectionLimits:
 
 def _raw_response(status: int, reason: str, message: str, type: str, code: str,
                   headers: dict[str, str] | None = None) -> bytes:
-    body = json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+    """A whole HTTP/1.1 answer, written before (or instead of) the app's, with the app's error body."""
+    from .errors import error_body  # here: the options import this module, and errors.py what requests need
+
+    body = json.dumps(error_body(message, type, code=code)).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n{extra}"
             f"content-length: {len(body)}\r\n\r\n")

@@ -18,11 +18,12 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..dialogue import MAX_PAUSE_S, MAX_TURNS, turn_seed
-from ..errors import InputError
-from ..limits import LimitExceeded
+from ..errors import CosyllamaError, InputError
 from .common import state_of
-from .errors import ApiError, api_error
-from .speech import CustomVoice, SpeechJob, SpeechRequest, check_request, log, run_speech_job
+from .errors import Refusal, api_error
+from .job import SpeechJob
+from .openai_speech import CustomVoice, SpeechRequest, check_request, speech_options
+from .speech import log, run_speech_job
 
 PATH = "/v1/audio/dialogue"
 
@@ -59,21 +60,21 @@ class DialogueRequest(SpeechRequest):
 def _turns(body: DialogueRequest) -> list[DialogueTurn]:
     if "input" in body.model_fields_set or "voice" in body.model_fields_set:
         field = "input" if "input" in body.model_fields_set else "voice"
-        raise ApiError(422, f"{field} is not a field of a dialogue; give turns (each with voice and text)",
-                       param=field, code="unsupported_field")
+        raise Refusal(f"{field} is not a field of a dialogue; give turns (each with voice and text)",
+                      "unsupported_field", status=422, param=field)
     if (body.turns is None) == (body.inputs is None):
-        raise ApiError(422, "give the dialogue as turns ([{voice, text}]) or as inputs ([{text, voice_id}]), one of "
-                       "them", param="turns", code="missing_field" if body.turns is None else "conflicting_fields")
+        raise Refusal("give the dialogue as turns ([{voice, text}]) or as inputs ([{text, voice_id}]), one of them",
+                      "missing_field" if body.turns is None else "conflicting_fields", status=422, param="turns")
     turns = body.turns if body.turns is not None else body.inputs
     where = "turns" if body.turns is not None else "inputs"
     if not turns:
-        raise ApiError(422, f"{where} is empty; give at least one turn", param=where, code="empty_list")
+        raise Refusal(f"{where} is empty; give at least one turn", "empty_list", status=422, param=where)
     for k, t in enumerate(turns):
         if not t.voice_name():
-            raise ApiError(422, f"{where}[{k}] has no voice", param=f"{where}[{k}].voice", code="missing_field")
+            raise Refusal(f"{where}[{k}] has no voice", "missing_field", status=422, param=f"{where}[{k}].voice")
         if not t.text.strip():
-            raise ApiError(422, f"{where}[{k}] ({t.voice_name()}) has no text", param=f"{where}[{k}].text",
-                           code="empty_string")
+            raise Refusal(f"{where}[{k}] ({t.voice_name()}) has no text", "empty_string", status=422,
+                          param=f"{where}[{k}].text")
     return turns
 
 
@@ -81,10 +82,7 @@ async def _requests(body: DialogueRequest, state) -> tuple[str | None, list, lis
     """Each turn's checked synthesis request, its voice found (a 404 names the turn), in order."""
     turns = _turns(body)
     where = "turns" if body.turns is not None else "inputs"
-    try:
-        state.limits.check_chars("input", "\n".join(t.text for t in turns))  # the script, bounded as one input
-    except LimitExceeded as e:
-        raise api_error(e) from None
+    state.limits.check_chars("input", "\n".join(t.text for t in turns))  # the script, bounded as one input
     return await turn_requests(body, state, turns, where)
 
 
@@ -93,8 +91,9 @@ async def turn_requests(body: SpeechRequest, state, turns: list[DialogueTurn], w
     ``/v1/audio/speech`` checks a request (its voice found: a 404 names the turn ``where[k]``) and seeded by
     the dialogue's seed rule; returns how it streams, the requests and the turns' voice names."""
     streaming, requests = None, []
-    # the dialogue's seed: the body's, else the server's (--seed), which each turn's explicit seed would hide
-    seed = body.seed if "seed" in body.model_fields_set else state.serving.options.defaults.seed
+    # the dialogue's seed as the body runs with it (its own, else the server's --seed), which each turn's
+    # explicit seed would hide
+    seed = speech_options(body, state.serving.options, None).seed
     for k, t in enumerate(turns):
         update = {"input": t.text, "voice": t.voice_name(), "seed": turn_seed(seed, k)}
         if t.speed is not None:
@@ -105,11 +104,12 @@ async def turn_requests(body: SpeechRequest, state, turns: list[DialogueTurn], w
                                                                     exclude_unset=True), **update})
         try:
             streaming, request = await check_request(turn_body, state)
-        except ApiError as e:
-            e.message = f"{where}[{k}] ({t.voice_name()}): {e.message}"
-            if e.param in ("voice", "input", "speed", "instructions"):
-                e.param = f"{where}[{k}].{'text' if e.param == 'input' else e.param}"
-            raise
+        except CosyllamaError as e:  # the mapper's answer, said of the turn: its index, its voice, its field
+            err = api_error(e)
+            err.message = f"{where}[{k}] ({t.voice_name()}): {err.message}"
+            if err.param in ("voice", "input", "speed", "instructions"):
+                err.param = f"{where}[{k}].{'text' if err.param == 'input' else err.param}"
+            raise err from None
         requests.append(request)
     return streaming, requests, [t.voice_name() for t in turns]
 
@@ -145,10 +145,10 @@ async def ssml_speech(body: SpeechRequest, request: Request, state):
         doc = parse_ssml(body.input, state.tts.frontend.tokenizer)
         spans, silences = ssml_turns(doc, body.voice_name())
     except (ScriptError, InputError) as e:
-        raise ApiError(422, str(e), param="input", code="invalid_ssml") from None
+        raise Refusal(str(e), "invalid_ssml", status=422, param="input") from None
     if len(spans) > MAX_TURNS:
-        raise ApiError(422, f"the SSML document has {len(spans)} parts to speak; at most {MAX_TURNS}",
-                       param="input", code="too_many_parts")
+        raise Refusal(f"the SSML document has {len(spans)} parts to speak; at most {MAX_TURNS}", "too_many_parts",
+                      status=422, param="input")
     if doc.warnings:
         log.info("SSML: %s", "; ".join(doc.warnings))
     turns = [DialogueTurn(text=t.text, voice=t.voice, speed=t.speed) for t in spans]

@@ -1,5 +1,8 @@
 """One mapping from the project's exceptions to what each door answers (no door's dependencies).
 
+A route, a codec or a check just raises the project's exceptions (a door's own rule is a :class:`Refusal`);
+the HTTP app's handlers, the WebSocket codec and the Wyoming codec all answer them through :func:`api_error`.
+
 :func:`api_error` classifies an exception once, as an HTTP status and OpenAI's error object
 (``{"error": {"message", "type", "param", "code"}}``, :func:`error_body`); the streamed doors derive
 their answer from it: :func:`websocket_error` (an ``error`` message and the close code after it) and
@@ -60,30 +63,39 @@ CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_REFUSED, CLOSE_TOO_BIG = 1000, 1001, 1008,
 CLOSE_FAILED, CLOSE_BUSY = 1011, 1013
 
 
+# OpenAI's error type of each HTTP status the server answers with (any other: invalid_request_error)
+ERROR_TYPES = {403: "permission_error", 404: "not_found_error", 409: "conflict_error", 413: "request_too_large",
+               500: "internal_error", 503: "server_busy"}
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object: ``param`` is the request field at fault, ``code`` a short
-    machine-readable reason (either may be None)."""
+    """OpenAI's error object, the one every answer of the server carries (the app's, the connection guard's
+    and the middleware's): ``param`` is the request field at fault, ``code`` a short machine-readable reason
+    (either may be None)."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class Refusal(InputError):
     """A request a door refuses by its own rules (a malformed message, an unknown type, a stream
-    without its start ...): answered with ``code`` (and HTTP ``status``, a WebSocket ``close`` code,
-    the request field ``param``)."""
+    without its start, a field a route does not take ...): answered with ``code`` (and HTTP ``status``, a
+    WebSocket ``close`` code, the request field ``param``). A route just raises it: the app answers it through
+    :func:`api_error`."""
 
-    def __init__(self, message: str, code: str, *, status: int = 400, close: int = CLOSE_REFUSED,
+    def __init__(self, message: str, code: str | None, *, status: int = 400, close: int = CLOSE_REFUSED,
                  param: str | None = None):
         super().__init__(message)
         self.message, self.code, self.status, self.close, self.param = message, code, status, close, param
 
 
 class ApiError(Exception):
-    """An error answered as :func:`error_body` with an HTTP status."""
+    """What :func:`api_error` makes of an exception: an answer of :func:`error_body` with an HTTP status
+    (``type``: by default the status's, :data:`ERROR_TYPES`)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+    def __init__(self, status: int, message: str, type: str | None = None,
                  headers: dict[str, str] | None = None, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.headers = status, message, type, headers
+        self.status, self.message, self.headers = status, message, headers
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
         self.param, self.code = param, code
 
     def body(self) -> dict:
@@ -93,6 +105,12 @@ class ApiError(Exception):
 def busy(message: str) -> ApiError:
     """503 with ``Retry-After``; its ``code`` is ``server_busy``, as the WebSocket's ``error`` says."""
     return ApiError(503, message, "server_busy", {"Retry-After": str(RETRY_AFTER_S)}, code="server_busy")
+
+
+def server_failure() -> ApiError:
+    """What a client is told of a failure that is the server's: 500 :data:`INTERNAL_ERROR` (the log has what
+    failed)."""
+    return ApiError(500, INTERNAL_ERROR, "internal_error")
 
 
 # the request field a limit's refusal points at: a voice's transcript came with the voice
@@ -125,14 +143,14 @@ def api_error(e: BaseException, names: Mapping[str, str] = HTTP_NAMES) -> ApiErr
         return limit_error(e, param=text_param if e.field in ("input", "session", "sequence") else None)
     if isinstance(e, RequestError):  # a synthesis rule, said in the door's field names
         return ApiError(422, e.render(names), param=e.name(names), code=e.code)
-    if isinstance(e, UnknownVoiceError):  # removed since the request was checked
+    if isinstance(e, UnknownVoiceError):  # the one not-found of every door (server/voice_names.py)
         return ApiError(404, str(e), "not_found_error", param="voice", code="voice_not_found")
     if isinstance(e, InputError):
         return ApiError(422, str(e))
     if isinstance(e, CosyllamaError):
         return ApiError(400, str(e))
     log.error("synthesis failed", exc_info=e)  # what failed is for the operator, not the client
-    return ApiError(500, INTERNAL_ERROR, "internal_error")
+    return server_failure()
 
 
 def websocket_error(e: BaseException, names: Mapping[str, str]) -> tuple[dict, int]:
@@ -205,5 +223,5 @@ def describe_invalid(errors) -> tuple[str, str | None, str | None]:
     return message or "invalid request", param, code
 
 
-__all__ = ["INTERNAL_ERROR", "ApiError", "Refusal", "api_error", "busy", "describe_invalid",
-           "error_body", "limit_error", "log_refusal", "websocket_error", "wyoming_error"]
+__all__ = ["ERROR_TYPES", "INTERNAL_ERROR", "ApiError", "Refusal", "api_error", "busy", "describe_invalid",
+           "error_body", "limit_error", "log_refusal", "server_failure", "websocket_error", "wyoming_error"]

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..defaults import INTERLEAVE_MODES, LANGUAGES, MAX_QUEUE, MAX_VOICES, PREFILL_CHUNK
@@ -47,9 +47,9 @@ class ServingOptions:
     # requests synthesized at once; None: twice the scheduler's sequence slots (the LLM stays busy while
     # other requests are in the flow and vocoder)
     max_concurrent: int | None = None
-    # what every request starts from: HTTP and WebSocket requests that give no seed or greedy get these
-    # (reproducible audio for clients that cannot send them); a Wyoming request, which can carry none of
-    # them, takes all of it (always streaming)
+    # what every request starts from (--seed, --greedy, --speed, --loudness, --retries): an HTTP or WebSocket
+    # request overlays the fields it gives, a Wyoming request (whose events carry none) takes them all; see
+    # request_options, the one place they meet
     defaults: SynthesisOptions = field(default_factory=SynthesisOptions)
     # --lexicon: words every request of every door speaks as pronunciation tokens (the served pipeline's
     # TTS.lexicon; a voice folder's lexicon.txt and a request's lexicon field add to it, winning); a
@@ -81,6 +81,14 @@ class ServingOptions:
             from ..voices import check_voice_id
 
             check_voice_id(self.default_voice)
+
+    def request_options(self, given: Mapping[str, Any] | None = None, *, streams: bool) -> SynthesisOptions:
+        """The options a request runs with, for every door: :attr:`defaults` overlaid by ``given`` (the fields of
+        :class:`~cosyllama.request.SynthesisOptions` the client set; none for Wyoming), synthesized as a stream when
+        the door sends the audio as it is made (``streams``) and the speed is 1 (the time stretch applies to the
+        finished audio, so it is synthesized whole). What the client sent is not changed."""
+        options = replace(self.defaults, **dict(given or {}))
+        return replace(options, stream=streams and options.speed == 1.0)
 
 
 @dataclass(frozen=True)

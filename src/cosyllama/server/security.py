@@ -36,7 +36,7 @@ from starlette.datastructures import Headers
 from ..defaults import API_KEY_ENV
 from ..errors import InputError
 from .client_json import clip_param
-from .errors import log_refusal
+from .errors import error_body, log_refusal
 
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -56,8 +56,7 @@ def normalize_origin(origin: str) -> str:
 
 
 def _error(status: int, message: str, type: str, code: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type, "param": None, "code": code}},
-                        status_code=status, headers=headers)
+    return JSONResponse(error_body(message, type, code=code), status_code=status, headers=headers)
 
 
 class RequestGuard:

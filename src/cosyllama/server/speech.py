@@ -1,6 +1,7 @@
-"""``POST /v1/audio/speech``: the request body, one synthesis advanced chunk by chunk from the
-thread pool, and the audio it answers with: a whole file, a raw audio stream, or Server-Sent Events.
-Needs the ``server`` extra.
+"""``POST /v1/audio/speech``'s answer: one synthesis job (:class:`~cosyllama.server.job.SpeechJob`) run through
+admission and the thread pool, and the audio it answers with: a whole file, a raw audio stream, or Server-Sent
+Events. The body and its checks are the OpenAI vocabulary's (:mod:`cosyllama.server.openai_speech`), the route
+:mod:`cosyllama.server.speech_route`. Needs the ``server`` extra.
 
 The route reads what it shares with the rest of the app from the app's state
 (:class:`~cosyllama.server.common.AppState`: the :class:`~cosyllama.server.serving.Serving`, its gate and
@@ -22,7 +23,8 @@ encoded: the same audio as without ``stream_format``, its first bytes after the 
 
 The voice is a registered id, as a string or OpenAI's custom-voice object ``{"id": ...}``. A name in
 the ``--voice-alias`` table speaks with the voice it names; one of OpenAI's built-in names that is
-not registered speaks with ``--default-voice`` when there is one (:class:`VoiceNames`).
+not registered speaks with ``--default-voice`` when there is one
+(:class:`~cosyllama.server.voice_names.VoiceNames`).
 """
 
 from __future__ import annotations
@@ -31,237 +33,21 @@ import asyncio
 import base64
 import json
 import logging
-from dataclasses import dataclass, field
-from typing import Literal
 
 import anyio
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
-from ..defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
-from ..errors import InputError
-from ..limits import LimitExceeded
 from ..llm.scheduler import CancelToken, RequestCancelled
-from ..request import LOUDNESS_RANGE, MODES, SEED_RANGE, RequestError, SynthesisOptions, SynthesisRequest
-from ..text.lexicon import Lexicon, LexiconError
-from ..voices import UnknownVoiceError, check_voice_id, describe_ids, show_id, unknown_voice
 from .common import AppState, admit, client_gone
-from .errors import ApiError, error_body
-from .errors import api_error as synthesis_error
-from .job import SynthesisJob
-from .wire import (
-    AAC_HINT,
-    DEFAULT_FORMAT,
-    FORMATS,
-    MEDIA_TYPES,
-    STREAMABLE,
-    AudioStream,
-    StreamEncoder,
-    aac_available,
-    encode,
-)
+from .errors import api_error, error_body
+from .job import SpeechJob, SynthesisJob
+from .wire import MEDIA_TYPES, AudioStream
 
 log = logging.getLogger("cosyllama.server")
 
 SSE_MEDIA_TYPE = "text/event-stream"
-LISTED_BY = " (GET /v1/voices lists them)"  # where an HTTP client finds every voice id
-# the built-in voice names of OpenAI's speech API (its reference for POST /v1/audio/speech); some
-# clients (pipecat's OpenAITTSService) send nothing else
-# a request's lexicon: entries, characters of a word, characters of its tokens (the body is bounded too)
-MAX_LEXICON_ENTRIES, MAX_LEXICON_WORD_CHARS, MAX_LEXICON_TOKENS_CHARS = 1000, 64, 256
-OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
-                 "shimmer", "verse")
-
-
-@dataclass(frozen=True)
-class VoiceNames:
-    """How a request's voice name finds a registered voice: ``aliases`` (``--voice-alias NAME=ID``)
-    first, then the registered id itself, then, for one of :data:`OPENAI_VOICES`, ``default``
-    (``--default-voice``)."""
-
-    aliases: dict[str, str] = field(default_factory=dict)
-    default: str | None = None
-
-    def __post_init__(self):
-        for name, target in self.aliases.items():
-            check_voice_id(name)
-            check_voice_id(target)
-        if self.default is not None:
-            check_voice_id(self.default)
-
-
-def parse_voice_aliases(values) -> dict[str, str]:
-    """``--voice-alias NAME=ID`` values as a table (each checked; a NAME given twice is an error)."""
-    out: dict[str, str] = {}
-    for value in values or ():
-        name, sep, target = value.partition("=")
-        name, target = name.strip(), target.strip()
-        if not sep or not name or not target:
-            raise InputError(f"--voice-alias {value!r} is not NAME=ID, e.g. alloy=anna")
-        if name in out:
-            raise InputError(f"--voice-alias gives {name!r} twice ({out[name]!r} and {target!r})")
-        out[name] = target
-    return out
-
-
-class CustomVoice(BaseModel):
-    """OpenAI's custom-voice form of ``voice`` (the SDK sends it for ``voice={"id": ...}``)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    id: str = Field(description="id of a registered voice")
-
-
-class SpeechRequest(BaseModel):
-    """Body of ``POST /v1/audio/speech``. Strict: no type coercion (``"stream": "yes"`` or
-    ``"seed": "5"`` is an error, not true or 5); integers are accepted for ``speed``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    input: str = Field(description="text to speak")
-    voice: str | CustomVoice = Field(description="id of a voice registered with POST /v1/voices, as a string or "
-                                     "{\"id\": ...}; OpenAI's names speak with --default-voice unless registered")
-    model: str | None = Field(None, description="accepted for OpenAI compatibility; ignored")
-    response_format: Literal[FORMATS] = Field(DEFAULT_FORMAT, description="mp3 (OpenAI's default); wav and pcm: "
-                                              "16-bit, 24 kHz mono; a streamed flac is the whole file")
-    speed: float = Field(1.0, description=f"time stretch of the finished audio, {SPEED_RANGE[0]} to "
-                         f"{SPEED_RANGE[1]}; a stream of it is non-streaming synthesis sent as it is encoded")
-    stream_format: Literal["audio", "sse"] | None = Field(
-        None, description="stream the audio as it is made: raw (audio) or as Server-Sent Events (sse); "
-        "omitted: the whole file after synthesis")
-    stream: bool = Field(False, description="true: the same as stream_format 'audio' (the older field)")
-    seed: int | None = Field(None, description=f"{SEED_RANGE[0]} to {SEED_RANGE[1]}: reproducible sampling")
-    greedy: bool = False
-    loudness: float | None = Field(
-        None, description=f"cosyllama's: bring the audio to this integrated loudness, LUFS (ITU-R BS.1770), "
-        f"{LOUDNESS_RANGE[0]:g} to {LOUDNESS_RANGE[1]:g}, by one gain never past a -1 dBFS true peak; a stream's "
-        "gain comes from the voice's prompt (the X-Loudness-Gain-dB header says the gain); omitted: the "
-        "server's --loudness, else off")
-    retries: int = Field(RETRIES, description=f"cosyllama's: 0 to {MAX_RETRIES}, how many times a text segment whose "
-                         "take loops or runs away is made again (docs/retries.md); omitted: the server's --retries")
-    instructions: str | None = Field(None, description="style instruction: selects instruct mode")
-    mode: Literal[MODES] | None = Field(
-        None, description="cosyllama's: the synthesis mode; omitted: instruct with instructions, else zero-shot "
-        "for a voice registered with its transcript, else cross-lingual")
-    lexicon: dict[str, str] | None = Field(
-        None, description=f"cosyllama's: words this request speaks as pronunciation tokens, {{\"word\": "
-        f"\"[T][AH0]...\"}} (docs/pronunciation.md); at most {MAX_LEXICON_ENTRIES} entries, a word of at most "
-        f"{MAX_LEXICON_WORD_CHARS} characters, its tokens at most {MAX_LEXICON_TOKENS_CHARS}; added to the voice "
-        "folder's and the server's lexicons, its entries winning")
-
-    @field_validator("lexicon", mode="before")
-    @classmethod
-    def _bounded_lexicon(cls, value):
-        """The lexicon's bounds and value types, named ``lexicon`` (its tokens are checked with the tokenizer)."""
-        if not isinstance(value, dict):
-            return value  # None, or pydantic's own dict_type error
-        if len(value) > MAX_LEXICON_ENTRIES:
-            _lexicon_invalid(f"{len(value)} entries; at most {MAX_LEXICON_ENTRIES}")
-        for word, tokens in value.items():
-            if not isinstance(tokens, str):
-                _lexicon_invalid(f"entry {show_id(word)}: its tokens must be a string, e.g. \"[T][AH0][M]\", "
-                                 f"not {type(tokens).__name__}")
-            if len(word) > MAX_LEXICON_WORD_CHARS:
-                _lexicon_invalid(f"entry {show_id(word)}: a word has at most {MAX_LEXICON_WORD_CHARS} characters")
-            if len(tokens) > MAX_LEXICON_TOKENS_CHARS:
-                _lexicon_invalid(f"entry {show_id(word)}: {len(tokens)} characters of tokens; at most "
-                                 f"{MAX_LEXICON_TOKENS_CHARS}")
-        return value
-
-    def voice_name(self) -> str:
-        return self.voice.id if isinstance(self.voice, CustomVoice) else self.voice
-
-    def streaming(self) -> str | None:
-        """How the audio is sent: None (the whole file), "audio" or "sse"."""
-        if self.stream_format is not None:
-            if "stream" in self.model_fields_set and not self.stream:
-                raise ApiError(422, f"stream=false contradicts stream_format {self.stream_format!r}; "
-                               "leave stream out", param="stream", code="conflicting_fields")
-            return self.stream_format
-        return "audio" if self.stream else None
-
-
-def _lexicon_invalid(message: str):
-    raise PydanticCustomError("invalid_lexicon", "{message}", {"message": message})
-
-
-def request_lexicon(body: SpeechRequest, tokenizer) -> Lexicon | None:
-    """The :class:`~cosyllama.text.lexicon.Lexicon` of a request's ``lexicon`` field, its tokens checked against
-    ``tokenizer`` (422 naming ``lexicon`` and the entry); None when it has no entry."""
-    if not body.lexicon:
-        return None
-    try:
-        return Lexicon.from_mapping(body.lexicon, tokenizer)
-    except LexiconError as e:
-        raise ApiError(422, str(e), param="lexicon", code="invalid_lexicon") from None
-
-
-class SpeechJob(SynthesisJob):
-    """One speech request's synthesis (:class:`~cosyllama.server.job.SynthesisJob`); a streamed job
-    also owns the encoder of its response body. Its synthesis streams unless the request's speed or
-    format needs the finished audio (then its segments are encoded as they come)."""
-
-    def __init__(self, tts, request: SynthesisRequest, streaming: str | None, response_format: str):
-        super().__init__(tts, request)
-        self.streaming, self.response_format = streaming, response_format
-        self.encoder = None
-        self._whole_sent = False
-
-    def _opened(self) -> None:
-        if self.streaming:
-            self.encoder = StreamEncoder(self.response_format, self.tts.sample_rate)
-
-    def next_bytes(self) -> bytes | None:
-        """Streamed: the next piece of the encoded body (maybe empty), or None after the last."""
-        with self.lock:
-            if self.encoder is None:
-                return None
-            chunk = self.next_chunk()
-            if chunk is not None:
-                return self.encoder.write(chunk.samples)
-            tail = self.encoder.close()
-            self.encoder = None
-            return tail
-
-    def output(self) -> bytes | None:
-        """What a streamed session sends next (:mod:`cosyllama.server.session`): a streamed job's next
-        piece of the encoded stream (maybe empty), else the whole file at once; None after the last."""
-        if self.streaming:
-            return self.next_bytes()
-        if self._whole_sent:
-            return None
-        self._whole_sent = True
-        return self.whole_file()
-
-    def whole_file(self) -> bytes:
-        """The rest of the synthesis, encoded as one file (a request without a stream)."""
-        parts = []
-        while (samples := self.next()) is not None:
-            parts.append(samples)
-        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-        return encode(audio, self.tts.sample_rate, self.response_format)
-
-    def usage(self) -> dict:
-        """Token counts, as OpenAI reports them: ``input_tokens`` counts the text tokens of
-        ``input`` and ``instructions`` as given (before normalization), ``output_tokens`` the
-        speech tokens the LLM made (after the silent-token filter)."""
-        r, tokenize = self.request, self.tts.frontend.tokenize
-        n_in = len(tokenize(r.text)) + (len(tokenize(r.instruction)) if r.instruction else 0)
-        n_out = sum(len(t) for t in self.syn.timings.tokens)
-        return {"input_tokens": n_in, "output_tokens": n_out, "total_tokens": n_in + n_out}
-
-    def retries(self) -> list[dict]:
-        """The takes caught so far (docs/retries.md), as :meth:`~cosyllama.llm.takes.BadTake.as_dict`."""
-        return [r.as_dict() for r in self.syn.timings.retries] if self.syn is not None else []
-
-    def _closed(self) -> None:
-        if self.encoder is not None:
-            self.encoder.close()
-            self.encoder = None
 
 
 RETRIES_HEADER = "X-Cosyllama-Retries"
@@ -279,69 +65,6 @@ async def _cancel_on_disconnect(request: Request, token: CancelToken) -> None:
     """Wait for the client to go away, then cancel the request's generation."""
     await client_gone(request)
     token.cancel()
-
-
-def unknown_voice_error(voice_id, ids: list[str]) -> ApiError:
-    """The 404 for a voice that is not registered (or whose file the server skipped)."""
-    return ApiError(404, unknown_voice(voice_id, ids, more=LISTED_BY)
-                    + "; add one with POST /v1/voices", "not_found_error", param="voice", code="voice_not_found")
-
-
-async def voice_of(tts, names: VoiceNames, name: str):
-    """The registered voice a request's ``name`` speaks with, its features (a
-    :class:`~cosyllama.frontend.PromptFeatures`): 422 for an empty name, 404 for one that is not
-    registered and not mapped (the store may read a file or make a folder's voice: off the event loop)."""
-    if isinstance(name, str) and not name.strip():
-        raise ApiError(422, "voice is empty; give the id of a registered voice (GET /v1/voices lists them)",
-                       param="voice", code="empty_string")
-    return await run_in_threadpool(_voice, tts.voices, names, name)
-
-
-async def check_request(body: SpeechRequest, state: AppState,
-                        text: str | None = None) -> tuple[str | None, SynthesisRequest]:
-    """The HTTP door of a speech request: its HTTP-only rules (``stream`` against ``stream_format``,
-    ``response_format`` aac, the voice's name), the serving options' ``defaults`` (seed, greedy, speed,
-    loudness, retries) filled in where the body gives none, then the one
-    :class:`~cosyllama.request.SynthesisRequest` it asks for, whose rules answer as :class:`ApiError` (422
-    naming the field, 413 over a limit); ``state``: the app's state (tts, limits, voice names); ``text``:
-    instead of ``body.input`` (a streamed session's sentence).
-    Returns :meth:`SpeechRequest.streaming` and the request. Shared with ``/v1/audio/speech/stream``
-    (:mod:`cosyllama.server.speech_stream`)."""
-    defaults = state.serving.options.defaults  # for clients that cannot send cosyllama's fields
-    for name, value in (("seed", defaults.seed), ("greedy", defaults.greedy), ("speed", defaults.speed),
-                        ("loudness", defaults.loudness), ("retries", defaults.retries)):
-        if value != SpeechRequest.model_fields[name].default and name not in body.model_fields_set:
-            setattr(body, name, value)
-    streaming = body.streaming()
-    if body.response_format == "aac" and not aac_available():
-        log.warning("a request for aac: %s", AAC_HINT)
-        formats = ", ".join(f for f in FORMATS if f != "aac")
-        raise ApiError(422, f"response_format 'aac' is not available on this server; use one of {formats}",
-                       param="response_format", code="unsupported_value")
-    lexicon = request_lexicon(body, state.tts.frontend.tokenizer)
-    synthesis = synthesis_request(body, body.voice_name(), streaming, state.limits, text, lexicon)
-    voice = await voice_of(state.tts, state.voice_names, body.voice_name())
-    try:
-        return streaming, synthesis.with_voice(voice)  # the rules that need the voice (its transcript, instruction)
-    except RequestError as e:
-        raise synthesis_error(e) from None
-
-
-def synthesis_request(body: SpeechRequest, voice, streaming: str | None, limits,
-                      text: str | None = None, lexicon: Lexicon | None = None) -> SynthesisRequest:
-    """The :class:`~cosyllama.request.SynthesisRequest` of ``body`` spoken by ``voice`` (a name, or
-    its features), checked against ``limits``. Synthesis streams only when the stream can carry it: ``speed`` 1 (the
-    time stretch applies to the finished audio) and a streamable format (flac writes its header last);
-    other streams are non-streaming synthesis sent as it is encoded (``stream_format`` is transport).
-    ``lexicon``: the request's (:func:`request_lexicon`)."""
-    synth_streams = streaming is not None and body.response_format in STREAMABLE and body.speed == 1.0
-    options = SynthesisOptions(stream=synth_streams, speed=body.speed, greedy=body.greedy, seed=body.seed,
-                               loudness=body.loudness, retries=body.retries, lexicon=lexicon)
-    try:
-        return SynthesisRequest(body.input if text is None else text, body.mode, voice=voice,
-                                instruction=body.instructions, options=options, limits=limits)
-    except (RequestError, LimitExceeded) as e:
-        raise synthesis_error(e) from None
 
 
 async def run_speech_job(request: Request, state: AppState, job: SpeechJob) -> Response:
@@ -408,7 +131,7 @@ async def run_job(request: Request, state: AppState, job: SynthesisJob, first_pa
         except RequestCancelled:
             return Response(status_code=499)  # the client is gone; nobody reads this
         except Exception as e:
-            raise synthesis_error(e) from e
+            raise api_error(e) from e
         response = respond(first, cleanup)
         handed_off = streams  # the response runs cleanup when it ends
         return response
@@ -416,38 +139,6 @@ async def run_job(request: Request, state: AppState, job: SynthesisJob, first_pa
         if not handed_off:
             with anyio.CancelScope(shield=True):
                 await cleanup()
-
-
-def _voice(voices, names: VoiceNames, name: str):
-    """The features of the registered voice a request's ``name`` speaks with, or 404."""
-    voice_id = _voice_id(voices, names, name)
-    try:
-        return voices.get(voice_id)
-    except UnknownVoiceError:  # removed meanwhile
-        raise unknown_voice_error(voice_id, voices.ids()) from None
-
-
-def _voice_id(voices, names: VoiceNames, name: str) -> str:
-    """The registered voice a request's ``name`` speaks with (see :class:`VoiceNames`), or 404."""
-    if name in names.aliases:
-        target, how = names.aliases[name], f"--voice-alias {name}={names.aliases[name]}"
-    elif name in voices:
-        return name
-    elif name in OPENAI_VOICES and names.default is not None:
-        target, how = names.default, f"--default-voice {names.default}"
-    else:
-        if name in OPENAI_VOICES:
-            ids = describe_ids(voices.ids(), more=LISTED_BY)
-            msg = (f"voice {name!r} (one of OpenAI's names) is not registered here and the server has no default "
-                   f"voice; register a voice with id {name!r} (POST /v1/voices), or start the server with "
-                   f"--default-voice ID or --voice-alias {name}=ID; registered voices: {ids}")
-            raise ApiError(404, msg, "not_found_error", param="voice", code="voice_not_found")
-        raise unknown_voice_error(name, voices.ids())
-    if target not in voices:
-        raise ApiError(404, f"voice {show_id(name)} speaks with {target!r} ({how}), which is not registered; "
-                       f"registered voices: {describe_ids(voices.ids(), more=LISTED_BY)} "
-                       "(add one with POST /v1/voices)", "not_found_error", param="voice", code="voice_not_found")
-    return target
 
 
 async def _pieces(job: SpeechJob, first: bytes | None):
@@ -466,7 +157,7 @@ async def _audio_body(job: SpeechJob, first: bytes | None):
     except RequestCancelled:
         return
     except Exception as e:  # the status line is gone: end the stream early and say why in the log
-        log.error("stream ended early: %s", synthesis_error(e).message)
+        log.error("stream ended early: %s", api_error(e).message)
 
 
 def _event(payload: dict) -> bytes:
@@ -482,7 +173,7 @@ async def _sse_body(job: SpeechJob, first: bytes | None):
     except RequestCancelled:
         return
     except Exception as e:  # the status line is gone: say so in the stream, and in the log
-        err = synthesis_error(e)
+        err = api_error(e)
         log.error("stream ended early: %s", err.message)
         yield _event({"type": "error", **error_body(err.message, err.type, err.param, err.code)})
         return

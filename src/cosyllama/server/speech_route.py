@@ -1,4 +1,5 @@
-"""The route of ``POST /v1/audio/speech`` (:mod:`cosyllama.server.speech` has its body, checks and job): a text
+"""The route of ``POST /v1/audio/speech`` (:mod:`cosyllama.server.openai_speech` has its body and checks,
+:mod:`cosyllama.server.speech` how it is answered): a text
 is one synthesis; an ``input`` that is an SSML ``<speak>`` document is spoken as turns
 (:func:`cosyllama.server.dialogue.ssml_speech`). Kept apart from both so that neither imports the other."""
 
@@ -9,7 +10,9 @@ from fastapi import APIRouter, Request
 from ..text.ssml import looks_like_ssml
 from .common import state_of
 from .dialogue import ssml_speech
-from .speech import SpeechJob, SpeechRequest, check_request, run_speech_job
+from .job import SpeechJob
+from .openai_speech import SpeechRequest, check_request
+from .speech import run_speech_job
 
 router = APIRouter()
 

@@ -7,7 +7,7 @@ differs). The client sends JSON text messages:
 
 * ``session.config``: first; the fields of ``POST /v1/audio/speech`` but ``input`` (``voice``,
   ``response_format``, ``speed``, ``seed``, ``greedy``, ``instructions``, ``mode``, ``model``),
-  checked the same way (:func:`cosyllama.server.speech.check_request`), plus ``stream_audio``
+  checked the same way (:func:`cosyllama.server.openai_speech.check_request`), plus ``stream_audio``
   (send each sentence's audio as it is made, not as one frame) and ``split_granularity``
   (``sentence``, the default here, or ``none``: the whole text at ``input.done``) and
   ``word_timestamps`` (after each sentence's ``audio.done``, a ``word_timestamps`` message with its words'
@@ -70,8 +70,9 @@ from .errors import (
     log_refusal,
     websocket_error,
 )
+from .job import SpeechJob
+from .openai_speech import SpeechRequest, check_request
 from .session import CLOSED, Audio, Sentence, SentenceDone, Session, Template, UtteranceDone
-from .speech import SpeechJob, SpeechRequest, check_request
 
 log = logging.getLogger("cosyllama.server")
 

@@ -13,13 +13,13 @@ import secrets
 from fastapi import APIRouter, BackgroundTasks, FastAPI, File, Form, Request, Response, UploadFile
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import CosyllamaError, InputError
+from ..errors import CosyllamaError
 from ..limits import LimitExceeded, RequestLimits
 from ..text.normalize import text_problem
-from ..voices import ReadOnlyVoicesError, VoiceExistsError, check_voice_id
+from ..voices import ReadOnlyVoicesError, UnknownVoiceError, VoiceExistsError, check_voice_id
 from .admission import ServerBusyError
 from .common import admit, client_gone, state_of
-from .errors import ApiError, limit_error
+from .errors import Refusal, limit_error
 
 log = logging.getLogger("cosyllama.server")
 
@@ -28,25 +28,18 @@ router = APIRouter()
 
 def _writable(tts) -> None:
     if tts.voices.read_only:
-        raise ApiError(403, "this server's voices are read-only (it was started with --voices FILE); start it "
-                            "with --voices DIR to register and delete voices that are kept", "permission_error")
+        raise Refusal("this server's voices are read-only (it was started with --voices FILE); start it with "
+                      "--voices DIR to register and delete voices that are kept", None, status=403)
 
 
-def _check_id(voice_id: str) -> None:
-    try:
-        check_voice_id(voice_id)
-    except InputError as e:
-        raise ApiError(422, str(e)) from e
-
-
-def _folder(e: ReadOnlyVoicesError) -> ApiError:
+def _folder(e: ReadOnlyVoicesError) -> Refusal:
     """403 for a voice folder's id (it changes through its files only)."""
-    return ApiError(403, str(e), "permission_error", param="id", code="voice_folder")
+    return Refusal(str(e), "voice_folder", status=403, param="id")
 
 
-def _exists(voice_id: str) -> ApiError:
-    return ApiError(409, f"voice {voice_id!r} exists; send replace=true to replace it "
-                         f"(or DELETE /v1/voices/{voice_id} first)", "conflict_error")
+def _exists(voice_id: str) -> Refusal:
+    return Refusal(f"voice {voice_id!r} exists; send replace=true to replace it (or DELETE /v1/voices/{voice_id} "
+                   "first)", None, status=409)
 
 
 def _check_room(tts, voice_id: str, max_voices: int | None) -> None:
@@ -57,9 +50,9 @@ def _check_room(tts, voice_id: str, max_voices: int | None) -> None:
         return
     ids = tts.voices.ids()
     if len(ids) >= max_voices and voice_id not in ids:
-        raise ApiError(409, f"this server holds {len(ids)} voices, its limit (--max-voices {max_voices}); delete "
-                       "one (DELETE /v1/voices/{id}) or replace an existing id (replace=true)", "conflict_error",
-                       param="id", code="too_many_voices")
+        raise Refusal(f"this server holds {len(ids)} voices, its limit (--max-voices {max_voices}); delete one "
+                      "(DELETE /v1/voices/{id}) or replace an existing id (replace=true)", "too_many_voices",
+                      status=409, param="id")
 
 
 def _check_transcript(tts, text: str, limits: RequestLimits) -> None:
@@ -68,7 +61,7 @@ def _check_transcript(tts, text: str, limits: RequestLimits) -> None:
     try:
         limits.check_chars("transcript", text)
         limits.check_tokens("transcript", len(tts.frontend.tokenize(text)))
-    except LimitExceeded as e:
+    except LimitExceeded as e:  # the mapper's 413, naming this form's field (a speech request's is its voice)
         raise limit_error(e, param="text") from e
 
 
@@ -79,21 +72,21 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
     tts, limits, max_prompt_bytes = state.tts, state.limits, state.options.max_prompt_bytes
     _writable(tts)
     voice_id = id if id else f"voice-{secrets.token_hex(4)}"
-    _check_id(voice_id)
+    check_voice_id(voice_id)  # a bad id is the mapper's 422
     if text:
         problem = text_problem(text)
         if problem is not None:
-            raise ApiError(422, f"text {problem}", param="text", code="invalid_characters")
+            raise Refusal(f"text {problem}", "invalid_characters", status=422, param="text")
         _check_transcript(tts, text, limits)
     if not replace and await run_in_threadpool(tts.voices.__contains__, voice_id):
         raise _exists(voice_id)  # before the work; add() checks again, atomically
     await run_in_threadpool(_check_room, tts, voice_id, state.options.max_voices)
     data = await audio.read(max_prompt_bytes + 1)
     if len(data) > max_prompt_bytes:
-        raise ApiError(413, f"the audio file is larger than {max_prompt_bytes} bytes; give a 3-15 s "
-                       "clip (at most 30 s)", "request_too_large")
+        raise Refusal(f"the audio file is larger than {max_prompt_bytes} bytes; give a 3-15 s clip (at most 30 s)",
+                      None, status=413)
     if not data:
-        raise ApiError(400, "the audio file is empty")
+        raise Refusal("the audio file is empty", None)
     g = state.serving.admission()
     watcher = asyncio.create_task(client_gone(request))
     try:
@@ -104,10 +97,10 @@ async def add_voice(request: Request, background: BackgroundTasks, audio: Upload
         return Response(status_code=499)
     try:
         voice = await run_in_threadpool(tts.make_voice, data, text or None)
-    except LimitExceeded as e:
+    except LimitExceeded as e:  # as _check_transcript's
         raise limit_error(e, param="text") from e
-    except CosyllamaError as e:
-        raise ApiError(400, str(e)) from e
+    except CosyllamaError as e:  # a clip that makes no voice: 400, whatever its kind
+        raise Refusal(str(e), None) from e
     finally:
         g.release()
     try:
@@ -149,11 +142,11 @@ async def list_voices(request: Request):
 async def delete_voice(voice_id: str, request: Request):
     tts = state_of(request.app).tts
     _writable(tts)
-    _check_id(voice_id)
+    check_voice_id(voice_id)
     try:
         await run_in_threadpool(tts.voices.remove, voice_id)
     except ReadOnlyVoicesError as e:
         raise _folder(e) from e
-    except InputError as e:
-        raise ApiError(404, str(e), "not_found_error", param="id", code="voice_not_found") from e
+    except UnknownVoiceError as e:  # the mapper's 404, naming this route's field
+        raise Refusal(str(e), "voice_not_found", status=404, param="id") from e
     return {"id": voice_id, "deleted": True}

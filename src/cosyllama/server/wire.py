@@ -22,7 +22,7 @@ from ..audio_out import (  # noqa: F401 - the encoders the routes use, from the 
     encode,
     wav_header,
 )
-from .errors import INTERNAL_ERROR, error_body
+from .errors import error_body, server_failure
 
 MEDIA_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "opus": "audio/ogg",
                "aac": "audio/aac"}
@@ -134,6 +134,6 @@ class RequestId:
             await self.app(scope, receive, with_id)
         except Exception:
             if not started:
-                body = error_body(INTERNAL_ERROR, "internal_error")
-                await JSONResponse(body, status_code=500)(scope, receive, with_id)
+                failure = server_failure()
+                await JSONResponse(failure.body(), status_code=failure.status)(scope, receive, with_id)
             raise

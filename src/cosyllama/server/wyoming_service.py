@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 
 from .. import __version__
 from ..defaults import LANGUAGES
 from ..errors import MissingDependencyError
-from ..request import check_options
-from ..voices import describe_ids, show_id, unknown_voice
+from ..voices import UnknownVoiceError
 from .client_json import clip
 from .conn import ConnectionLimits
+from .voice_names import DEFAULT_VOICE, VoiceNames
 from .wyoming_wire import RequestRefused, event_caps
 
 try:
@@ -28,8 +27,6 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
 
 log = logging.getLogger("cosyllama.wyoming")
 
-LISTED_BY = " (describe lists them)"  # where a Wyoming client finds every voice id
-DEFAULT_VOICE = "default"  # the voice name that means "the server's default voice"
 MODEL_ATTRIBUTION = Attribution(name="FunAudioLLM (Fun-CosyVoice3-0.5B)", url="https://github.com/FunAudioLLM/CosyVoice")
 VOICE_ATTRIBUTION = Attribution(name="a voice registered with this server", url="")
 BAD_CLIENT_LINES = 10  # warnings about misbehaving clients per minute; the rest are counted
@@ -44,13 +41,11 @@ class WyomingService:
 
     def __init__(self, serving):
         self.serving, self.tts = serving, serving.tts
-        self.default_voice = serving.options.default_voice
+        self.names = VoiceNames.wyoming(serving.options.default_voice)  # how a request's voice name finds its voice
         self.languages = serving.options.languages or LANGUAGES  # what describe lists, the first one first
-        defaults = serving.options.defaults
-        # streaming synthesis, but at a speed other than 1 (which stretches the finished audio) each sentence is
-        # synthesized whole, as a WebSocket stream at that speed is
-        self.options = replace(defaults, stream=defaults.speed == 1.0)
-        check_options(self.options)
+        # the server's defaults, all of them (the events carry no option); streamed, but at a speed other than 1
+        # each sentence is synthesized whole, as a WebSocket stream at that speed is
+        self.options = serving.options.request_options(streams=True)
         self.limits: ConnectionLimits = serving.options.connection_limits
         self.caps = event_caps(serving.limits)
         self.connections: dict[asyncio.Task, object] = {}  # each open connection's task and its codec
@@ -68,8 +63,8 @@ class WyomingService:
                    for vid, v in sorted(voices.items())]
         if DEFAULT_VOICE not in voices:
             try:
-                default = f"default ({self._default_id(sorted(voices))})"
-            except RequestRefused as e:
+                default = f"default ({self.names.voice_id(self.tts.voices, None)})"
+            except UnknownVoiceError as e:
                 default = f"default (none yet: {e})"
             entries.insert(0, TtsVoice(name=DEFAULT_VOICE, description=default, attribution=VOICE_ATTRIBUTION,
                                        installed=True, version=None, languages=list(self.languages)))
@@ -78,41 +73,17 @@ class WyomingService:
                              voices=entries, supports_synthesize_streaming=True)
         return Info(tts=[program])
 
-    def _default_id(self, ids: list[str]) -> str:
-        if self.default_voice is not None:
-            if self.default_voice not in ids:
-                raise RequestRefused(f"the default voice {show_id(self.default_voice)} is not registered; registered "
-                                     f"voices: {describe_ids(ids, more=LISTED_BY)}", "voice_not_found")
-            return self.default_voice
-        if not ids:
-            raise RequestRefused("no voice is registered; register one through the HTTP API (POST /v1/voices) "
-                                 "or start with --voices DIR holding one", "voice_not_found")
-        return ids[0]
-
     def voice(self, voice) -> tuple[str, object]:
-        """The id and features of the voice a request asks for (a ``SynthesizeVoice`` or None);
-        reads the voice store: run it in :meth:`call`."""
-        name = voice.name if voice is not None else None
+        """The id and features of the voice a request asks for (a ``SynthesizeVoice`` or None: the default voice),
+        found as every door finds one (:class:`~cosyllama.server.voice_names.VoiceNames`); reads the voice store:
+        run it in :meth:`call`."""
         language = voice.language if voice is not None else None
         if language and language.replace("_", "-").split("-")[0].lower() not in self.languages:
             which = ("CosyVoice3 speaks; it speaks" if self.languages == LANGUAGES
                      else "this server speaks (--language); it speaks")
             raise RequestRefused(f"language {clip(language)} is not one {which} {', '.join(self.languages)}",
                                  "language_not_supported")
-        ids = sorted(self.tts.voices.ids())
-        if name is None or (name == DEFAULT_VOICE and name not in ids):
-            name = self._default_id(ids)
-        elif name not in ids:
-            raise self._unknown(name, ids)
-        try:
-            return name, self.tts.voices.get(name)
-        except Exception as e:  # e.g. its file went bad: the client learns no path, the log has it
-            log.warning("voice %s cannot be read: %s", name, e)
-            raise self._unknown(name, ids) from e
-
-    @staticmethod
-    def _unknown(name: str, ids: list[str]) -> RequestRefused:
-        return RequestRefused(unknown_voice(name, [DEFAULT_VOICE, *ids], more=LISTED_BY), "voice_not_found")
+        return self.names.resolve(self.tts.voices, voice.name if voice is not None else None)
 
     def warn_bad_client(self, peer: str, why: str) -> None:
         """One warning line for a client that broke the protocol (:meth:`warn`)."""
@@ -143,4 +114,4 @@ class RateLimitedLog:
             self.dropped += 1
 
 
-__all__ = ["BAD_CLIENT_LINES", "DEFAULT_VOICE", "LISTED_BY", "RateLimitedLog", "WyomingService"]
+__all__ = ["BAD_CLIENT_LINES", "DEFAULT_VOICE", "RateLimitedLog", "WyomingService"]
