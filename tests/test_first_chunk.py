@@ -113,3 +113,25 @@ def test_synth_flag_and_its_line(tmp_path, capsys):
     assert "low-latency first chunk of 10 speech tokens, outside the reference's schedule" in err, err
     assert main([*base, "--stream"]) == 0
     assert "the reference's schedule" in capsys.readouterr().err
+
+
+def test_the_servers_flag_applies_to_its_streamed_requests_only(capsys):
+    from dataclasses import replace
+
+    from cosyllama.cli import build_parser, main
+    from cosyllama.commands.options import serving_options
+
+    args = build_parser().parse_args(["serve", "--model-dir", str(MODEL_DIR), "--first-chunk-tokens", "10"])
+    options = serving_options(args)
+    assert options.defaults.first_chunk_tokens == 10
+    assert options.request_options(streams=True).first_chunk_tokens == 10
+    assert options.request_options(streams=False).first_chunk_tokens is None  # a whole file has one chunk
+    assert options.request_options({"speed": 1.5}, streams=True).first_chunk_tokens is None  # made whole
+    check_options(options.request_options(streams=False))
+    assert replace(options.defaults, stream=True).first_chunk_tokens == 10
+    for command in ("serve", "wyoming"):
+        assert main([command, "--model-dir", str(MODEL_DIR), "--first-chunk-tokens", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--first-chunk-tokens" in err and "from 1 to 24" in err, err
+    assert main(["serve", "--model-dir", str(MODEL_DIR), "--first-chunk-tokens", "10", "--speed", "1.5"]) == 2
+    assert "give one of them" in capsys.readouterr().err
