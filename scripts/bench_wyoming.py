@@ -12,6 +12,7 @@ decodes a forced ``--max-tokens`` (random weights have no natural stop), as
     python scripts/bench_wyoming.py --threads 2                 # full-size random model, Q8_0 GGUF
     python scripts/bench_wyoming.py --model-dir DIR --llm torch --json out.jsonl
     python scripts/bench_wyoming.py --threads 2 --interleave off,first,all   # the scheduler's modes, in turns
+    python scripts/bench_wyoming.py --threads 2 --first-chunk-tokens none,10 # the low-latency first chunk, in turns
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 PIECES = ("The quick brown fox jumps over the lazy dog. ", "The evening sun sets slowly behind the quiet hills. ",
           "The old town falls asleep.")
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for one event")
     p.add_argument("--interleave", default="auto",
                    help="comma list of the server's --interleave settings (auto, off, first, all), timed in turns")
+    p.add_argument("--first-chunk-tokens", default="none",
+                   help="comma list of the server's --first-chunk-tokens (none: the reference's schedule), in turns")
     p.add_argument("--json", help="append one JSON line with the result here")
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
@@ -85,14 +89,21 @@ def main(argv=None) -> int:
     kept = tts.warm_voice(VOICE)
     warm_s = time.perf_counter() - t0
     options = SynthesisOptions(ignore_stop=True, max_tokens=args.max_tokens)
-    settings = [x.strip() for x in args.interleave.split(",") if x.strip()]
+    interleaves = [x.strip() for x in args.interleave.split(",") if x.strip()]
     modes = {"auto": None, "off": "off", "first": "first", "all": "all"}
-    if not settings or any(x not in modes for x in settings):
+    if not interleaves or any(x not in modes for x in interleaves):
         p.error(f"--interleave {args.interleave!r}: a comma list of auto, off, first, all")
+    try:
+        firsts = [None if x.strip() == "none" else int(x) for x in args.first_chunk_tokens.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--first-chunk-tokens {args.first_chunk_tokens!r}: a comma list of none and numbers of tokens")
+    settings = [f"{i}/{f or 'ref'}" for i in interleaves for f in firsts]  # "interleave/first chunk"
 
     async def one(setting: str) -> tuple[float, str]:
         # a scheduler of its own, closed after the request
-        serving = prepare(models, ServingOptions(models.options, interleave=modes[setting], defaults=options),
+        interleave, first = setting.split("/")
+        defaults = replace(options, first_chunk_tokens=None if first == "ref" else int(first))
+        serving = prepare(models, ServingOptions(models.options, interleave=modes[interleave], defaults=defaults),
                           voices=tts.voices)
         try:
             server = await start_wyoming("tcp://127.0.0.1:0", serving)
@@ -109,18 +120,20 @@ def main(argv=None) -> int:
         for setting in rounds(settings, args.requests):
             t, on = await one(setting)
             out[setting].append(t)
-            print(f"  --interleave {setting} ({on}): first audio {t:.2f} s", flush=True)
+            print(f"  --interleave/--first-chunk-tokens {setting} ({on}): first audio {t:.2f} s", flush=True)
         return out
 
     results = asyncio.run(run())
     flow = precision_name(tts.token2wav.flow.precision)
     for setting, times in results.items():
-        print(f"wyoming first audio ({args.llm} {args.type if gguf else 'fp32'}, flow {flow}, --interleave {setting}, "
+        print(f"wyoming first audio ({args.llm} {args.type if gguf else 'fp32'}, flow {flow}, --interleave/"
+              f"--first-chunk-tokens {setting}, "
               f"voice warmed in {warm_s:.2f} s, {'kept' if kept else 'nothing kept'}): "
               + ", ".join(f"{t:.2f}" for t in times) + " s", flush=True)
         if args.json:
             row = {"llm": args.llm, "type": args.type if gguf else "fp32", "flow": flow, "threads": args.threads,
-                   "interleave": setting, "warm_kept": kept, "max_tokens": args.max_tokens, "first_audio_s": times,
+                   "interleave": setting.split("/")[0], "first_chunk_tokens": setting.split("/")[1],
+                   "warm_kept": kept, "max_tokens": args.max_tokens, "first_audio_s": times,
                    "version": cosyllama.__version__}
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -262,10 +262,13 @@ def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
     out = tmp_path / "wyoming.jsonl"
     main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_wyoming.py"))["main"]
     assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--requests", "2",
-                 "--max-tokens", "60", "--prompt-seconds", "1", "--json", str(out)]) == 0
-    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["llm"] == "torch" and row["flow"] in ("fp32", "bf16", "int8") and row["max_tokens"] == 60
-    assert len(row["first_audio_s"]) == 2 and all(t > 0 for t in row["first_audio_s"])
+                 "--max-tokens", "60", "--prompt-seconds", "1", "--first-chunk-tokens", "none,8",
+                 "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["first_chunk_tokens"] for r in rows] == ["ref", "8"]
+    for row in rows:
+        assert row["llm"] == "torch" and row["flow"] in ("fp32", "bf16", "int8") and row["max_tokens"] == 60
+        assert len(row["first_audio_s"]) == 2 and all(t > 0 for t in row["first_audio_s"])
     assert "wyoming first audio" in capsys.readouterr().out
 
 

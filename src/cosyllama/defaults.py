@@ -51,3 +51,7 @@ MAX_SESSION_CHARS = 100_000
 # the languages CosyVoice3 was trained on (ISO 639-1), as Wyoming's describe lists them (--language narrows it);
 # it also speaks Chinese dialects through instructions
 LANGUAGES = ("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru")
+
+# SynthesisOptions.first_chunk_tokens (docs/streaming.md, "Low-latency first chunk"): the speech tokens of a
+# segment's first streamed chunk when asked, below the reference's first hop (engine.TOKEN_HOP = 25)
+FIRST_CHUNK_RANGE = (1, 24)

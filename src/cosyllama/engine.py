@@ -85,9 +85,34 @@ class _StreamState:
     vocoder: VocoderStream | None = None  # the vocoder's progress through this utterance (set by stream)
     flow_cache: FlowStreamCache | None = None  # K/V of the flow blocks earlier chunks completed
     emitted: bool = False  # a chunk with samples was yielded
+    # the low-latency first chunk (opt-in; docs/streaming.md): the reference's first hop made as two chunks, this
+    # many tokens and then the rest of it, after which the reference's schedule goes on unchanged; 0: the reference's
+    first_chunk: int = 0
 
     def next_hop(self) -> int:
-        return self.hop + (self.prompt_pad if self.token_offset == 0 else 0)
+        first = self.hop + self.prompt_pad  # the reference's first hop
+        if self.first_chunk and self.token_offset < first:
+            return self.first_chunk if self.token_offset == 0 else first - self.token_offset
+        return first if self.token_offset == 0 else self.hop
+
+    def advance(self, hop: int) -> None:
+        """``hop`` tokens made: the next chunk starts after them; the hop doubles (to :data:`TOKEN_MAX_HOP`) once
+        the reference's first hop is done."""
+        first = self.hop + self.prompt_pad
+        self.token_offset += hop
+        if not self.first_chunk or self.token_offset >= first:
+            if self.first_chunk:
+                self.first_chunk = 0  # the split first hop is done: from here on, the reference's schedule
+            self.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * self.hop)
+
+
+def schedule_line(first_chunk: int | None) -> str:
+    """The line a command prints of the streaming schedule it runs (beside the CPU line)."""
+    if first_chunk:
+        return (f"streaming: low-latency first chunk of {first_chunk} speech tokens, outside the reference's "
+                f"schedule (then its {TOKEN_HOP}+ → {HOP_GROWTH * TOKEN_HOP} → … {TOKEN_MAX_HOP}; docs/streaming.md)")
+    return (f"streaming: the reference's schedule (first chunk {TOKEN_HOP}+ speech tokens, then "
+            f"{HOP_GROWTH * TOKEN_HOP} … {TOKEN_MAX_HOP})")
 
 
 FlowPause = Callable[[bool], ContextManager]  # pause(first) -> held around one flow + vocoder call
@@ -334,15 +359,24 @@ class Token2Wav:
         return self.hift.inference(mel, finalize=True)[0].float().cpu().numpy()
 
     def stream(self, token_iter: Iterable[int], prompt: FlowPrompt, segment: int,
-               pause: FlowPause = no_pause, cut: Callable[[], int | None] | None = None) -> Iterator[AudioChunk]:
+               pause: FlowPause = no_pause, cut: Callable[[], int | None] | None = None,
+               first_chunk: int | None = None) -> Iterator[AudioChunk]:
         """Consume tokens as they are decoded and yield audio as soon as each chunk exists; ``pause(first)``
         (the pipeline's flow pause) is held around each chunk's flow and vocoder work (``first``: no audio
         yielded yet), never while waiting for tokens. ``cut()``, asked once the tokens end: keep only that many
         (a loop cut, docs/retries.md), or None: all; tokens whose audio went out already stay, and so do the
-        look-ahead tokens after them, so the final call has the new tokens it always has."""
+        look-ahead tokens after them, so the final call has the new tokens it always has.
+
+        ``first_chunk``: outside the reference's schedule, the first chunk covers only this many tokens (plus
+        the look-ahead) and the second the rest of the reference's first hop; every chunk after is the
+        reference's. The first chunk's frames see less of their attention block than the reference's do, so
+        its audio differs a little (docs/streaming.md, "Low-latency first chunk"); None or a number not below
+        the first hop: the reference's schedule."""
         p = prompt.tokens.shape[1]
         first_hop = self.token_hop
         st = _StreamState(prompt_pad=math.ceil(p / first_hop) * first_hop - p, hop=first_hop)
+        if first_chunk and 0 < first_chunk < st.next_hop():
+            st.first_chunk = int(first_chunk)
         st.flow_cache = self.new_stream_cache()
         st.vocoder = self.hift.new_stream()
         # The prompt's shared blocks are loaded before the first chunk (solved then if not kept), so that
@@ -363,8 +397,7 @@ class Token2Wav:
                         mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
                                         cache=st.flow_cache)
                         samples = self._vocode_new(st, mel, finalize=False)
-                    st.token_offset += hop
-                    st.hop = min(TOKEN_MAX_HOP, HOP_GROWTH * st.hop)
+                    st.advance(hop)
                     if samples.size:
                         st.emitted = True
                         yield AudioChunk(samples, self.sample_rate, segment, False)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .defaults import MAX_RETRIES, RETRIES, SPEED_RANGE
+from .defaults import FIRST_CHUNK_RANGE, MAX_RETRIES, RETRIES, SPEED_RANGE
 from .errors import InputError
 from .limits import RequestLimits
 from .seeds import SEED_RANGE  # seeds every door takes (OpenAI-style JSON integers, torch's generator)
@@ -38,13 +38,14 @@ LOUDNESS_RANGE = (-70.0, -5.0)
 
 # the fields a RequestError may name (SynthesisRequest's, with the options' by their own names)
 FIELDS = ("text", "mode", "voice", "prompt_wav", "prompt_text", "instruction", "speed", "seed", "stream", "loudness",
-          "retries")
+          "retries", "first_chunk_tokens", "lead")
 # how each door names them: the Python API (the keywords), `cosyllama synth` (flags), the HTTP body,
 # a batch manifest row
 API_NAMES = {f: f for f in FIELDS}
 FLAG_NAMES = {**API_NAMES, "text": "--text", "mode": "--mode", "voice": "a voice", "prompt_wav": "--prompt-wav",
               "prompt_text": "--prompt-text", "instruction": "--instruct", "speed": "--speed", "seed": "--seed",
-              "stream": "--stream", "loudness": "--loudness", "retries": "--retries"}
+              "stream": "--stream", "loudness": "--loudness", "retries": "--retries",
+              "first_chunk_tokens": "--first-chunk-tokens"}
 HTTP_NAMES = {**API_NAMES, "text": "input", "instruction": "instructions", "stream": "stream_format"}
 BATCH_NAMES = {**API_NAMES, "instruction": "instructions"}
 
@@ -95,6 +96,10 @@ class SynthesisOptions:
     takes are only reported); attempt k of segment i is seeded seed + i + k * 2**20 (docs/retries.md).
     lexicon: a :class:`~cosyllama.text.lexicon.Lexicon` whose words this call speaks as their pronunciation
     tokens (with the pipeline's own ``TTS.lexicon``, this one's entries winning; docs/pronunciation.md).
+    first_chunk_tokens: streaming only, outside the reference's schedule: the first chunk of each segment covers
+    this many speech tokens (1 to 24) instead of the reference's 25 or more, so the first audio comes sooner;
+    every later chunk is the reference's (docs/streaming.md, "Low-latency first chunk"). None (default): the
+    reference's schedule.
     """
 
     stream: bool = False
@@ -110,6 +115,7 @@ class SynthesisOptions:
     loudness: float | None = None
     retries: int = RETRIES
     lexicon: Any = None  # cosyllama.text.lexicon.Lexicon | None
+    first_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -285,6 +291,16 @@ def check_options(o: SynthesisOptions) -> None:
             raise RequestError("loudness", f"{{loudness}} must be from {lo:g} to {hi:g} LUFS (e.g. -16 for speech "
                                f"on the web, -23 for broadcast), got {loudness:g}",
                                "less_than_equal" if loudness > hi else "greater_than_equal")
+    first = o.first_chunk_tokens
+    if first is not None:
+        lo, hi = FIRST_CHUNK_RANGE
+        if isinstance(first, bool) or not isinstance(first, int) or not lo <= first <= hi:
+            raise RequestError("first_chunk_tokens", f"{{first_chunk_tokens}} must be an integer from {lo} to {hi} "
+                               f"speech tokens (the reference's first chunk is {hi + 1} or more), got {_shown(first)}",
+                               "invalid_value")
+        if not o.stream:
+            raise RequestError("first_chunk_tokens", "{first_chunk_tokens} shapes a stream's first chunk; "
+                               "non-streamed synthesis has one chunk: drop it or stream", "conflicting_fields")
     retries = o.retries
     if isinstance(retries, bool) or not isinstance(retries, int):
         raise RequestError("retries", f"{{retries}} must be an integer from 0 to {MAX_RETRIES}, got {_shown(retries)}",

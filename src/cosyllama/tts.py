@@ -488,7 +488,8 @@ class TTS:
                 try:
                     if opts.stream:
                         cut = take.cut_at if take is not None else None
-                        for chunk in self.token2wav.stream(tokens, prompt, i, pause=pause, cut=cut):
+                        for chunk in self.token2wav.stream(tokens, prompt, i, pause=pause, cut=cut,
+                                                           first_chunk=opts.first_chunk_tokens):
                             timings.audio_seconds += chunk.samples.size / self.sample_rate
                             if chunk.samples.size:
                                 if take is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..defaults import (
+    FIRST_CHUNK_RANGE,
     INTERLEAVE_MODES,
     LANGUAGES,
     LLM_PRECISION,
@@ -151,6 +152,10 @@ def add_request_default_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speed", type=float, default=1.0, metavar="X",
                    help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (default 1.0); other than 1, each "
                         "sentence is synthesized whole before its audio is sent (its first audio comes later)")
+    g.add_argument("--first-chunk-tokens", type=int, default=None, metavar="N",
+                   help=f"streams only, outside the reference's schedule: each segment's first chunk covers N speech "
+                        f"tokens ({FIRST_CHUNK_RANGE[0]}-{FIRST_CHUNK_RANGE[1]}) instead of 25 or more, so the first "
+                        "audio comes sooner (docs/streaming.md, 'Low-latency first chunk'); default: the reference's")
 
 
 def add_loudness_option(p: argparse.ArgumentParser, help: str) -> None:

@@ -4,7 +4,7 @@ the flags (:meth:`cosyllama.options.OptionError.as_flag`)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ..defaults import MAX_SEQ_TOKENS, SERVE_PARALLEL
 from ..errors import InputError
@@ -60,8 +60,11 @@ def serving_options(args):
     try:
         # what requests that give none get (--seed, --greedy, --speed, --loudness, --retries)
         defaults = SynthesisOptions(loudness=loudness, retries=args.retries, seed=args.seed, greedy=args.greedy,
-                                    speed=args.speed)
-        check_options(defaults)
+                                    speed=args.speed, first_chunk_tokens=args.first_chunk_tokens)
+        if defaults.first_chunk_tokens is not None and defaults.speed != 1.0:
+            raise InputError("--first-chunk-tokens shapes streamed requests, and at a --speed other than 1 every "
+                             "request is made whole: give one of them")
+        check_options(replace(defaults, stream=defaults.first_chunk_tokens is not None))  # it shapes streams
     except RequestError as e:
         raise e.as_flag() from None
     if loudness is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..audio_out import WAV_SUBTYPES, write_wav
-from ..defaults import LLM_CHOICES, SPEED_RANGE
+from ..defaults import FIRST_CHUNK_RANGE, LLM_CHOICES, SPEED_RANGE
 from ..errors import InputError
 from ..progress import to_stderr
 from ..request import MODES, RequestError, SynthesisOptions, SynthesisRequest
@@ -44,13 +44,18 @@ def add_parser(sub) -> None:
                    help="LLM backend (default: llamacpp when --gguf is given, else torch)")
     s.add_argument("--gguf", help="GGUF file for --llm llamacpp")
     s.add_argument("--stream", action="store_true", help="synthesize in streaming chunks")
+    s.add_argument("--first-chunk-tokens", type=int, default=None, metavar="N",
+                   help=f"with --stream, outside the reference's schedule: each segment's first chunk covers N "
+                        f"speech tokens ({FIRST_CHUNK_RANGE[0]}-{FIRST_CHUNK_RANGE[1]}) instead of 25 or more, so "
+                        "its first audio comes sooner; later chunks are the reference's (docs/streaming.md)")
     s.add_argument("--greedy", action="store_true", help="argmax decoding (deterministic)")
     s.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     add_retries_option(s)
     s.add_argument("--speed", type=float, default=1.0,
                    help=f"speaking-rate factor, {SPEED_RANGE[0]}-{SPEED_RANGE[1]} (non-streaming)")
     add_loudness_option(s, "bring the output to this integrated loudness (LUFS, ITU-R BS.1770, e.g. -16) with one "
-                           "gain, never past a -1 dBFS true peak; a stream's gain comes from the voice's prompt "
+                           "gain, never past a -1 dBFS true peak; a stream's gain comes from the voice's last "
+                           "output or its first sentence "
                            "(docs/loudness.md; needs the loudness extra)")
     s.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     add_gpu_options(s)
@@ -130,7 +135,8 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
         lexicon = Lexicon.load(args.lexicon)
     synthesis_options = SynthesisOptions(stream=args.stream, speed=args.speed, greedy=args.greedy, seed=args.seed,
                                          word_times=bool(args.captions), loudness=args.loudness,
-                                         retries=args.retries, lexicon=lexicon)
+                                         retries=args.retries, lexicon=lexicon,
+                                         first_chunk_tokens=args.first_chunk_tokens)
     script = None
     if args.script is not None and args.ssml:
         raise InputError("--ssml goes with --text; a --script's turns are plain text")
@@ -182,6 +188,10 @@ def run(args, progress: Callable[[str], None] = to_stderr) -> int:
 
     for line in tts_path(tts, args.precision, args.threads).lines():
         progress(line)
+    if args.stream:
+        from ..engine import schedule_line
+
+        progress(schedule_line(args.first_chunk_tokens))
 
     try:
         if script is not None:

@@ -47,6 +47,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise MissingDependencyError("the HTTP server needs its extra: pip install 'cosyllama[server]'") from e
 
 from .captioned import router as captioned_router  # noqa: E402
+from .captioned_dialogue import router as captioned_dialogue_router  # noqa: E402
 from .client_json import clip_param  # noqa: E402
 from .common import AppState, state_of  # noqa: E402
 from .conn import uvicorn_options  # noqa: E402
@@ -204,6 +205,7 @@ def create_app(serving, options: ServeOptions | ServingOptions | None = None) ->
     app.include_router(router)
     app.include_router(speech_router)
     app.include_router(captioned_router)
+    app.include_router(captioned_dialogue_router)
     app.include_router(dialogue_router)
     app.include_router(speech_stream_router)
     app.include_router(voices_router)

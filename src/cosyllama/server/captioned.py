@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Field
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..alignment import LANGUAGE_CODE
@@ -49,8 +49,8 @@ KOKORO_LANGUAGES = {"a": "en", "b": "en", "e": "es", "f": "fr", "h": "hi", "i": 
                     "z": "zh"}
 
 
-class CaptionedSpeechRequest(SpeechRequest):
-    """Body of ``POST /dev/captioned_speech``: :class:`SpeechRequest`'s fields and Kokoro-FastAPI's."""
+class KokoroCaptionFields(BaseModel):
+    """Kokoro-FastAPI's fields of a captioned request (the module docstring), beside a speech or dialogue body's."""
 
     stream: bool = Field(True, description="true (default): NDJSON lines as audio is made; false: one JSON object")
     return_timestamps: bool = Field(True, description="align each segment's words (the align extra)")
@@ -61,6 +61,10 @@ class CaptionedSpeechRequest(SpeechRequest):
     normalization_options: dict | None = Field(None, description="Kokoro's; accepted, not used")
 
 
+class CaptionedSpeechRequest(KokoroCaptionFields, SpeechRequest):
+    """Body of ``POST /dev/captioned_speech``: :class:`SpeechRequest`'s fields and Kokoro-FastAPI's."""
+
+
 def _words(seg: Segment) -> list[dict]:
     return [{"word": w.word, "start_time": w.start, "end_time": w.end} for w in seg.words or ()]
 
@@ -69,11 +73,11 @@ def _line(payload: dict) -> bytes:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
 
 
-class CaptionedJob(SpeechJob):
-    """A speech job whose answer carries its segments' words (the module docstring's shapes)."""
+class CaptionLines:
+    """What makes a speech job's answer carry its segments' words (the module docstring's shapes); mixed into
+    :class:`~cosyllama.server.job.SpeechJob` and its dialogue kind, after :meth:`start_captions`."""
 
-    def __init__(self, tts, request, streaming: str | None, response_format: str):
-        super().__init__(tts, request, streaming, response_format)
+    def start_captions(self, response_format: str) -> None:
         self.audio_format = MEDIA_TYPES[response_format]
         self._told = 0  # segments whose words line has gone out
 
@@ -113,7 +117,15 @@ class CaptionedJob(SpeechJob):
                           ensure_ascii=False).encode()
 
 
-async def _lines(job: CaptionedJob, first: bytes | None):
+class CaptionedJob(CaptionLines, SpeechJob):
+    """A speech job whose answer carries its segments' words."""
+
+    def __init__(self, tts, request, streaming: str | None, response_format: str):
+        super().__init__(tts, request, streaming, response_format)
+        self.start_captions(response_format)
+
+
+async def _lines(job: CaptionLines, first: bytes | None):
     data = first
     try:
         while data is not None:
@@ -126,10 +138,11 @@ async def _lines(job: CaptionedJob, first: bytes | None):
         log.error("stream ended early: %s", api_error(e).message)
 
 
-def _refuse_unsupported(body: CaptionedSpeechRequest) -> None:
+def refuse_unsupported(body, path: str = PATH) -> None:
+    """Refuse what a captioned request (``body``: :class:`KokoroCaptionFields` and a speech body) cannot do."""
     if body.stream_format is not None:
-        raise Refusal("stream_format is not a field of /dev/captioned_speech; use stream (true: NDJSON lines as "
-                      "audio is made)", "unsupported_field", status=422, param="stream_format")
+        raise Refusal(f"stream_format is not a field of {path}; use stream (true: NDJSON lines as audio is made)",
+                      "unsupported_field", status=422, param="stream_format")
     if body.return_download_link:
         raise Refusal("return_download_link is not supported here: the answer carries the audio itself",
                       "unsupported_value", status=422, param="return_download_link")
@@ -145,16 +158,15 @@ def _refuse_unsupported(body: CaptionedSpeechRequest) -> None:
 router = APIRouter()
 
 
-@router.post(PATH)
-async def captioned_speech(body: CaptionedSpeechRequest, request: Request):
-    _refuse_unsupported(body)
-    state = state_of(request.app)
-    streaming, synthesis = await check_request(body, state)
+def with_words(synthesis, body):
+    """``synthesis`` (a checked request) aligning its words as ``body`` asks (``return_timestamps``, ``lang_code``)."""
     language = KOKORO_LANGUAGES.get(body.lang_code, body.lang_code) if body.lang_code else None
-    synthesis = replace(synthesis, options=replace(synthesis.options, word_times=body.return_timestamps,
-                                                   word_language=language))
-    job = CaptionedJob(state.tts, synthesis, streaming, body.response_format)
+    return replace(synthesis, options=replace(synthesis.options, word_times=body.return_timestamps,
+                                              word_language=language))
 
+
+async def answer(request: Request, state, job: CaptionLines, streaming: str | None, body):
+    """Run ``job`` and answer in the captioned shapes: NDJSON lines when it streams, else one JSON object."""
     def respond(first: bytes | None, cleanup) -> Response:
         if streaming:
             return AudioStream(_lines(job, first), cleanup, NDJSON, {"Cache-Control": "no-cache"})
@@ -164,4 +176,14 @@ async def captioned_speech(body: CaptionedSpeechRequest, request: Request):
                          (lambda: job.whole_answer(body.return_timestamps)), respond, streams=streaming is not None)
 
 
-__all__ = ["PATH", "CaptionedSpeechRequest", "router"]
+@router.post(PATH)
+async def captioned_speech(body: CaptionedSpeechRequest, request: Request):
+    refuse_unsupported(body)
+    state = state_of(request.app)
+    streaming, synthesis = await check_request(body, state)
+    job = CaptionedJob(state.tts, with_words(synthesis, body), streaming, body.response_format)
+    return await answer(request, state, job, streaming, body)
+
+
+__all__ = ["PATH", "CaptionLines", "CaptionedSpeechRequest", "KokoroCaptionFields", "answer", "refuse_unsupported",
+           "router", "with_words"]

@@ -78,7 +78,7 @@ def _turns(body: DialogueRequest) -> list[DialogueTurn]:
     return turns
 
 
-async def _requests(body: DialogueRequest, state) -> tuple[str | None, list, list[str]]:
+async def dialogue_requests(body: DialogueRequest, state) -> tuple[str | None, list, list[str]]:
     """Each turn's checked synthesis request, its voice found (a 404 names the turn), in order."""
     turns = _turns(body)
     where = "turns" if body.turns is not None else "inputs"
@@ -163,9 +163,9 @@ router = APIRouter()
 @router.post(PATH)
 async def dialogue(body: DialogueRequest, request: Request):
     state = state_of(request.app)
-    streaming, requests, speakers = await _requests(body, state)
+    streaming, requests, speakers = await dialogue_requests(body, state)
     job = DialogueJob(state.tts, requests, speakers, body.pause_between_turns, streaming, body.response_format)
     return await run_speech_job(request, state, job)
 
 
-__all__ = ["PATH", "DialogueRequest", "router"]
+__all__ = ["PATH", "DialogueJob", "DialogueRequest", "dialogue_requests", "router"]

@@ -64,7 +64,9 @@ class ServingOptions:
                 raise TypeError(f"lexicon must be a cosyllama.text.lexicon.Lexicon, got {type(self.lexicon).__name__}")
         if self.max_concurrent is not None and self.max_concurrent < 1:
             raise InputError(f"max_concurrent must be >= 1, got {self.max_concurrent}")
-        check_options(self.defaults)
+        # first_chunk_tokens is for the streamed requests: checked as a stream's (so a --speed, whose requests are
+        # made whole, cannot go with it)
+        check_options(replace(self.defaults, stream=self.defaults.first_chunk_tokens is not None))
         if self.prefill_chunk < 1:
             raise InputError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.interleave is not None and self.interleave not in INTERLEAVE_MODES:
@@ -88,7 +90,9 @@ class ServingOptions:
         the door sends the audio as it is made (``streams``) and the speed is 1 (the time stretch applies to the
         finished audio, so it is synthesized whole). What the client sent is not changed."""
         options = replace(self.defaults, **dict(given or {}))
-        return replace(options, stream=streams and options.speed == 1.0)
+        stream = streams and options.speed == 1.0
+        # --first-chunk-tokens shapes streams only (a whole-file answer has one chunk)
+        return replace(options, stream=stream, first_chunk_tokens=options.first_chunk_tokens if stream else None)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,10 @@ def prepare(models, options: ServingOptions, *, voices: VoiceStore | None = None
                              lexicon=options.lexicon)
     served.voices.set_encoder(ClipEncoder.of(served))  # voice folders: made now (within the limits)
     report_voices(served.voices)
+    if owns_scheduler:
+        from ..engine import schedule_line
+
+        log.warning("%s", schedule_line(options.defaults.first_chunk_tokens))  # beside the CPU line
     return Serving(models, served, scheduler, options, max_concurrent, owns_scheduler)
 
 
