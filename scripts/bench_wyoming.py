@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from cosyllama.server.options import ServingOptions
     from cosyllama.server.serving import prepare
     from cosyllama.server.startup import load_models
-    from cosyllama.server.wyoming import start_wyoming
+    from cosyllama.server.wyoming_server import start_wyoming
     from cosyllama.timing import rounds
     from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_wav
     from cosyllama.tts import SynthesisOptions

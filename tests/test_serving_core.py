@@ -148,7 +148,7 @@ def test_language_narrows_what_wyoming_describes_and_takes(server):
 
     from wyoming.tts import Synthesize
 
-    from cosyllama.server.wyoming import start_wyoming
+    from cosyllama.server.wyoming_server import start_wyoming
 
     serving = copy.copy(server.serving)  # the same core, other options
     serving.options = dataclasses.replace(serving.options, languages=("de", "en"))

@@ -275,7 +275,7 @@ def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
 def test_a_taken_port_is_a_clear_error(server):
 
     from cosyllama.errors import InputError
-    from cosyllama.server.wyoming import start_wyoming
+    from cosyllama.server.wyoming_server import start_wyoming
 
     serving = server.app.state.server.serving
     with pytest.raises(InputError, match=f"cannot listen at tcp://127.0.0.1:{server.port}"):

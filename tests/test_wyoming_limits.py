@@ -320,7 +320,7 @@ def test_a_slow_stream_is_not_idle_while_it_is_spoken(server):
 def test_connections_past_the_cap_are_refused_busy(server):
     """A Wyoming server of --max-connections 3: the fourth connection gets `busy` at once and is
     closed; once one closes, a new one is served."""
-    from cosyllama.server.wyoming import start_wyoming
+    from cosyllama.server.wyoming_server import start_wyoming
 
     limits = ConnectionLimits(max_connections=3, idle_timeout=60)
     serving = copy.copy(server.app.state.server.serving)  # the same core, other connection limits

@@ -96,7 +96,7 @@ def serve_options(args):
     aliases = parse_voice_aliases(args.voice_alias)
     VoiceNames(aliases, serving.default_voice)  # checks the ids before loading
     if args.wyoming is not None:
-        from ..server.wyoming import check_uri  # the wyoming extra, checked before loading
+        from ..server.wyoming_server import check_uri  # the wyoming extra, checked before loading
 
         check_uri(args.wyoming)
     return ServeOptions(serving, host=args.host, port=args.port, api_key=api_key, allow_origins=tuple(origins),

@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..server.startup import configure_logging
-    from ..server.wyoming import run_wyoming  # the wyoming extra's hint before anything else
+    from ..server.wyoming_server import run_wyoming  # the wyoming extra's hint before anything else
     from .options import serving_options
 
     configure_logging(args.log_level)

@@ -181,7 +181,7 @@ def create_app(serving, options: ServeOptions | ServingOptions | None = None) ->
     @asynccontextmanager
     async def lifespan(app):
         if options.wyoming is not None:  # the same serving core and gate as the HTTP routes
-            from .wyoming import start_wyoming
+            from .wyoming_server import start_wyoming
 
             state.wyoming = await start_wyoming(options.wyoming, serving)
             log.info("Wyoming server listening on %s", options.wyoming)
@@ -242,7 +242,7 @@ def serve(options: ServeOptions, log_level: str = LOG_LEVEL) -> None:
     def check_addresses() -> None:
         check_can_listen(options.host, options.port, f"{options.host}:{options.port} (--host, --port)")
         if options.wyoming is not None:
-            from .wyoming import check_listen
+            from .wyoming_server import check_listen
 
             check_listen(options.wyoming)  # a taken port is one line before the model loads
 

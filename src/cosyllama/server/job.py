@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -143,4 +144,22 @@ class SpeechJob(SynthesisJob):
             self.encoder = None
 
 
-__all__ = ["SpeechJob", "SynthesisJob"]
+
+
+@dataclass(frozen=True)
+class SpeechFormat:
+    """How a streamed session's utterance answers (the WebSocket's :attr:`Template.door
+    <cosyllama.server.session.Template.door>`): the audio format, how it streams, whether each sentence's words
+    are aligned; :meth:`job` makes a sentence's synthesis."""
+
+    response_format: str
+    streaming: str | None
+    word_timestamps: bool = False
+
+    def job(self, tts, request: SynthesisRequest) -> SpeechJob:
+        if self.word_timestamps:
+            request = replace(request, options=replace(request.options, word_times=True))
+        return SpeechJob(tts, request, self.streaming, self.response_format)
+
+
+__all__ = ["SpeechFormat", "SpeechJob", "SynthesisJob"]

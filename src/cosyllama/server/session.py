@@ -77,7 +77,8 @@ class AfterQueued(Exception):
 class Template:
     """What an utterance's sentences are made from: ``request`` (checked, with its voice; its text
     a stand-in), ``whole`` (the utterance is one sentence, spoken at its end) and ``door`` (the codec's
-    own per-utterance data, e.g. the WebSocket's audio format)."""
+    own per-utterance data, e.g. the WebSocket's audio format; its ``job(tts, request)`` makes a sentence's
+    synthesis, :meth:`SynthesisJob.output` being what :class:`Audio` carries)."""
 
     request: SynthesisRequest
     whole: bool = False
@@ -122,10 +123,6 @@ CLOSED = "closed"  # an ending: the client's close honoured (the others: None, g
 
 class Door(Protocol):
     """What a codec gives the session."""
-
-    def job(self, sentence: Sentence) -> SynthesisJob:
-        """The synthesis of one sentence (:meth:`SynthesisJob.output` is what :class:`Audio` carries)."""
-        ...
 
     async def read(self) -> object | None:
         """The client's next message (as the door reads it), None once the client has left."""
@@ -440,7 +437,7 @@ class Session:
 
     async def _sentence(self, sentence: Sentence) -> None:
         call = self.serving.call
-        job = self.job = self.door.job(sentence)
+        job = self.job = sentence.door.job(self.serving.tts, sentence.request)
         sent = False
         try:
             await call(job.open)

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
 from typing import Literal
 
 from fastapi import APIRouter, WebSocket
@@ -70,7 +69,7 @@ from .errors import (
     log_refusal,
     websocket_error,
 )
-from .job import SpeechJob
+from .job import SpeechFormat
 from .openai_speech import SpeechRequest, check_request
 from .session import CLOSED, Audio, Sentence, SentenceDone, Session, Template, UtteranceDone
 
@@ -112,15 +111,6 @@ class SessionConfig(BaseModel):
 NOT_CONFIG = {"input": "send the text with input.text messages",
               "stream": "ask for audio as it is made with stream_audio",
               "stream_format": "ask for audio as it is made with stream_audio"}
-
-
-@dataclass(frozen=True)
-class _Format:
-    """An utterance's audio, as its config asks (:attr:`Template.door <cosyllama.server.session.Template.door>`)."""
-
-    response_format: str
-    streaming: str | None
-    word_timestamps: bool = False
 
 
 class _Connection:
@@ -217,16 +207,9 @@ class _Connection:
         # as POST /v1/audio/speech checks it, with a stand-in text: each sentence is checked as it comes
         streaming, synthesis = await check_request(request, self.state, text=CONFIG_TEXT)
         self.session.configure(Template(synthesis, whole=config.split_granularity == "none",
-                                        door=_Format(request.response_format, streaming, config.word_timestamps)))
+                                        door=SpeechFormat(request.response_format, streaming, config.word_timestamps)))
 
     # -- the session's events (its Door) ------------------------------------------------------
-
-    def job(self, sentence: Sentence) -> SpeechJob:
-        how: _Format = sentence.door
-        request = sentence.request
-        if how.word_timestamps:
-            request = replace(request, options=replace(request.options, word_times=True))
-        return SpeechJob(self.serving.tts, request, how.streaming, how.response_format)
 
     async def send(self, event) -> None:
         if isinstance(event, Audio):

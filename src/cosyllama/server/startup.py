@@ -1,5 +1,5 @@
 """The start-up both servers share, without fastapi: ``cosyllama serve`` (:func:`cosyllama.server.app.serve`)
-and ``cosyllama wyoming`` (:func:`cosyllama.server.wyoming.run_wyoming`) take typed options
+and ``cosyllama wyoming`` (:func:`cosyllama.server.wyoming_server.run_wyoming`) take typed options
 (:class:`~cosyllama.server.options.ServingOptions`, and for HTTP
 :class:`~cosyllama.server.options.ServeOptions`), checked when they are made, and both go through
 :func:`start` and :func:`ready`:

@@ -1,51 +1,25 @@
-"""Wyoming protocol server: Home Assistant's voice pipeline (and any Wyoming client) speaks with
-cosyllama's voices.
+"""The Wyoming codec: Home Assistant's voice pipeline (and any Wyoming client) speaks with cosyllama's voices.
+A connection's events become calls on a :class:`~cosyllama.server.session.Session` (sentences, the seed rule,
+admission, cancel, the idle timeout), whose events become Wyoming events; the server that listens and stops
+is :mod:`cosyllama.server.wyoming_server`, what every connection shares :mod:`cosyllama.server.wyoming_service`,
+the wire format and its bounds :mod:`cosyllama.server.wyoming_wire`. Needs the ``wyoming`` extra.
 
-``cosyllama wyoming --uri tcp://127.0.0.1:10200`` serves it alone; ``cosyllama serve --wyoming URI``
-beside the HTTP API, from the same model, voices, scheduler and admission gate. Needs the
-``wyoming`` extra.
+* ``describe`` -> ``info``: one TTS program; its voices are the registered voices plus ``default`` (``--default-
+  voice``, else the first registered voice in alphabetical order); every voice speaks every language.
+* ``synthesize`` (text, optional voice) -> ``audio-start``, ``audio-chunk``s as streaming synthesis makes them
+  (24 kHz, 16-bit, mono; at a ``--speed`` other than 1 each text segment's audio once it is whole), ``audio-stop``.
+* ``synthesize-start`` (optional voice), ``synthesize-chunk``s (text as it is written), ``synthesize-stop``: each
+  sentence is spoken as soon as it is complete, one after the other, as one audio stream, then
+  ``synthesize-stopped``. The ``synthesize`` a client sends inside the stream for older servers is ignored.
 
-What a connection may send (the `wyoming` package's events):
-
-* ``describe`` -> ``info``: one TTS program; its voices are the registered voices plus
-  ``default`` (the voice of a request that names none: ``--default-voice``, else the first
-  registered voice in alphabetical order); every voice speaks every language CosyVoice3 speaks.
-* ``synthesize`` (text, optional voice) -> ``audio-start``, ``audio-chunk``s as streaming synthesis
-  makes them (24 kHz, 16-bit, mono; at a ``--speed`` other than 1 each text segment's audio once it is
-  whole), ``audio-stop``.
-* ``synthesize-start`` (optional voice), ``synthesize-chunk``s (text as it is written, e.g. by an
-  LLM), ``synthesize-stop``: each sentence is spoken as soon as it is complete
-  (:func:`cosyllama.text.normalize.take_sentences`), in one voice, one after the other, as one audio stream
-  (one ``audio-start`` ... ``audio-stop``), then ``synthesize-stopped``. The ``synthesize`` a
-  client sends inside the stream for older servers is ignored.
-
-This module is the codec: a connection's events become calls on a
-:class:`~cosyllama.server.session.Session` (sentences, the seed rule, admission, cancel, the idle
-timeout), whose events become Wyoming events. What every connection shares (the options, ``describe``'s
-``info``, the voice a request asks for) is :mod:`cosyllama.server.wyoming_service`, the wire format
-:mod:`cosyllama.server.wyoming_wire`. A request (one ``synthesize``, or ``synthesize-start``
-to ``-stop``) is one of the session's utterances: it holds one of the server's running slots from its
-first sentence to its end, like one HTTP request; each of its sentences is one scheduler request,
-batched with everyone else's. The protocol carries no synthesis options: every request takes the server's
-(``--seed``, ``--greedy``, ``--speed``, ``--loudness``, ``--retries``); with ``--seed N`` sentence ``k`` is
-seeded ``N + k`` (without it, each sentence gets a fresh seed). Requests are answered in the order they
-came: a bad request (unknown voice, no text, over a limit, the connection's fifth, an event out of order) is
-answered with an ``error`` event once the requests accepted before it are spoken, after which the server
-closes the connection (Home Assistant's client waits for audio until then). A client that closes the
-connection cancels its session: the LLM sequence is released at the next decode step. On SIGTERM the server
-stops as :mod:`cosyllama.server.shutdown` says (``server_stopping``).
-
-The protocol has no authentication, so everything a client controls is bounded
-(:class:`~cosyllama.server.conn.ConnectionLimits`, the flags ``serve`` has too, and
-:func:`event_caps`): events are read here, not by the `wyoming` package (which buffers whatever a
-header announces): a header line and its data at most so many bytes for the event's type, checked
-before they are read, no payload; an event complete within ``header_timeout`` of its first byte;
-no event for ``idle_timeout`` while nothing is being spoken closes the connection; a connection whose
-writes make no progress for ``write_timeout`` (a client that stops reading; the one write bound of every
-door, :class:`~cosyllama.server.conn.WriteWatch`) is aborted, which frees its session's sequence, flow work
-and slot; ``max_connections`` open at once. A malformed
-event gets ``error`` ``protocol_error`` with a one-line reason and the connection is closed; the
-log says so in one warning line per client (rate-limited), never a traceback.
+A request (one ``synthesize``, or ``synthesize-start`` to ``-stop``) is one of the session's utterances: it holds
+one of the server's running slots from its first sentence to its end; each sentence is one scheduler request.
+The protocol carries no synthesis options: every request takes the server's (``--seed``, ``--greedy``,
+``--speed``, ``--loudness``, ``--retries``, ``--first-chunk-tokens``). Requests are answered in the order they
+came: a bad one (unknown voice, no text, over a limit, the connection's fifth, an event out of order) gets an
+``error`` event once the requests accepted before it are spoken, then the connection is closed. A malformed
+event gets ``error`` ``protocol_error`` with a one-line reason; the log has one warning line per client
+(rate-limited), never a traceback.
 """
 
 from __future__ import annotations
@@ -53,20 +27,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
 from ..audio_out import pcm16
 from ..defaults import LANGUAGES
 from ..errors import InputError, MissingDependencyError
 from ..request import API_NAMES, SynthesisRequest
 from ..text.normalize import is_only_punctuation
-from .conn import WriteWatch, bound_send_buffer
+from .conn import WriteWatch
 from .errors import log_refusal, wyoming_error
 from .job import SynthesisJob
-from .session import AfterQueued, Audio, Sentence, Session, Template, UtteranceDone
+from .session import AfterQueued, Audio, Session, Template, UtteranceDone
 from .wyoming_wire import (
     ProtocolError,
     RequestRefused,
@@ -122,12 +93,15 @@ def error_event(e: BaseException) -> Event:
 @dataclass(frozen=True)
 class _Request:
     """A request's kind (:attr:`Template.door <cosyllama.server.session.Template.door>`): a stream ends with
-    ``synthesize-stopped``."""
+    ``synthesize-stopped``; :meth:`job` makes a sentence's synthesis (its samples, encoded here)."""
 
     streaming: bool
 
+    def job(self, tts, request: SynthesisRequest) -> SynthesisJob:
+        return SynthesisJob(tts, request)
 
-class _Connection:
+
+class Connection:
     """One client, a :class:`~cosyllama.server.session.Door` of its :class:`~cosyllama.server.session.Session`:
     its events are read within bounds (:meth:`read`, :meth:`take`) and become calls on the session, each
     request answered in the order it came (a refused one after those accepted before it); the session's events
@@ -241,9 +215,6 @@ class _Connection:
 
     # -- the session's events (its Door) -------------------------------------------------------
 
-    def job(self, sentence: Sentence) -> SynthesisJob:
-        return SynthesisJob(self.service.tts, sentence.request)
-
     async def send(self, event) -> None:
         rate = self.service.tts.sample_rate
         if isinstance(event, Audio):
@@ -293,9 +264,9 @@ class _Connection:
                 log_refusal("a Wyoming request", self.peer, code, event.data["text"])
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self.write_event(event)
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
         """Close the connection: what is written goes out under the write bound."""
         transport = self.writer.transport
         if not transport.is_closing():
@@ -307,162 +278,5 @@ class _Connection:
         self.writer.transport.abort()
 
 
-# ----------------------------------------------------------------------------------------------
-# Starting and running
-
-
-def check_uri(uri: str) -> str:
-    """``tcp://HOST:PORT`` or ``unix://PATH``, else an :class:`InputError` saying so."""
-    u = urlparse(uri)
-    if u.scheme == "tcp":
-        try:
-            port = u.port
-        except ValueError:
-            port = None
-        if not u.hostname or port is None:
-            raise InputError(f"Wyoming URI {uri!r} needs a host and a port, e.g. tcp://127.0.0.1:10200")
-    elif u.scheme != "unix" or not u.path:
-        raise InputError(f"Wyoming URI {uri!r} is not tcp://HOST:PORT or unix://PATH")
-    return uri
-
-
-def check_listen(uri: str) -> None:
-    """Refuse, before a model is loaded, a ``tcp://`` address this process cannot listen at (the
-    port is taken, the host is not ours): an :class:`InputError`, so ``serve --wyoming`` and
-    ``wyoming`` stop with one line instead of failing in the server's start-up later."""
-    from .startup import check_can_listen
-
-    u = urlparse(check_uri(uri))
-    if u.scheme == "tcp":
-        check_can_listen(u.hostname, u.port, uri)
-
-
-class WyomingServer:
-    """A running Wyoming server (from :func:`start_wyoming`); ``address`` is where it listens. A stopping process
-    (:class:`~cosyllama.server.shutdown.Shutdown`) calls :meth:`stop_taking_work`, :meth:`busy` and :meth:`cut`
-    (the sessions' own stop is the serving's); :meth:`stop` ends it."""
-
-    def __init__(self, server: asyncio.AbstractServer, service: WyomingService, address, unix_path: str | None):
-        self.server, self.service, self.address, self.unix_path = server, service, address, unix_path
-
-    def stop_taking_work(self) -> None:
-        """Stop listening: a new connection is refused."""
-        self.server.close()
-
-    def busy(self) -> bool:
-        return bool(self.service.connections)
-
-    def cut(self) -> None:
-        """Abort every connection still open (its last words did not go out in time)."""
-        for conn in list(self.service.connections.values()):
-            conn.abort()
-
-    async def stop(self) -> None:
-        """Stop listening and end every connection now: its session ends telling the client the server stops;
-        a connection whose last words did not leave within :data:`~cosyllama.server.shutdown.FAREWELL_S` is
-        aborted."""
-        from .shutdown import FAREWELL_S
-
-        self.stop_taking_work()
-        connections = dict(self.service.connections)
-        for conn in connections.values():
-            conn.session.cut()
-        if connections:
-            _, stuck = await asyncio.wait(list(connections), timeout=FAREWELL_S)
-            for task in stuck:  # a client that reads nothing: drop what it was sent
-                connections[task].abort()
-            if stuck:
-                await asyncio.wait(stuck)
-        if self.unix_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.unix_path)
-
-
-async def _accept(service: WyomingService, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """A new connection: served, or refused with ``busy`` past ``max_connections``."""
-    task = asyncio.current_task()
-    limit = service.limits.max_connections
-    if len(service.connections) >= limit:
-        service.warn("refused a Wyoming connection: %d open, --max-connections %d", limit, limit)
-        refusal = event_bytes(Error(text=f"the server has {limit} connections open, its limit (--max-connections); "
-                                         "retry in a moment", code="busy").event())
-        with contextlib.suppress(Exception):
-            watch = WriteWatch(writer.transport, service.limits.write_timeout, lambda: "a refused Wyoming client")
-            writer.write(refusal)
-            watch.wrote(len(refusal))
-            writer.transport.close()
-        return
-    bound_send_buffer(writer.transport)  # the kernel holds at most 128 KiB a client has not read (else up to MBs)
-    conn = _Connection(service, reader, writer)
-    service.connections[task] = conn
-    try:
-        await conn.run()
-    finally:
-        service.connections.pop(task, None)
-        conn._close()
-
-
-async def start_wyoming(uri: str, serving) -> WyomingServer:
-    """Listen at ``uri`` in the running event loop and answer the Wyoming protocol from ``serving``
-    (a :class:`~cosyllama.server.serving.Serving`: its pipeline, admission gate, default voice, the
-    synthesis options of every request (always streaming) and the connection limits). A TCP port 0
-    listens on a free port (see ``address``)."""
-    check_uri(uri)
-    service = WyomingService(serving)
-    u = urlparse(uri)
-    line_cap = max(service.caps.values())  # the reader buffers at most about this much of a header line
-
-    async def accept(reader, writer):
-        await _accept(service, reader, writer)
-
-    unix_path = None
-    try:
-        if u.scheme == "unix":
-            unix_path = u.path
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(unix_path)
-            server = await asyncio.start_unix_server(accept, path=unix_path, limit=line_cap)
-        else:
-            server = await asyncio.start_server(accept, host=u.hostname, port=u.port, limit=line_cap)
-    except OSError as e:  # e.g. the port is taken
-        raise InputError(f"cannot listen at {uri}: {e.strerror or e}") from e
-    sockets = server.sockets or ()
-    address = sockets[0].getsockname() if sockets else uri
-    return WyomingServer(server, service, address, unix_path)
-
-
-def run_wyoming(options, uri: str) -> None:
-    """Run ``cosyllama wyoming`` at ``uri`` until interrupted; ``options``: a
-    :class:`~cosyllama.server.startup.ServingOptions` (the start-up is the one ``serve`` has)."""
-    from .serving import prepare
-    from .shutdown import Shutdown
-    from .startup import log_start, ready, start
-
-    uri = check_uri(uri)
-    models, voices = start(options, lambda: check_listen(uri))
-    serving = prepare(models, options, voices=voices)
-    ready(serving)  # after prepare: the store has its encoder by then, so voice folders warm too
-
-    async def main():
-        server = await start_wyoming(uri, serving)
-        log_start(options.load, voices, uri)
-        shutdown = Shutdown(serving, [server])
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):  # systemd, docker stop, Ctrl+C: drain, then stop
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, shutdown.ask)
-        try:
-            await shutdown.asked()
-            await shutdown.drain()
-        finally:
-            await server.stop()
-        log.info("Wyoming server stopped")
-
-    try:
-        asyncio.run(main())
-    finally:
-        serving.close()
-
-
-__all__ = ["DEFAULT_VOICE", "LANGUAGES", "ProtocolError", "RequestRefused", "WyomingServer", "WyomingService",
-           "check_listen", "check_uri", "error_event", "event_bytes", "event_caps", "run_wyoming", "start_wyoming"]
+__all__ = ["DEFAULT_VOICE", "LANGUAGES", "Connection", "ProtocolError", "RequestRefused", "WyomingService",
+           "error_event", "event_bytes", "event_caps"]
