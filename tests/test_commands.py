@@ -180,12 +180,12 @@ def test_both_servers_share_one_start_up_and_bound_the_onednn_cache_once(start_u
 
     from cosyllama.cli import main
     from cosyllama.defaults import MAX_SEQ_TOKENS, SERVE_PARALLEL
-    from cosyllama.server import app, serving, wyoming
+    from cosyllama.server import app, serving, wyoming_server
 
     monkeypatch.setattr(app, "check_can_listen", lambda *a: start_up_log.append("check_address"))
     monkeypatch.setattr(app, "prepare", serving.prepare)  # the fixture's
     monkeypatch.setattr(app, "create_app", lambda serving, options: object())
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: start_up_log.append("run"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: start_up_log.append("run"))
     assert main(["serve", "--model-dir", str(MODEL_DIR), "--precision", "fp32"]) == 0
     served = list(start_up_log)
 
@@ -194,7 +194,7 @@ def test_both_servers_share_one_start_up_and_bound_the_onednn_cache_once(start_u
     async def start_wyoming(*a, **kw):
         raise _Stop
 
-    monkeypatch.setattr(wyoming, "start_wyoming", start_wyoming)
+    monkeypatch.setattr(wyoming_server, "start_wyoming", start_wyoming)
     with pytest.raises(_Stop):
         main(["wyoming", "--model-dir", str(MODEL_DIR), "--precision", "fp32", "--uri", "tcp://127.0.0.1:0"])
     steps = ["bound_onednn_cache", "check_address", "voices", ("load", SERVE_PARALLEL, MAX_SEQ_TOKENS, "fp32"),

@@ -152,6 +152,7 @@ def test_a_client_that_resets_while_a_write_waits_leaves_no_task_exception_unret
     monkeypatch.setattr(job.SynthesisJob, "output",
                         lambda self: None if real_samples(self) is None else np.zeros(1 << 20, np.float32))
     blocked = _watch_blocked_write(monkeypatch, door)
+    gc.collect()  # what earlier tests left (e.g. an HTTP client library's tasks) is collected before the watch
     caplog.set_level(logging.ERROR, logger="asyncio")
     app = create_app(tts, _wyoming_options(tts, greedy=True))
     srv = LoopbackServer(app, **uvicorn_options(ConnectionLimits()))  # the bounded send buffer of serve
@@ -177,7 +178,10 @@ def test_a_client_that_resets_while_a_write_waits_leaves_no_task_exception_unret
     finally:
         srv.stop()
     gc.collect()
-    lost = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    # the server's tasks (a client library's own, collected here, are not this test's: httpx's aclose once
+    # failed so in CI with "Event loop is closed", its loop long gone)
+    lost = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()
+            and "httpx" not in r.getMessage()]
     assert not lost, lost
 
 

@@ -431,10 +431,11 @@ def test_the_cpu_report_names_a_static_torch_llm_torch():
 
 def test_the_servers_share_one_job_class():
     from cosyllama.server import speech, speech_stream, wyoming
-    from cosyllama.server.job import SpeechJob, SynthesisJob
+    from cosyllama.server.job import SpeechFormat, SpeechJob, SynthesisJob
 
     assert issubclass(SpeechJob, SynthesisJob)
-    assert wyoming.SynthesisJob is SynthesisJob and speech_stream.SpeechJob is SpeechJob
+    assert wyoming.SynthesisJob is SynthesisJob and speech_stream.SpeechFormat is SpeechFormat
+    assert SpeechFormat.job.__annotations__["return"] in (SpeechJob, "SpeechJob")  # the WebSocket's sentences
     assert not hasattr(speech, "_Job") and not hasattr(wyoming, "_Job")
 
 
