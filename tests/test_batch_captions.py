@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from batch_helpers import results, run_batch, write_manifest
 from cosyllama.batch.manifest import Row, read_manifest
-from cosyllama.cli import main
-from helpers import FIXTURES, MODEL_DIR
+from helpers import FIXTURES
 
 EN, EN_TEXT = FIXTURES / "wavs" / "prompt_en_16k.wav", "Hello, this is a short prompt."
 ROW = {"mode": "zero-shot", "prompt_wav": str(EN), "prompt_text": EN_TEXT, "greedy": True}
@@ -20,18 +20,8 @@ R1 = {"id": "r1", "text": "Turn left at the light. Then go straight on.", "capti
 R2 = {"id": "r2", "text": "The quick brown fox.", **ROW}
 
 
-def write_manifest(path, rows):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def results(out_dir):
-    return {r["id"]: r for r in map(json.loads, (out_dir / "results.jsonl").read_text().splitlines())}
-
-
 def batch(manifest, out_dir, *extra):
-    return main(["batch", str(manifest), "--out", str(out_dir), "--model-dir", str(MODEL_DIR),
-                 "--precision", "fp32", "--no-progress", "--concurrency", "2", *extra])
+    return run_batch(manifest, out_dir, "--concurrency", "2", *extra)
 
 
 def test_the_captions_field_is_checked_and_the_flag_fills_rows_without_it(tmp_path):

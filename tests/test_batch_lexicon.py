@@ -6,14 +6,14 @@ with its line; a row's lexicon is part of what makes it done.
 The effect is checked where it is made, as tests/test_lexicon_doors.py does: the text segments the frontend hands
 the tokenizer (a recording wrapper around ``Frontend._segments``) hold the entries' tokens."""
 
-import json
 import shutil
 import threading
 
 import pytest
 
+from batch_helpers import results, write_manifest
+from batch_helpers import run_batch as batch
 from cosyllama.batch.manifest import Row, _digest, read_manifest
-from cosyllama.cli import main
 from helpers import FIXTURES, MODEL_DIR
 
 EN, EN_TEXT = FIXTURES / "wavs" / "prompt_en_16k.wav", "Hello, this is a short prompt."
@@ -25,20 +25,6 @@ CLIP = {"id": "clip", "mode": "zero-shot", "text": TEXT, "prompt_wav": str(EN), 
         "greedy": True}
 VOICE = {"id": "voice", "mode": "zero-shot", "text": TEXT, "voice": "lex", "greedy": True}
 OWN = dict(VOICE, id="own", lexicon={"Tomato": ROW_TOMATO})
-
-
-def write_manifest(path, rows):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def results(out_dir):
-    return {r["id"]: r for r in map(json.loads, (out_dir / "results.jsonl").read_text().splitlines())}
-
-
-def batch(manifest, out_dir, *extra):
-    return main(["batch", str(manifest), "--out", str(out_dir), "--model-dir", str(MODEL_DIR),
-                 "--precision", "fp32", "--no-progress", *extra])
 
 
 def test_the_lexicon_field_is_checked_as_a_lexicon(tmp_path):

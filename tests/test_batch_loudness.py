@@ -3,12 +3,12 @@ one brings the row's audio to that target (the samples ``cosyllama synth --loudn
 says the gain; a row's ``"loudness": null`` asks for none; bad values are bad rows (or exit 2 for the flag),
 said as every door says them; a row's target is part of what makes it done."""
 
-import json
 
 import numpy as np
 import pytest
 import soundfile as sf
 
+from batch_helpers import results, run_batch, write_manifest
 from cosyllama.batch.manifest import _digest, _row_digest, read_manifest
 from cosyllama.cli import main
 from helpers import FIXTURES, MODEL_DIR
@@ -23,18 +23,8 @@ OFF = {"id": "off", "text": "The quick brown fox.", "loudness": None, **ROW}  # 
 TARGET = -30.0  # the tiny model's noise peaks ~22 dB over its loudness: higher targets stop at the ceiling
 
 
-def write_manifest(path, rows):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def results(out_dir):
-    return {r["id"]: r for r in map(json.loads, (out_dir / "results.jsonl").read_text().splitlines())}
-
-
 def batch(manifest, out_dir, *extra):
-    return main(["batch", str(manifest), "--out", str(out_dir), "--model-dir", str(MODEL_DIR),
-                 "--precision", "fp32", "--no-progress", "--concurrency", "2", *extra])
+    return run_batch(manifest, out_dir, "--concurrency", "2", *extra)
 
 
 def lufs(path) -> float:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from cosyllama.cli import main
+from batch_helpers import results, run_batch, write_manifest
 from helpers import FIXTURES, MODEL_DIR
 from test_takes import GOOD, LOOPING, SEED, TEXT, Scripted
 
@@ -18,18 +18,8 @@ LOOPS = {"id": "loops", "seed": SEED, **ROW}  # its first take loops (caught at 
 FINE = {"id": "fine", "seed": SEED + 100, **ROW}
 
 
-def write_manifest(path, rows):
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-def results(out_dir):
-    return {r["id"]: r for r in map(json.loads, (out_dir / "results.jsonl").read_text().splitlines())}
-
-
 def batch(manifest, out_dir, *extra):
-    return main(["batch", str(manifest), "--out", str(out_dir), "--model-dir", str(MODEL_DIR),
-                 "--precision", "fp32", "--no-progress", "--concurrency", "1", *extra])
+    return run_batch(manifest, out_dir, "--concurrency", "1", *extra)
 
 
 @pytest.fixture
