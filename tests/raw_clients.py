@@ -82,12 +82,17 @@ def wyoming_exchange(port: int, raw: bytes) -> list[tuple[str, dict]]:
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.settimeout(WAIT_S)
         s.sendall(raw)
-        got = b""
-        try:
-            while data := s.recv(65536):
-                got += data
-        except ConnectionResetError:
-            pass
+        return read_wyoming_events(s)
+
+
+def read_wyoming_events(s: socket.socket) -> list[tuple[str, dict]]:
+    """What the server sends on ``s`` until it closes the connection (or resets it): (type, data) of each event."""
+    got = b""
+    try:
+        while data := s.recv(65536):
+            got += data
+    except ConnectionResetError:
+        pass
     events = []
     while got:
         line, _, got = got.partition(b"\n")

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from helpers import LoopbackServer
-from raw_clients import RawWebSocket, wyoming_event
+from raw_clients import RawWebSocket, read_wyoming_events, wyoming_event
 from server_helpers import WAIT_S, voiced_tts
 from server_helpers import wait_until as _wait
 
@@ -201,18 +201,7 @@ def wyoming_server(tts):
 def _read_events(sock: socket.socket) -> list[tuple[str, dict]]:
     """What the server sends until it closes the connection: (type, data) of each event."""
     sock.settimeout(WAIT_S)
-    got = b""
-    with contextlib.suppress(ConnectionResetError):
-        while data := sock.recv(1 << 16):
-            got += data
-    events = []
-    while got:
-        line, _, got = got.partition(b"\n")
-        header = json.loads(line)
-        n = header.get("data_length", 0)
-        data, got = (json.loads(got[:n]) if n else {}), got[n + header.get("payload_length", 0):]
-        events.append((header["type"], data))
-    return events
+    return read_wyoming_events(sock)
 
 
 def _held_exchange(server, tts, raw: bytes) -> list[tuple[str, dict]]:
