@@ -16,7 +16,6 @@ from cosyllama.llm.llamacpp_backend import BackendBusyError
 from cosyllama.llm.scheduler import BatchScheduler, CancelToken, RequestCancelled, SchedulerBusyError
 from cosyllama.llm.torch_backend import TorchLLM
 from helpers import FIXTURES, MODEL_DIR, Gated, StartInPieces, load_fixture
-from server_helpers import wait_until
 
 
 class Watched(StartInPieces):
@@ -228,9 +227,15 @@ def test_llamacpp_eight_concurrent_equal_alone(tiny_gguf, prefills):
             it = sched.generate(*prefills[0], opts)
             next(it)
             assert llm.stats()["active_sequences"] == 1
-            it.close()
+            # Closing waits until the worker has freed the sequence, and the worker may be held inside its next
+            # step by now (it decodes ahead): close from another thread, then let the steps go. Closing here,
+            # held, hung whenever the worker reached the held step first (a CI run on a quiet machine did).
+            closer = threading.Thread(target=it.close)
+            closer.start()
             gated.let_go()
-            wait_until(lambda: llm.stats()["active_sequences"] == 0, "the closed sequence released")
+            closer.join(timeout=60)
+            assert not closer.is_alive(), "closing the iterator did not return"
+            assert llm.stats()["active_sequences"] == 0  # close() returns once its sequence is freed
     finally:
         llm.close()
 
