@@ -44,15 +44,6 @@ from cosyllama.cpu import onednn_bf16_reorder_ok
 from cosyllama.timing import best_of
 
 PARTS = ("products", "attention", "profile")
-OP_KINDS = [("int8 products", ("quantized::linear", "qlinear_pointwise")),
-            ("quantization passes", ("quantize_per_tensor", "int_repr")),
-            ("bf16/fp32 products", ("linear_pointwise", "addmm", "aten::mm", "aten::bmm", "aten::linear")),
-            ("attention", ("scaled_dot_product", "flash_attention")),
-            ("dtype conversions", ("aten::to", "aten::_to_copy", "aten::copy_")),
-            ("gelu", ("gelu",)),
-            ("norm/modulation", ("layer_norm", "aten::mul", "aten::add", "aten::addcmul"))]
-
-
 def _ms(fn, n: int) -> float:
     """Best of 3 rounds of ``n`` calls, ms per call (after a warm-up round)."""
     return best_of(lambda: [fn() for _ in range(n)], 3) / n * 1e3
@@ -167,7 +158,7 @@ def profile(model_dir: Path, variants: list[str], prompt_s: float, output_s: flo
 
     from cosyllama.config import load_config
     from cosyllama.flow import Flow
-    from cosyllama.tools.bench_flow import FlowVariant, _inputs
+    from cosyllama.tools.bench_flow import FLOW_OP_KINDS, FlowVariant, _inputs
 
     config = load_config(model_dir)
     dev = torch.device("cpu")
@@ -188,7 +179,7 @@ def profile(model_dir: Path, variants: list[str], prompt_s: float, output_s: flo
                 flow.inference(tokens, pt, pf, emb)
         kinds: dict[str, float] = {}
         for ev in prof.key_averages():
-            kind = next((k for k, names in OP_KINDS if any(s in ev.key for s in names)), "other")
+            kind = next((k for k, names in FLOW_OP_KINDS.items() if any(s in ev.key for s in names)), "other")
             kinds[kind] = kinds.get(kind, 0.0) + ev.self_cpu_time_total / 1e6 / output_s
         out.append({"variant": name, "seconds_per_audio_second": wall / output_s,
                     "self_cpu_seconds_per_audio_second": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))})

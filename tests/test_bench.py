@@ -178,16 +178,19 @@ def test_bench_profile_stream_and_research_variants(tiny_model, tmp_path, monkey
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
     assert main(["bench", "--model-dir", str(tiny_model), "--json", str(out), "--parts", "flow,vocoder",
-                 "--flow-precisions", "bf16,bf16-res16,bf16-steps2,fp32-autocast", "--vocoder-precisions", "fp32-ref",
+                 "--flow-precisions", "bf16,bf16-res16,bf16-steps2,fp32-autocast,int8", "--vocoder-precisions", "fp32-ref",
                  "--profile", "--stream", "--prompt-seconds", "1", "--output-seconds", "2", "--threads", "1"]) == 0
     table = capsys.readouterr().out
     assert "op time shares of one call" in table and "streaming (fp32 vocoder)" in table
     res = json.loads(out.read_text())
     flow = {r["variant"]: r for r in res["flow"]}
-    assert list(flow) == ["fp32", "bf16", "bf16-res16", "bf16-steps2", "fp32-autocast"]
+    assert list(flow) == ["fp32", "bf16", "bf16-res16", "bf16-steps2", "fp32-autocast", "int8"]
     for r in res["flow"]:
         share = r["time_share"]
-        assert set(share) == {"gemm", "attention", "conv", "other"} and share["gemm"] > 0
+        assert set(share) == {"int8 products", "quantization passes", "bf16/fp32 products", "attention", "conv",
+                              "dtype conversions", "gelu", "norm/modulation", "other"}
+        assert share["attention"] > 0 and share["bf16/fp32 products"] > 0  # int8: the input/output projections
+        assert (share["int8 products"] > 0) == (r["variant"] == "int8")
         assert sum(share.values()) == pytest.approx(1, abs=0.01)
         s = r["stream"]  # 1 s prompt + 2 s: one 25-token chunk, then the final call
         assert s["flow_calls"] == 2 and s["peak_cache_mb"] > 0 and s["wav_max_abs_diff_cache_vs_recompute"] < 1e-4

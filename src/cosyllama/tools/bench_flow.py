@@ -45,9 +45,18 @@ RESEARCH_VARIANTS = ("fp32-autocast", "bf16-res16", "<precision>-steps<N>")
 VOCODER_VARIANTS = ("fp32", "bf16", "fp32-ref", "bf16-ref")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 # Op kinds of --profile: a profiled op belongs to the first kind one of whose names it contains.
-FLOW_OP_KINDS = {"gemm": ("addmm", "mm", "bmm", "linear_pointwise", "matmul", "linear"),
+# The flow's kinds tell the int8 products (dynamic and static kernels) from the bf16/fp32 ones and from the passes
+# around them (scripts/flow_ceiling.py --parts profile shares them; docs/amx.md has a table per size). The order
+# matters: oneDNN's int8 op is "qlinear_pointwise", its bf16 one "linear_pointwise".
+FLOW_OP_KINDS = {"int8 products": ("quantized::linear", "qlinear_pointwise"),
+                 "quantization passes": ("quantize_per_tensor", "int_repr"),
+                 "bf16/fp32 products": ("linear_pointwise", "addmm", "aten::mm", "aten::bmm", "aten::matmul",
+                                        "aten::linear"),
                  "attention": ("scaled_dot_product", "flash_attention"),
-                 "conv": ("convolution", "conv1d", "conv2d")}
+                 "conv": ("convolution", "conv1d", "conv2d"),
+                 "dtype conversions": ("aten::to", "aten::_to_copy", "aten::copy_"),
+                 "gelu": ("gelu",),
+                 "norm/modulation": ("layer_norm", "aten::mul", "aten::add", "aten::addcmul")}
 VOCODER_OP_KINDS = {"f0_float64": ("_slow_conv2d",), "conv": ("convolution", "conv1d", "conv2d"),
                     "stft": ("fft", "stft"), "sin": ("aten::sin",), "copy": ("copy_", "fill_", "pad", "cat")}
 
