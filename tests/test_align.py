@@ -193,10 +193,14 @@ def test_cli_align_writes_captions_from_another_folder(espeak, tmp_path):
     (["--text", "  ", "--out", "o.srt"], "the text is empty"),
     (["--text", "Bonjour.", "--language", "fr", "--out", "o.srt"], "no word aligner for language 'fr'"),
     (["--text-file", "none.txt", "--out", "o.srt"], "--text-file 'none.txt' does not exist"),
+    (["--text-file", "latin1.txt", "--out", "o.srt"],
+     "--text-file 'latin1.txt' is not UTF-8 text (invalid continuation byte at byte 3); save it as UTF-8"),
+    (["--text-file", ".", "--out", "o.srt"], "--text-file '.' is a directory"),
 ])
 def test_cli_align_refuses_bad_input_in_one_line(tmp_path, args, message):
     import soundfile as sf
 
+    (tmp_path / "latin1.txt").write_bytes("Caf\u00e9 au lait.".encode("latin-1"))
     sf.write(tmp_path / "a.wav", np.sin(np.arange(16000) / 5).astype(np.float32) * 0.3, 16000)
     r = run_cli("align", "--audio", "a.wav", *args, cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -11,6 +11,7 @@ import soundfile as sf
 
 from cosyllama.batch.manifest import read_manifest
 from cosyllama.cli import main
+from cosyllama.errors import InputError
 from helpers import FIXTURES, MODEL_DIR
 
 WAVS = FIXTURES / "wavs"
@@ -386,3 +387,17 @@ def test_ray_local_instance_gives_the_same_files_and_results(job, tmp_path):
     keep = ("id", "line", "status", "error", "file", "bytes", "audio_seconds", "tokens", "digest")
     strip = lambda rs: [{k: r.get(k) for k in keep} for r in rs]  # noqa: E731 (timings differ)
     assert strip(results(out)) == strip(results(job["out"]))
+
+
+@pytest.mark.parametrize("name,message", [
+    ("none.jsonl", "manifest '{p}' does not exist"),
+    ("latin1.jsonl", "manifest '{p}' is not UTF-8 text (invalid continuation byte at byte 13); save it as UTF-8"),
+    ("folder", "manifest '{p}' is a directory; give a .jsonl file"),
+])
+def test_a_manifest_that_cannot_be_read_is_one_clear_error(tmp_path, name, message):
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "Caf\u00e9."}\n'.encode("latin-1"))
+    (tmp_path / "folder").mkdir()
+    path = tmp_path / name
+    with pytest.raises(InputError) as e:
+        read_manifest(path)
+    assert str(e.value) == message.format(p=path)

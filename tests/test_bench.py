@@ -178,7 +178,8 @@ def test_bench_profile_stream_and_research_variants(tiny_model, tmp_path, monkey
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "bench.json"
     assert main(["bench", "--model-dir", str(tiny_model), "--json", str(out), "--parts", "flow,vocoder",
-                 "--flow-precisions", "bf16,bf16-res16,bf16-steps2,fp32-autocast,int8", "--vocoder-precisions", "fp32-ref",
+                 "--flow-precisions", "bf16,bf16-res16,bf16-steps2,fp32-autocast,int8",
+                 "--vocoder-precisions", "fp32-ref",
                  "--profile", "--stream", "--prompt-seconds", "1", "--output-seconds", "2", "--threads", "1"]) == 0
     table = capsys.readouterr().out
     assert "op time shares of one call" in table and "streaming (fp32 vocoder)" in table

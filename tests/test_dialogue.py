@@ -166,6 +166,7 @@ def test_synth_script_from_another_folder(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--script", "none.txt"], "--script 'none.txt' does not exist"),
+    (["--script", "latin1.txt"], "--script 'latin1.txt' is not UTF-8 text (invalid continuation byte at byte 9)"),
     (["--script", "s.txt", "--prompt-wav", "p.wav"], "--prompt-wav belong with --text"),
     (["--script", "s.txt", "--pause", "99"], "the pause between turns must be 0 to 10 seconds"),
     (["--script", "bad.txt"], "turn 1: voice 'nobody.wav' names an audio file that does not exist"),
@@ -174,6 +175,7 @@ def test_synth_script_from_another_folder(tmp_path):
 def test_synth_script_refuses_bad_input_in_one_line(tmp_path, args, message):
     (tmp_path / "s.txt").write_text("anna: Hi.\n")
     (tmp_path / "bad.txt").write_text("nobody.wav: Hi.\n")
+    (tmp_path / "latin1.txt").write_bytes("anna: Caf\u00e9.\n".encode("latin-1"))
     r = run_cli("synth", "--model-dir", str(MODEL_DIR), *args, "--out", "o.wav", cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -33,3 +33,21 @@ class MissingDependencyError(CosyllamaError, ImportError):
 
 class BackendBusyError(CosyllamaError, RuntimeError):
     """Every sequence slot (or the KV memory) of an LLM backend is in use; retry later."""
+
+
+def read_user_text(path, what: str, directory_hint: str = "") -> str:
+    """The text of a file the user named (``what``: how the message names it, e.g. ``--script 'a.txt'``), read as
+    UTF-8; a missing file, a directory, other bytes or an unreadable file is an :class:`InputError` in one line
+    (``directory_hint``: what to give instead of a directory)."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{what} does not exist") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} is a directory{'; ' + directory_hint if directory_hint else ''}") from None
+    except UnicodeDecodeError as e:
+        raise InputError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise InputError(f"{what} cannot be read: {e.strerror or e}") from None

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..defaults import RETRIES
-from ..errors import InputError
+from ..errors import read_user_text
 from ..request import BATCH_NAMES, RequestError, SynthesisOptions, SynthesisRequest, check_options, resolve_mode
 
 FIELDS = ("id", "text", "mode", "voice", "prompt_wav", "prompt_text", "instructions", "seed", "greedy", "speed",
@@ -256,16 +256,7 @@ def read_manifest(path: str | Path, voices: Collection[str] | None = None,
     returned in ``Manifest.bad``. A repeated id is an error from its second occurrence on.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"manifest {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise InputError(f"manifest {str(path)!r} is a directory; give a .jsonl file") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"manifest {str(path)!r} is not UTF-8 text ({e})") from None
-    except OSError as e:
-        raise InputError(f"cannot read manifest {str(path)!r}: {e}") from None
+    text = read_user_text(path, f"manifest {str(path)!r}", "give a .jsonl file")
     base = path.resolve().parent
     rows: list[Row] = []
     bad: list[BadRow] = []

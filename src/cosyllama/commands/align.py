@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import InputError
+from ..errors import InputError, read_user_text
 from ..progress import to_stderr
 
 MAX_AUDIO_S = 3600.0  # one decode holds the whole clip; longer recordings are aligned in parts by the caller
@@ -24,18 +24,12 @@ def add_parser(sub) -> None:
 
 
 def run(args, progress=to_stderr) -> int:
-    from pathlib import Path
 
     from .synth import check_captions_path
 
     out = check_captions_path(args.out, "--out")
     if args.text_file is not None:
-        try:
-            text = Path(args.text_file).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise InputError(f"--text-file {args.text_file!r} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise InputError(f"--text-file {args.text_file!r} cannot be read as UTF-8 text ({e})") from None
+        text = read_user_text(args.text_file, f"--text-file {args.text_file!r}")
     else:
         text = args.text
     if not text.strip():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, read_user_text
 
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
 
@@ -27,14 +27,7 @@ def read_script(args, options) -> ReadScript:
     if given:
         raise InputError(f"{', '.join(given)} belong with --text; a script's turns name their voices")
     path = Path(args.script)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"--script {args.script!r} does not exist") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"--script {args.script!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except OSError as e:
-        raise InputError(f"--script {args.script!r} cannot be read: {e.strerror or e}") from None
+    text = read_user_text(path, f"--script {args.script!r}")
     from ..request import RequestError, check_options
 
     try:
