@@ -609,7 +609,7 @@ def test_a_dialogue_sends_its_turns_and_plays_them(page, server):
     /v1/audio/dialogue, streams the answer through Web Audio and downloads the API's samples."""
     rows = _dialogue(page, server)
     expect(page.get_by_role("button", name="Remove turn 1")).to_be_enabled()
-    expect(page.locator("#captions")).to_be_hidden()  # captions are the one text's
+    expect(page.locator("#captions")).not_to_be_checked()  # offered, off: the turns stream
     page.focus("#add-turn")
     page.keyboard.press("Enter")
     expect(rows).to_have_count(3)
@@ -649,6 +649,50 @@ def test_a_dialogue_sends_its_turns_and_plays_them(page, server):
     page.get_by_label("One text", exact=True).check()  # back: the one text, its voice menu, /v1/audio/speech
     expect(page.locator("#text")).to_be_visible()
     expect(page.locator("#dialogue")).to_be_hidden()
+    assert page.problems == []
+
+
+def test_a_dialogues_captions_name_each_speaker(page, server, monkeypatch):
+    """"Captions" in "Dialogue" asks /dev/captioned_dialogue for the whole file (the turns, the pause, not
+    streamed), plays it, lists each sentence with its speaker and word spans, and downloads the SRT and VTT
+    that name the speakers ([anna], <v anna>)."""
+    from cosyllama import alignment
+
+    monkeypatch.setattr(alignment, "align", _even_words(alignment))  # what WordTimer calls, at call time
+    _dialogue(page, server)
+    page.fill("#pause", "0.3")
+    page.fill("#seed", "5")
+    page.select_option("#format", "wav")
+    page.check("#captions")
+    expect(page.locator("#stream")).to_be_disabled()  # the whole file: not streamed
+    with page.expect_response(lambda r: r.url.endswith("/dev/captioned_dialogue")) as resp:
+        page.click("#speak")
+    assert resp.value.status == 200, resp.value.text()
+    sent = resp.value.request.post_data_json
+    assert sent["turns"] == [{"voice": v, "text": t} for v, t in TURNS] and sent["pause_between_turns"] == 0.3
+    assert sent["stream"] is False and sent["return_timestamps"] is True and "stream_format" not in sent
+    answer = resp.value.json()
+    segments = answer["segments"]
+    assert [seg["voice"] for seg in segments][0] == "anna" and segments[-1]["voice"] == "bob", segments
+    page.wait_for_function("() => document.getElementById('player').duration > 0")
+    area = page.get_by_role("region", name="Captions")
+    lines = area.locator(".caption-line")
+    expect(lines).to_have_count(len(segments))
+    for line, seg in zip(lines.all(), segments):
+        expect(line.locator(".caption-voice")).to_have_text(seg["voice"])
+        expect(line).to_contain_text(seg["text"])
+        expect(line.locator(".caption-word")).to_have_count(len(seg["words"]))
+    name, srt = _download(page, "#caption-srt")
+    assert name == "dialogue-5.srt" and srt == answer["srt"] and "[anna]" in srt and "[bob]" in srt
+    name, vtt = _download(page, "#caption-vtt")
+    assert name == "dialogue-5.vtt" and vtt == answer["vtt"] and "<v anna>" in vtt and "<v bob>" in vtt
+    expect(page.locator("#error")).to_be_hidden()
+    page.uncheck("#captions")  # back to the streamed dialogue
+    expect(page.locator("#stream")).to_be_enabled()
+    with page.expect_request(lambda r: r.url.endswith(DIALOGUE_PATH)) as req:
+        page.click("#speak")
+    assert req.value.post_data_json["stream_format"] == "audio"
+    expect(page.locator("#caption-area")).to_be_hidden()
     assert page.problems == []
 
 

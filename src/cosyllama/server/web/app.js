@@ -2,6 +2,7 @@
 // POST /v1/audio/speech (streamed wav/pcm is played with Web Audio as it arrives),
 // POST /dev/captioned_speech (with "Captions": the whole file and its sentences' and words' times),
 // POST /v1/audio/dialogue ("Dialogue": turns, each in its voice, played as speech is),
+// POST /dev/captioned_dialogue (a dialogue with "Captions": each sentence with its speaker),
 // GET/POST/DELETE /v1/voices. No build step, no dependency.
 "use strict";
 
@@ -11,6 +12,7 @@ const KEY_STORE = "cosyllama.apiKey"; // sessionStorage: this tab only
 const MAX_RECORD_S = 30; // the server refuses longer prompt clips
 const SPEECH_PATH = "/v1/audio/speech";
 const CAPTIONED_PATH = "/dev/captioned_speech"; // one JSON object: audio (base64), segments, srt, vtt
+const CAPTIONED_DIALOGUE_PATH = "/dev/captioned_dialogue"; // the same, each segment naming its voice
 const DIALOGUE_PATH = "/v1/audio/dialogue";
 // a request's lexicon, as the server bounds it: entries, characters of a word, of its tokens
 const MAX_LEXICON_ENTRIES = 1000;
@@ -604,7 +606,7 @@ function options(body) {
   return body;
 }
 
-function dialogueBody() {
+function dialogueBody(captioned) {
   const pause = $("pause").value.trim();
   const body = options({
     turns: turnRows().map((row) => ({
@@ -613,7 +615,12 @@ function dialogueBody() {
     })),
     pause_between_turns: pause === "" ? 0 : Number(pause),
   });
-  if (streams(body)) body.stream_format = "audio";
+  if (captioned) {
+    body.stream = false; // the whole file in one answer, with every segment's times and speaker
+    body.return_timestamps = true;
+  } else if (streams(body)) {
+    body.stream_format = "audio";
+  }
   return body;
 }
 
@@ -660,7 +667,7 @@ async function speak(ev) {
   clearError();
   clearInvalid();
   const dialogue = dialogueMode();
-  const captioned = !dialogue && $("captions").checked;
+  const captioned = $("captions").checked;
   const lexicon = readLexicon();
   if (lexicon.error) {
     $("lexicon-box").open = true;
@@ -669,7 +676,7 @@ async function speak(ev) {
     $("lexicon").focus();
     return;
   }
-  const body = dialogue ? dialogueBody() : requestBody(captioned);
+  const body = dialogue ? dialogueBody(captioned) : requestBody(captioned);
   if (lexicon.entries) body.lexicon = lexicon.entries; // none: no field, the request as before
   const unvoiced = dialogue ? body.turns.findIndex((t) => !t.voice) : body.voice ? -1 : 0;
   if (unvoiced >= 0) {
@@ -687,7 +694,9 @@ async function speak(ev) {
   setStatus("Synthesizing…", "busy");
   const t0 = performance.now();
   try {
-    const resp = await api(dialogue ? DIALOGUE_PATH : captioned ? CAPTIONED_PATH : SPEECH_PATH, {
+    const path = dialogue ? (captioned ? CAPTIONED_DIALOGUE_PATH : DIALOGUE_PATH)
+      : captioned ? CAPTIONED_PATH : SPEECH_PATH;
+    const resp = await api(path, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
@@ -864,6 +873,12 @@ function showCaptions(answer, name) {
     time.className = "caption-time";
     time.textContent = clock(seg.start);
     button.append(time, " ");
+    if (seg.voice) { // a dialogue's: who speaks it
+      const who = document.createElement("span");
+      who.className = "caption-voice";
+      who.textContent = seg.voice;
+      button.append(who, " ");
+    }
     const line = { el: button, start: seg.start, end: seg.end, words: [] };
     if (seg.words && seg.words.length) {
       line.words = wordSpans(button, seg.text, seg.words);
@@ -1118,9 +1133,7 @@ function updateForm() {
   $("single-fields").hidden = dialogue;
   $("mode-fields").hidden = dialogue; // each turn in its voice's auto mode
   $("dialogue").hidden = !dialogue;
-  $("captions-choice").hidden = dialogue; // captions are the one text's (/dev/captioned_speech)
-  $("captions-hint").hidden = dialogue;
-  const captioned = !dialogue && $("captions").checked;
+  const captioned = $("captions").checked;
   $("stream").disabled = captioned; // captions: the whole file, not streamed
   const streamed = $("stream").checked && !captioned;
   let hint = "";
