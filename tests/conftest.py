@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,18 @@ def marked_processes(mark: str | None = None) -> dict[int, str]:
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cosyllama_logger_restored():
+    """A test that runs ``serve`` or ``wyoming`` in-process leaves their stderr handler on the ``cosyllama`` logger
+    (``server.startup.configure_logging``); it goes with its module, so later modules' servers print no log
+    lines into the run's progress."""
+    logger = logging.getLogger("cosyllama")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 def pytest_sessionfinish(session, exitstatus):
