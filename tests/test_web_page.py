@@ -687,6 +687,9 @@ def test_a_dialogues_captions_name_each_speaker(page, server, monkeypatch):
     name, vtt = _download(page, "#caption-vtt")
     assert name == "dialogue-5.vtt" and vtt == answer["vtt"] and "<v anna>" in vtt and "<v bob>" in vtt
     expect(page.locator("#error")).to_be_hidden()
+    if os.environ.get("COSYLLAMA_DIALOGUE_SCREENSHOT"):
+        page.screenshot(path=os.environ["COSYLLAMA_DIALOGUE_SCREENSHOT"].replace(".png", "-captions.png"),
+                        full_page=True)
     page.uncheck("#captions")  # back to the streamed dialogue
     expect(page.locator("#stream")).to_be_enabled()
     with page.expect_request(lambda r: r.url.endswith(DIALOGUE_PATH)) as req:
