@@ -793,6 +793,12 @@ def test_pronunciations_go_with_every_request(page, server):
     page.click("#stop")
     page.get_by_label("Dialogue", exact=True).check()
     expect(page.locator("#lexicon")).to_be_visible()  # the same field in both modes
+    expect(page.locator("#captions")).to_be_checked()  # kept across modes: a captioned dialogue
+    with page.expect_request(lambda r: r.url.endswith("/dev/captioned_dialogue")) as req:
+        page.click("#speak")
+    assert req.value.post_data_json["lexicon"] == LEXICON
+    page.click("#stop")
+    page.uncheck("#captions")
     with page.expect_request(lambda r: r.url.endswith(DIALOGUE_PATH)) as req:
         page.click("#speak")
     assert req.value.post_data_json["lexicon"] == LEXICON
