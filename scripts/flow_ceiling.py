@@ -153,12 +153,9 @@ def attention(cfg, frames: int, n: int, compile_too: bool = True) -> list[dict]:
 
 
 def profile(model_dir: Path, variants: list[str], prompt_s: float, output_s: float) -> list[dict]:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     from cosyllama.config import load_config
     from cosyllama.flow import Flow
-    from cosyllama.tools.bench_flow import FLOW_OP_KINDS, FlowVariant, _inputs
+    from cosyllama.tools.bench_flow import FLOW_OP_KINDS, FlowVariant, _inputs, op_seconds
 
     config = load_config(model_dir)
     dev = torch.device("cpu")
@@ -175,12 +172,8 @@ def profile(model_dir: Path, variants: list[str], prompt_s: float, output_s: flo
             t0 = time.perf_counter()
             flow.inference(tokens, pt, pf, emb)
             wall = time.perf_counter() - t0
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                flow.inference(tokens, pt, pf, emb)
-        kinds: dict[str, float] = {}
-        for ev in prof.key_averages():
-            kind = next((k for k, names in FLOW_OP_KINDS.items() if any(s in ev.key for s in names)), "other")
-            kinds[kind] = kinds.get(kind, 0.0) + ev.self_cpu_time_total / 1e6 / output_s
+            spent = op_seconds(lambda: flow.inference(tokens, pt, pf, emb), FLOW_OP_KINDS, dev)
+        kinds = {k: t / output_s for k, t in spent.items() if t > 0}
         out.append({"variant": name, "seconds_per_audio_second": wall / output_s,
                     "self_cpu_seconds_per_audio_second": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))})
     return out

@@ -191,8 +191,8 @@ def _variant_ran(flow) -> str:
 # Profile and streaming
 
 
-def op_shares(fn: Callable[[], object], kinds: dict[str, tuple[str, ...]], device: torch.device) -> dict:
-    """Share of one call's op time per kind of op (the rest: ``other``): self CPU time on the CPU,
+def op_seconds(fn: Callable[[], object], kinds: dict[str, tuple[str, ...]], device: torch.device) -> dict:
+    """Seconds of one call's op time per kind of op (the rest: ``other``): self CPU time on the CPU,
     self device time on a GPU."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -203,7 +203,13 @@ def op_shares(fn: Callable[[], object], kinds: dict[str, tuple[str, ...]], devic
     tot = dict.fromkeys([*kinds, "other"], 0.0)
     for ev in prof.key_averages():
         kind = next((k for k, names in kinds.items() if any(s in ev.key for s in names)), "other")
-        tot[kind] += ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        tot[kind] += (ev.self_device_time_total if cuda else ev.self_cpu_time_total) / 1e6
+    return tot
+
+
+def op_shares(fn: Callable[[], object], kinds: dict[str, tuple[str, ...]], device: torch.device) -> dict:
+    """Share of one call's op time per kind of op (:func:`op_seconds`)."""
+    tot = op_seconds(fn, kinds, device)
     total = sum(tot.values()) or 1.0
     return {k: round(v / total, 3) for k, v in tot.items()}
 
