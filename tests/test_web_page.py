@@ -444,19 +444,24 @@ def test_an_api_key_typed_into_the_page(browser, tts):
         srv.stop()
 
 
-def _speak_captioned(page, text: str, seed: int) -> dict:
-    """Speak `text` with "Captions" on; the answer of /dev/captioned_speech, once the page shows it in its player."""
-    page.fill("#text", text)
+def _speak_with_captions(page, seed: int, path: str):
+    """Speak what the page holds (wav, `seed`) with "Captions" on; the response of `path`, once the page shows its
+    audio in its player."""
     page.fill("#seed", str(seed))
     page.select_option("#format", "wav")
     page.check("#captions")
     expect(page.locator("#stream")).to_be_disabled()  # the whole file: not streamed
-    with page.expect_response(lambda r: r.url.endswith("/dev/captioned_speech")) as resp:
+    with page.expect_response(lambda r: r.url.endswith(path)) as resp:
         page.click("#speak")
     assert resp.value.status == 200, resp.value.text()
-    answer = resp.value.json()
     page.wait_for_function("() => document.getElementById('player').duration > 0")
-    return answer
+    return resp.value
+
+
+def _speak_captioned(page, text: str, seed: int) -> dict:
+    """Speak `text` with "Captions" on; the answer of /dev/captioned_speech, once the page shows it in its player."""
+    page.fill("#text", text)
+    return _speak_with_captions(page, seed, "/dev/captioned_speech").json()
 
 
 def _download(page, selector: str) -> tuple[str, str]:
@@ -661,20 +666,13 @@ def test_a_dialogues_captions_name_each_speaker(page, server, monkeypatch):
     monkeypatch.setattr(alignment, "align", _even_words(alignment))  # what WordTimer calls, at call time
     _dialogue(page, server)
     page.fill("#pause", "0.3")
-    page.fill("#seed", "5")
-    page.select_option("#format", "wav")
-    page.check("#captions")
-    expect(page.locator("#stream")).to_be_disabled()  # the whole file: not streamed
-    with page.expect_response(lambda r: r.url.endswith("/dev/captioned_dialogue")) as resp:
-        page.click("#speak")
-    assert resp.value.status == 200, resp.value.text()
-    sent = resp.value.request.post_data_json
+    resp = _speak_with_captions(page, 5, "/dev/captioned_dialogue")
+    sent = resp.request.post_data_json
     assert sent["turns"] == [{"voice": v, "text": t} for v, t in TURNS] and sent["pause_between_turns"] == 0.3
     assert sent["stream"] is False and sent["return_timestamps"] is True and "stream_format" not in sent
-    answer = resp.value.json()
+    answer = resp.json()
     segments = answer["segments"]
     assert [seg["voice"] for seg in segments][0] == "anna" and segments[-1]["voice"] == "bob", segments
-    page.wait_for_function("() => document.getElementById('player').duration > 0")
     area = page.get_by_role("region", name="Captions")
     lines = area.locator(".caption-line")
     expect(lines).to_have_count(len(segments))

@@ -24,7 +24,6 @@ def add_parser(sub) -> None:
 
 
 def run(args, progress=to_stderr) -> int:
-
     from .synth import check_captions_path
 
     out = check_captions_path(args.out, "--out")
