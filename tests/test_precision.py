@@ -201,3 +201,81 @@ def test_vocoder_fp32_unchanged_after_bf16_use():
     h.inference(mel)
     h.set_precision("fp32")
     assert torch.equal(h.inference(mel), ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fast solver's kept modulations and its bfloat16 conv position embedding
+
+
+def test_fast_solver_computes_the_modulations_once_per_schedule(monkeypatch):
+    """The time embedding and every block's modulation depend only on the (fixed) schedule: the second
+    solve reuses the first's, bit for bit, and new weights (a rebuilt solver) compute them again."""
+    fx = load_fixture("flow")[0]
+    a = (t(fx["token"]), t(fx["prompt_token"]), t(fx["prompt_feat"]), t(fx["embedding"]))
+    flow = Flow.from_dir(MODEL_DIR, precision="bf16")
+    embed = flow.decoder.estimator.time_embed
+    calls = []
+    monkeypatch.setattr(type(embed), "__call__", lambda self, *x: calls.append(1) or torch.nn.Module.__call__(self, *x))
+    first = flow.inference(*a)
+    assert len(calls) == 1
+    assert torch.equal(flow.inference(*a), first) and len(calls) == 1
+    sd = {k: v.clone() for k, v in flow.state_dict().items()}
+    key = next(k for k in sd if k.startswith("decoder.estimator.time_embed.") and k.endswith("bias"))
+    sd[key] += 0.5
+    flow.load_state_dict(sd)
+    assert not torch.equal(flow.inference(*a), first) and len(calls) == 2
+
+
+def _conv_pos_error_bound(cpe, x) -> torch.Tensor:
+    """Per output, what bfloat16 may cost (the error model). Each conv's inputs and weights are rounded to
+    bfloat16 (relative error up to 2^-9 each, uniform and independent from term to term), so a product is
+    off by up to 2^-8 of itself and the float32 sum by a random walk: standard deviation 2^-8 / sqrt(3) *
+    sqrt(sum (w x)^2). An error already in the input walks through the weights the same way (sqrt(sum
+    (w e)^2)); the rounded bias and the rounded output (conv and Mish, 2^-9 each) add 2^-8 of |b| + |y|;
+    Mish's slope is <= 1.1. The bound is 6 standard deviations of the walks plus the roundings."""
+    from torch.nn.functional import conv1d, pad
+
+    from cosyllama.flow.dit import CONV_POS_GROUPS, CONV_POS_KERNEL
+
+    u = 2.0 ** -8
+    y, err = x.transpose(1, 2), torch.zeros_like(x.transpose(1, 2))
+    for seq in (cpe.conv1, cpe.conv2):
+        w, b = seq[0].weight, seq[0].bias
+        y, err = pad(y, (CONV_POS_KERNEL - 1, 0)), pad(err, (CONV_POS_KERNEL - 1, 0))
+        walk = (u / 3 ** 0.5) * conv1d(y.square(), w.square(), None, groups=CONV_POS_GROUPS).sqrt()
+        carried = conv1d(err.square(), w.square(), None, groups=CONV_POS_GROUPS).sqrt()
+        y = seq(y)
+        err = 1.1 * (6 * walk + carried + u * b.abs()[:, None]) + u * y.abs()
+    return err.transpose(1, 2)
+
+
+def test_the_bf16_conv_position_embedding_is_the_module_within_bf16_rounding():
+    from cosyllama.flow.fast_dit import _LowpConvPos
+
+    flow = Flow.from_dir(MODEL_DIR)
+    cpe = flow.decoder.estimator.input_embed.conv_pos_embed
+    x = torch.randn(2, 70, cpe.conv1[0].in_channels, generator=torch.Generator().manual_seed(3)) * 3
+    with torch.no_grad():
+        want, bound = cpe(x), _conv_pos_error_bound(cpe, x)
+        got = _LowpConvPos(cpe, torch.bfloat16)(x)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert not torch.equal(got, want)  # really bfloat16
+        assert ((got - want).abs() <= bound).all(), float(((got - want).abs() / bound).max())
+        # A deliberate small error fails it: the first conv's weights 2 % off, as a float32 module.
+        bad = Flow.from_dir(MODEL_DIR).decoder.estimator.input_embed.conv_pos_embed
+        bad.conv1[0].weight.mul_(1.02)
+        assert not ((bad(x) - want).abs() <= bound).all()
+        # The streamed form (StepCache.conv_pos: the convs unpadded over 60 frames of context) gives the
+        # same frames as the whole.
+        lowp = _LowpConvPos(cpe, torch.bfloat16)
+        tail = lowp.conv2(lowp.conv1(x[:, 4:].transpose(1, 2))).transpose(1, 2)  # frames 64..69
+        assert tail.shape[1] == 6 and ((tail - got[:, 64:]).abs() <= bound[:, 64:]).all()
+
+
+def test_the_fast_solver_runs_its_conv_position_embedding_in_its_activation_dtype():
+    from cosyllama.flow.fast_dit import FastDiT, _LowpConvPos
+
+    flow = Flow.from_dir(MODEL_DIR)
+    dit = flow.decoder.estimator
+    assert isinstance(FastDiT(dit, torch.bfloat16).conv_pos, _LowpConvPos)
+    assert FastDiT(dit, prec.INT8, "onednn").conv_pos is dit.input_embed.conv_pos_embed  # float32 activations

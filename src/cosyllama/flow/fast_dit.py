@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..precision import INT8
 from .cache import FlowStreamCache, StepCache
-from .dit import LN_EPS, DiT, chunk_attention_mask
+from .dit import CONV_POS_GROUPS, CONV_POS_KERNEL, LN_EPS, DiT, chunk_attention_mask
 
 
 def _onednn_linear_available(dtype: torch.dtype) -> bool:
@@ -249,14 +249,44 @@ def _observe(seen: list[list[float]] | None, k: int, x: torch.Tensor) -> None:
         seen[k][0], seen[k][1] = min(seen[k][0], float(lo)), max(seen[k][1], float(hi))
 
 
+class _LowpConvPos:
+    """The DiT's causal conv position embedding with its two grouped convs in ``dtype`` (bfloat16):
+    the same interface as :class:`~cosyllama.flow.dit.CausalConvPositionEmbedding` where the solver
+    and :class:`~cosyllama.flow.cache.StepCache` call it (``conv1`` takes the float32 input projection
+    channel-major and gives ``dtype``, ``conv2`` takes that and gives float32; calling it pads on the
+    left as the module does). oneDNN's float32 grouped conv is slow (7 ms per conv for a streaming
+    chunk's 166 frames on 2 AMX cores, 2.9 in bfloat16; 20 against 5.8 at 650 frames), and the
+    bfloat16 paths round its input to bfloat16 downstream anyway. Mish runs in ``dtype`` too."""
+
+    def __init__(self, cpe, dtype: torch.dtype):
+        convs = [seq[0] for seq in (cpe.conv1, cpe.conv2)]
+        self._w = [(c.weight.detach().to(dtype), c.bias.detach().to(dtype)) for c in convs]
+        self.dtype = dtype
+
+    def _conv(self, i: int, y: torch.Tensor) -> torch.Tensor:
+        w, b = self._w[i]
+        return F.mish(F.conv1d(y.to(self.dtype), w, b, groups=CONV_POS_GROUPS))
+
+    def conv1(self, y: torch.Tensor) -> torch.Tensor:
+        return self._conv(0, y)
+
+    def conv2(self, y: torch.Tensor) -> torch.Tensor:
+        return self._conv(1, y).float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv1(F.pad(x.transpose(1, 2), (CONV_POS_KERNEL - 1, 0)))
+        return self.conv2(F.pad(y, (CONV_POS_KERNEL - 1, 0))).transpose(1, 2)
+
+
 class FastDiT:
     """The whole Euler/CFG solve with the DiT's matrix products in a low-precision ``dtype``.
 
     Same maths as :class:`CFM` + :class:`DiT`, re-arranged so that nothing is computed twice:
 
     * the time embedding and every block's AdaLN modulation depend only on t, which is the same for
-      both CFG rows and fixed in advance, so all of them are computed once per call, for all steps,
-      in float32 (one matrix product per block instead of one per block per step);
+      both CFG rows and fixed in advance, so all of them are computed once, for all steps, in float32
+      (one matrix product per block instead of one per block per step), and kept for the next call
+      (:meth:`_modulations`);
     * the input projection is linear, so its ``[cond, mu, spks]`` part (constant over the steps) is
       computed once; only the ``x`` part (the same for both CFG rows) is recomputed per step;
     * the rotary angles, their sin/cos and the attention mask are computed once;
@@ -268,9 +298,10 @@ class FastDiT:
     Precision: the weights of q/k/v, out, and the feed-forward are held in ``dtype`` (for
     :data:`~cosyllama.precision.INT8`: int8 weights on PyTorch's int8 kernels, see :class:`_Int8Linear`,
     and float32 everywhere else); LayerNorm
-    statistics, the residual stream, the modulation, the input/output projections, the conv
-    position embedding, the CFG combination and the Euler update stay float32. Noise in and mel out
-    are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
+    statistics, the residual stream, the modulation, the input/output projections, the CFG
+    combination and the Euler update stay float32. The conv position embedding runs in the
+    activations' dtype (bfloat16 on the bf16 and mixed int8 paths, :class:`_LowpConvPos`; float32 on
+    the other int8 paths). Noise in and mel out are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
 
     Streaming cache: :meth:`solve_from` resumes from a :class:`FlowStreamCache` the way the
     reference DiT does (see :class:`StepCache`).
@@ -279,6 +310,7 @@ class FastDiT:
     # The residual stream's dtype. float32; `cosyllama bench --flow-precisions bf16-res16` sets
     # bfloat16 around its own calls to measure what keeping it in float32 costs.
     residual_dtype = torch.float32
+    lowp_conv_pos = True
 
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE,
                  static_scales: tuple | None = None, observe: bool = False):
@@ -307,6 +339,11 @@ class FastDiT:
             def lin(w, b, gelu=False):
                 return _LowpLinear(w, b, dtype, gelu)
         self.dit = dit  # time MLP, conv position embedding, final modulation/projection (float32)
+        # the conv position embedding in the activations' dtype where that is bfloat16 (see _LowpConvPos)
+        self.conv_pos = (_LowpConvPos(dit.input_embed.conv_pos_embed, torch.bfloat16)
+                         if self.act_dtype == torch.bfloat16 and self.lowp_conv_pos
+                         else dit.input_embed.conv_pos_embed)
+        self._mod_memo: dict = {}  # schedule -> _modulations' result
         blk0 = dit.transformer_blocks[0]
         self.heads = blk0.attn.heads
         self.dim = blk0.attn.to_q.in_features
@@ -355,11 +392,29 @@ class FastDiT:
         return tuple(tuple(tuple(static_scale(lo, hi) for lo, hi in r[s]) for s in range(n)) for r in self.ranges)
 
     def _modulations(self, ts: torch.Tensor) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-        """Per block, per step: the six modulation vectors ``(dim,)``; and the final (scale, shift)."""
-        c = F.silu(self.dit.time_embed(ts))  # (S, dim)
-        per_block = [F.linear(c, b["w_mod"], b["b_mod"]).chunk(6, dim=-1) for b in self.blocks]
-        final = F.linear(c, self.dit.norm_out.linear.weight, self.dit.norm_out.linear.bias).chunk(2, dim=-1)
-        return per_block, final
+        """Per block, per step: the six modulation vectors ``(dim,)`` with 1 added to both scales
+        (LayerNorm's weights); and the final (scale + 1, shift).
+
+        They depend only on the times, the same in every call of a model (its fixed schedule), so
+        they are kept per schedule: computed once they save every later call 22 reads of a 24 MB
+        matrix (40-65 ms of a streaming chunk's call on 2 cores). Same arithmetic, same bits."""
+        key = (ts.device, ts.detach().cpu().numpy().tobytes())
+        hit = self._mod_memo.get(key)
+        if hit is not None:
+            return hit
+        with torch.no_grad():
+            c = F.silu(self.dit.time_embed(ts))  # (S, dim)
+            per_block = []
+            for b in self.blocks:
+                sh_a, sc_a, g_a, sh_f, sc_f, g_f = F.linear(c, b["w_mod"], b["b_mod"]).chunk(6, dim=-1)
+                per_block.append((sh_a, 1 + sc_a, g_a, sh_f, 1 + sc_f, g_f))
+            norm = self.dit.norm_out.linear
+            scale, shift = F.linear(c, norm.weight, norm.bias).chunk(2, dim=-1)
+        out = per_block, (1 + scale, shift)
+        if len(self._mod_memo) >= 4:  # a handful of schedules at most (one per step count in use)
+            self._mod_memo.clear()
+        self._mod_memo[key] = out
+        return out
 
     @staticmethod
     def _rotate_head0_(qkv: torch.Tensor, heads: int, cis: torch.Tensor) -> None:
@@ -405,13 +460,12 @@ class FastDiT:
         ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
         cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
-        ones = torch.ones(dim, device=mu.device)
         x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
             past = None if cache is None else StepCache(cache, s, keep, streaming, kv_dtype)
             # x is the same in both CFG branches: its projection is added to each.
             h = (const + F.linear(x.transpose(1, 2), self.w_in_x)).flatten(0, 1)  # (2B, m, dim) float32
-            cpe = dit.input_embed.conv_pos_embed
+            cpe = self.conv_pos
             h = (cpe(h) if past is None else past.conv_pos(cpe, h)) + h
             # a fresh tensor, updated in place below; row-major: the position convs leave the sum
             # channel-major, and every residual update and LayerNorm then ran on strided memory
@@ -426,7 +480,7 @@ class FastDiT:
                 # parameters: one cheap pass; its statistics are accumulated in float32 by layer_norm.
                 # (Static int8: in float32, which the quantization pass reads.)
                 ln_dt = torch.float32 if q8 else dt_
-                n1 = F.layer_norm(h.to(ln_dt), (dim,), (ones + sc_a[s]).to(ln_dt), sh_a[s].to(ln_dt), eps)
+                n1 = F.layer_norm(h.to(ln_dt), (dim,), sc_a[s].to(ln_dt), sh_a[s].to(ln_dt), eps)
                 if q8:
                     qkv = blk["qkv"](quantize_u8(n1, *q8[0]), q8[0], dt_)
                 else:
@@ -448,7 +502,7 @@ class FastDiT:
                     o = blk["out"](o)
                 # Same-dtype in-place update: a mixed-dtype addcmul takes a slow unvectorized path.
                 h.addcmul_(o.to(res), g_a[s].to(res))
-                n2 = F.layer_norm(h.to(ln_dt), (dim,), (ones + sc_f[s]).to(ln_dt), sh_f[s].to(ln_dt), eps)
+                n2 = F.layer_norm(h.to(ln_dt), (dim,), sc_f[s].to(ln_dt), sh_f[s].to(ln_dt), eps)
                 if q8:  # ff-in's epilogue: bias, GELU and ff-out's input scale; the hidden rows stay uint8
                     hid = blk["ff1"](quantize_u8(n2, *q8[2]), q8[2], torch.uint8, q8[3])
                     y = blk["ff2"](hid, q8[3], res)
@@ -459,7 +513,7 @@ class FastDiT:
                     y = blk["ff2"](hid)
                 del n2, hid
                 h.addcmul_(y.to(res), g_f[s].to(res))
-            h = F.layer_norm(h.float(), (dim,), ones + f_scale[s], f_shift[s], eps)
+            h = F.layer_norm(h.float(), (dim,), f_scale[s], f_shift[s], eps)
             v = F.linear(h, dit.proj_out.weight, dit.proj_out.bias).transpose(1, 2)  # (2B, mel, m)
             x = x + dt * ((1.0 + cfg_rate) * v[:b] - cfg_rate * v[b:])
         return x.float()
