@@ -310,7 +310,10 @@ class FastDiT:
     # The residual stream's dtype. float32; `cosyllama bench --flow-precisions bf16-res16` sets
     # bfloat16 around its own calls to measure what keeping it in float32 costs.
     residual_dtype = torch.float32
+    # Switches for scripts/ab_first_chunk.py, which times each against its absence in one process: the
+    # position convs in bfloat16 where the activations are (_LowpConvPos), the modulations kept per schedule.
     lowp_conv_pos = True
+    keep_modulations = True
 
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE,
                  static_scales: tuple | None = None, observe: bool = False):
@@ -399,7 +402,7 @@ class FastDiT:
         they are kept per schedule: computed once they save every later call 22 reads of a 24 MB
         matrix (40-65 ms of a streaming chunk's call on 2 cores). Same arithmetic, same bits."""
         key = (ts.device, ts.detach().cpu().numpy().tobytes())
-        hit = self._mod_memo.get(key)
+        hit = self._mod_memo.get(key) if self.keep_modulations else None
         if hit is not None:
             return hit
         with torch.no_grad():

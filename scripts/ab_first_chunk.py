@@ -1,0 +1,78 @@
+"""Time a warmed voice's first streaming chunk with the fast flow solver's settings switched, in one process:
+``before`` (the position convs in float32, the modulations computed in every call) and ``now`` (the defaults:
+bf16 position convs on the bf16 paths, modulations kept per schedule), alternating (A B, B A, ...), each
+request after an untimed one on the rebuilt solver. Prints each setting's flow call and first audio per round
+and their medians (full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
+
+    python scripts/ab_first_chunk.py --threads 2 --rounds 6 [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import cosyllama  # noqa: E402
+from bench_first_audio import Marks, first_audio_s  # noqa: E402
+from cosyllama.flow.fast_dit import FastDiT  # noqa: E402
+from cosyllama.precision import precision_name  # noqa: E402
+from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_wav  # noqa: E402
+from cosyllama.tts import SynthesisOptions  # noqa: E402
+
+SETTINGS = {"before": dict(lowp_conv_pos=False, keep_modulations=False),
+            "now": dict(lowp_conv_pos=True, keep_modulations=True)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--prompt-seconds", type=float, default=3.0)
+    p.add_argument("--json", help="write the rounds here")
+    a = p.parse_args(argv)
+    model = ensure_full_model(print)
+    tts = cosyllama.load(model, llm="llamacpp", gguf=ensure_gguf(model, "speech", "Q8_0", print),
+                         threads=a.threads, prompt_cache_mb=512, precision="auto")
+    flow = tts.token2wav.flow
+    if flow.precision == torch.float32:
+        print(f"note: auto chose {precision_name(flow.precision)}: the reference solver, which has neither setting")
+    voice = tts.make_voice(prompt_wav(a.prompt_seconds))
+    tts.cross_lingual("Warm up.", voice=voice,
+                      options=SynthesisOptions(greedy=True, max_tokens=5, ignore_stop=True)).audio()
+    tts.warm_voice(voice)
+    marks = Marks(tts)
+    flow_s: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    first_s: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    try:
+        for r in range(a.rounds):
+            for name in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
+                for attr, value in SETTINGS[name].items():
+                    setattr(FastDiT, attr, value)
+                flow.decoder._fast.drop()  # the solver is rebuilt with the setting
+                first_audio_s(tts, voice, 0, marks)  # untimed
+                t, parts = first_audio_s(tts, voice, r, marks)
+                flow_s[name].append(round(parts["flow_s"], 3))
+                first_s[name].append(round(t, 3))
+    finally:
+        for attr, value in SETTINGS["now"].items():
+            setattr(FastDiT, attr, value)
+    for name in SETTINGS:
+        print(f"{name}: first chunk's flow call {' '.join(f'{x:.3f}' for x in flow_s[name])} s "
+              f"(median {statistics.median(flow_s[name]):.3f}); first audio median "
+              f"{statistics.median(first_s[name]):.3f} s")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"flow": precision_name(flow.precision),
+                                            "engine": flow.decoder.int8_engine, "threads": a.threads,
+                                            "flow_s": flow_s, "first_audio_s": first_s}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
