@@ -2,7 +2,7 @@
 ``before`` (the position convs in float32, the modulations computed in every call) and ``now`` (the defaults:
 bf16 position convs on the bf16 paths, modulations kept per schedule), alternating (A B, B A, ...), each
 request after an untimed one on the rebuilt solver. Prints each setting's flow call and first audio per round
-and their medians (full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
+and their medians (default: the full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
 
     python scripts/ab_first_chunk.py --threads 2 --rounds 6 [--json FILE]
 """
@@ -32,14 +32,17 @@ SETTINGS = {"before": dict(lowp_conv_pos=False, keep_modulations=False),
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", help="model directory (default: the cached full-size random model)")
+    p.add_argument("--llm", choices=["llamacpp", "torch"], default="llamacpp")
+    p.add_argument("--precision", default="auto", help="flow precision (bf16 or int8 to force a fast path)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--prompt-seconds", type=float, default=3.0)
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args(argv)
-    model = ensure_full_model(print)
-    tts = cosyllama.load(model, llm="llamacpp", gguf=ensure_gguf(model, "speech", "Q8_0", print),
-                         threads=a.threads, prompt_cache_mb=512, precision="auto")
+    model = a.model_dir or ensure_full_model(print)
+    gguf = ensure_gguf(model, "speech", "Q8_0", print) if a.llm == "llamacpp" else None
+    tts = cosyllama.load(model, llm=a.llm, gguf=gguf, threads=a.threads, prompt_cache_mb=512, precision=a.precision)
     flow = tts.token2wav.flow
     if flow.precision == torch.float32:
         print(f"note: auto chose {precision_name(flow.precision)}: the reference solver, which has neither setting")

@@ -155,3 +155,17 @@ def test_flow_pt2e_on_the_tiny_model(tmp_path, capsys):
     for row in res["rows"].values():
         assert row["seconds_per_audio_second"][0] > 0 and 0 <= row["mel_error_mean"] <= row["mel_error_max"]
     assert "x bf16" in capsys.readouterr().out
+
+
+def test_first_chunk_ab(tmp_path, capsys):
+    from cosyllama.flow.fast_dit import FastDiT
+
+    out = tmp_path / "ab.json"
+    main = runpy.run_path(str(SCRIPTS / "ab_first_chunk.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--precision", "bf16", "--threads", "1",
+                 "--rounds", "2", "--prompt-seconds", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["flow"] == "bf16" and set(data["flow_s"]) == {"before", "now"}
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in data["first_audio_s"].values())
+    assert FastDiT.lowp_conv_pos and FastDiT.keep_modulations  # the defaults are back
+    assert "now: first chunk's flow call" in capsys.readouterr().out
