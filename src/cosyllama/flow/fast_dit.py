@@ -301,7 +301,8 @@ class FastDiT:
     statistics, the residual stream, the modulation, the input/output projections, the CFG
     combination and the Euler update stay float32. The conv position embedding runs in the
     activations' dtype (bfloat16 on the bf16 and mixed int8 paths, :class:`_LowpConvPos`; float32 on
-    the other int8 paths). Noise in and mel out are float32. Not a module: a read-only view built from a loaded :class:`DiT`.
+    the other int8 paths). Noise in and mel out are float32. Not a module: a read-only view built
+    from a loaded :class:`DiT`.
 
     Streaming cache: :meth:`solve_from` resumes from a :class:`FlowStreamCache` the way the
     reference DiT does (see :class:`StepCache`).
