@@ -166,6 +166,10 @@ def test_wyoming_drains_on_sigterm_and_exits_0(tmp_path):
                        + wyoming_event("synthesize-chunk", {"text": "Hello there. "}))
         assert _wyoming_events(stream, until="audio-chunk")[-1][0] == "audio-chunk"  # its first sentence speaks
         non_reader = _non_reader(port, wyoming_event("synthesize", {"text": LONG, "voice": {"name": "en"}}))
+        # Its request is under way once its first event comes: peeked, not read (its buffer stays full). Without
+        # this the signal could come before the server read its request, which is then refused as an idle one's.
+        non_reader.settimeout(TIMEOUT)
+        assert non_reader.recv(1, socket.MSG_PEEK)
         idle = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         idle.sendall(wyoming_event("describe", {}))
         assert _wyoming_events(idle, until="info")[-1][0] == "info"
