@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     tts = cosyllama.load(model, llm=a.llm, gguf=gguf, threads=a.threads, prompt_cache_mb=512, precision=a.precision)
     flow = tts.token2wav.flow
     if flow.precision == torch.float32:
-        print(f"note: auto chose {precision_name(flow.precision)}: the reference solver, which has neither setting")
+        print("note: the flow runs fp32, the reference solver, which has neither setting: both rows time the same")
     voice = tts.make_voice(prompt_wav(a.prompt_seconds))
     tts.cross_lingual("Warm up.", voice=voice,
                       options=SynthesisOptions(greedy=True, max_tokens=5, ignore_stop=True)).audio()

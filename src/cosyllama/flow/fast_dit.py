@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..precision import INT8
 from .cache import FlowStreamCache, StepCache
-from .dit import CONV_POS_GROUPS, CONV_POS_KERNEL, LN_EPS, DiT, chunk_attention_mask
+from .dit import CONV_POS_GROUPS, LN_EPS, CausalConvPositionEmbedding, DiT, chunk_attention_mask
 
 
 def _onednn_linear_available(dtype: torch.dtype) -> bool:
@@ -273,9 +273,8 @@ class _LowpConvPos:
     def conv2(self, y: torch.Tensor) -> torch.Tensor:
         return self._conv(1, y).float()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv1(F.pad(x.transpose(1, 2), (CONV_POS_KERNEL - 1, 0)))
-        return self.conv2(F.pad(y, (CONV_POS_KERNEL - 1, 0))).transpose(1, 2)
+    # the module's own forward (left padding, the two convs through self.conv1/conv2): one definition of it
+    __call__ = CausalConvPositionEmbedding.forward
 
 
 class FastDiT:
