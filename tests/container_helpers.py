@@ -20,6 +20,10 @@ DEPLOY = ROOT / "deploy"
 PODMAN = ["podman", "--runtime", "runc"]  # crun fails on this kernel's cgroup layout
 # podman's default rlimits exceed what this sandbox lets a container set
 ULIMITS = ["--ulimit", "nofile=16384:16384", "--ulimit", "nproc=16384:16384"]
+# the disk a run needs free: its peak measured 14.5 GB over the start (df every 3 s through
+# `pytest -m container tests/test_container.py tests/test_addon.py`; two bases, two build stages and their images,
+# the layers being written, the pip caches and the test folders), with margin; the images are removed at the end
+NEEDS_FREE_GB = 20
 HEALTHY_WITHIN_S = 120  # the tiny model: the image's Python, torch and llama.cpp load, then the model
 TEXT = "Hello from the container."
 # the machine's pip configuration and package directories, mounted into the builds where they exist
@@ -61,10 +65,38 @@ def free_port() -> int:
 
 
 def engine_or_skip(pytest) -> str:
-    r = subprocess.run([*PODMAN, "info", "--format", "{{.Host.OCIRuntime.Name}}"], capture_output=True, text=True)
+    """podman's OCI runtime; skips where podman cannot run, fails where its storage lacks the space to build."""
+    r = subprocess.run([*PODMAN, "info", "--format", "{{.Host.OCIRuntime.Name}}\n{{.Store.GraphRoot}}"],
+                       capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"podman cannot run here: {r.stderr.strip()[:300]}")
-    return r.stdout.strip()
+    runtime, root = r.stdout.strip().splitlines()
+    free = shutil.disk_usage(root).free / 1e9
+    if free < NEEDS_FREE_GB:
+        pytest.fail(f"podman's storage ({root}) has {free:.1f} GB free; building and running the images needs "
+                    f"{NEEDS_FREE_GB} GB (`podman image prune` removes the untagged images earlier builds left)",
+                    pytrace=False)
+    return runtime
+
+
+def dangling_images() -> set[str]:
+    """The untagged images podman holds (build stages, images a new build's tag was moved from)."""
+    r = podman("images", "--quiet", "--no-trunc", "--filter", "dangling=true", check=False)
+    return set(r.stdout.split())
+
+
+@contextlib.contextmanager
+def removed_after(tag: str):
+    """Removes, on leaving, the image ``tag`` and every untagged image made meanwhile (a build's stages, the image
+    the tag pointed at before), so that runs do not pile images up until the disk is full."""
+    before = dangling_images()
+    try:
+        yield
+    finally:
+        podman("rmi", "--force", tag, check=False)
+        made = sorted(dangling_images() - before)
+        if made:
+            podman("rmi", "--force", *made, check=False)
 
 
 def debian_image(tag: str, packages: str, *changes: str, timeout: float = 900) -> float:

@@ -49,6 +49,7 @@ from container_helpers import (
     missing_tools,
     pip_mounts,
     podman,
+    removed_after,
     report,
     wyoming_session,
 )
@@ -95,10 +96,10 @@ def ha_base(store, pytestconfig):
     engine_or_skip(pytest)
     base = store.plan["base"]
     assert base.startswith("ghcr.io/home-assistant/"), base  # a registry image the Supervisor's --pull can fetch
-    took = debian_image(base, HA_BASE_PACKAGES, 'ENTRYPOINT ["/init"]')
-    report(pytestconfig, f"stand-in {base} (mmdebstrap bookworm minbase + {HA_BASE_PACKAGES}): {took:.0f} s")
-    yield base
-    podman("untag", base, base, check=False)
+    with removed_after(base):
+        took = debian_image(base, HA_BASE_PACKAGES, 'ENTRYPOINT ["/init"]')
+        report(pytestconfig, f"stand-in {base} (mmdebstrap bookworm minbase + {HA_BASE_PACKAGES}): {took:.0f} s")
+        yield base
 
 
 @pytest.fixture(scope="session")
@@ -125,21 +126,23 @@ def addon_image(store, ha_base, release, pytestconfig, tmp_path_factory):
     plan = store.plan
     assert plan["args"]["COSYLLAMA_VERSION"] == version  # build.yaml installs the release of this tree
     args = {**plan["args"], "TORCH_INDEX": ""}
-    log = tmp_path_factory.mktemp("addon-build") / "build.log"
-    t0 = time.monotonic()
-    r = subprocess.run([*PODMAN, "build", "--format", "docker", "--pull=never", "--network", "host", *ULIMITS,
-                        f"--volume={wheels}:/wheels:ro", *pip_mounts(),
-                        *[a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")],
-                        *[a for k, v in plan["labels"].items() for a in ("--label", f"{k}={v}")],
-                        "-t", plan["tag"], str(plan["context"])],
-                       stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=3600)
-    took = time.monotonic() - t0
-    text = log.read_text()
-    assert r.returncode == 0, text[-5000:]
-    assert "the wheel in /wheels" in text and f"cosyllama-{version}" in text, text[-3000:]
-    size = int(podman("image", "inspect", "--format", "{{.Size}}", plan["tag"]).stdout.strip())
-    report(pytestconfig, f"add-on image {plan['tag']} from {plan['base']}: built in {took:.0f} s, {size / 1e6:.0f} MB")
-    return plan["tag"]
+    with removed_after(plan["tag"]):
+        log = tmp_path_factory.mktemp("addon-build") / "build.log"
+        t0 = time.monotonic()
+        r = subprocess.run([*PODMAN, "build", "--format", "docker", "--pull=never", "--network", "host", *ULIMITS,
+                            f"--volume={wheels}:/wheels:ro", *pip_mounts(),
+                            *[a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")],
+                            *[a for k, v in plan["labels"].items() for a in ("--label", f"{k}={v}")],
+                            "-t", plan["tag"], str(plan["context"])],
+                           stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=3600)
+        took = time.monotonic() - t0
+        text = log.read_text()
+        assert r.returncode == 0, text[-5000:]
+        assert "the wheel in /wheels" in text and f"cosyllama-{version}" in text, text[-3000:]
+        size = int(podman("image", "inspect", "--format", "{{.Size}}", plan["tag"]).stdout.strip())
+        report(pytestconfig,
+               f"add-on image {plan['tag']} from {plan['base']}: built in {took:.0f} s, {size / 1e6:.0f} MB")
+        yield plan["tag"]
 
 
 @pytest.fixture(scope="session")

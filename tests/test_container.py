@@ -42,6 +42,7 @@ from container_helpers import (
     missing_tools,
     pip_mounts,
     podman,
+    removed_after,
     report,
     wyoming_session,
 )
@@ -73,9 +74,10 @@ def engine():
 @pytest.fixture(scope="session")
 def base_image(engine, pytestconfig):
     """A Debian 12 base (what debian:bookworm-slim is, plus Python and tini) from Debian's packages."""
-    took = debian_image(BASE_TAG, BASE_PACKAGES)
-    report(pytestconfig, f"base image {BASE_TAG} (mmdebstrap bookworm minbase + {BASE_PACKAGES}): {took:.0f} s")
-    return BASE_TAG
+    with removed_after(BASE_TAG):
+        took = debian_image(BASE_TAG, BASE_PACKAGES)
+        report(pytestconfig, f"base image {BASE_TAG} (mmdebstrap bookworm minbase + {BASE_PACKAGES}): {took:.0f} s")
+        yield BASE_TAG
 
 
 @pytest.fixture(scope="session")
@@ -93,8 +95,12 @@ def build_mounts(wheels: Path) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def image(base_image, llama_wheel, pytestconfig, tmp_path_factory) -> str:
-    log = tmp_path_factory.mktemp("build") / "image-build.log"
+def image(base_image, llama_wheel, pytestconfig, tmp_path_factory):
+    with removed_after(TAG):
+        yield build_image(llama_wheel, base_image, pytestconfig, tmp_path_factory.mktemp("build") / "image-build.log")
+
+
+def build_image(llama_wheel: Path, base_image: str, pytestconfig, log: Path) -> str:
     t0 = time.monotonic()
     # --format docker: OCI images carry no HEALTHCHECK; --network host: the machine's indexes, as pip has them
     r = subprocess.run([*PODMAN, "build", "--format", "docker", "--network", "host", *ULIMITS,
