@@ -1,10 +1,11 @@
-"""Time a warmed voice's first streaming chunk with the fast flow solver's settings switched, in one process:
-``before`` (the position convs in float32, the modulations computed in every call) and ``now`` (the defaults:
-bf16 position convs on the bf16 paths, modulations kept per schedule), alternating (A B, B A, ...), each
-request after an untimed one on the rebuilt solver. Prints each setting's flow call and first audio per round
-and their medians (default: the full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
+"""Time a warmed voice's first streaming chunk with the fast flow solver's switches turned off, in one process:
+``before`` (without the ``--switch`` ones: the position convs in float32, the modulations computed in every call,
+the keys unpadded) and ``now`` (the defaults: bf16 position convs on the bf16 paths, modulations kept per
+schedule, a masked call's keys padded to 16), alternating (A B, B A, ...), each request after an untimed one on
+the rebuilt solver. Prints each setting's flow call and first audio per round and their medians (default: the
+full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
 
-    python scripts/ab_first_chunk.py --threads 2 --rounds 6 [--json FILE]
+    python scripts/ab_first_chunk.py --threads 2 --rounds 6 [--switch pad_keys] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from cosyllama.precision import precision_name  # noqa: E402
 from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_wav  # noqa: E402
 from cosyllama.tts import SynthesisOptions  # noqa: E402
 
-SETTINGS = {"before": dict(lowp_conv_pos=False, keep_modulations=False),
-            "now": dict(lowp_conv_pos=True, keep_modulations=True)}
+# the solver's switches (FastDiT class attributes, all on by default); "before" turns off those --switch names
+SWITCHES = ("lowp_conv_pos", "keep_modulations", "pad_keys")
 
 
 def main(argv=None) -> int:
@@ -38,25 +39,29 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--prompt-seconds", type=float, default=3.0)
+    p.add_argument("--switch", action="append", choices=SWITCHES,
+                   help="time only this switch against its absence (repeatable; default: all of them)")
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args(argv)
+    off = a.switch or list(SWITCHES)
+    settings = {"before": {k: k not in off for k in SWITCHES}, "now": dict.fromkeys(SWITCHES, True)}
     model = a.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", "Q8_0", print) if a.llm == "llamacpp" else None
     tts = cosyllama.load(model, llm=a.llm, gguf=gguf, threads=a.threads, prompt_cache_mb=512, precision=a.precision)
     flow = tts.token2wav.flow
     if flow.precision == torch.float32:
-        print("note: the flow runs fp32, the reference solver, which has neither setting: both rows time the same")
+        print("note: the flow runs fp32, the reference solver, which has no such switch: both rows time the same")
     voice = tts.make_voice(prompt_wav(a.prompt_seconds))
     tts.cross_lingual("Warm up.", voice=voice,
                       options=SynthesisOptions(greedy=True, max_tokens=5, ignore_stop=True)).audio()
     tts.warm_voice(voice)
     marks = Marks(tts)
-    flow_s: dict[str, list[float]] = {k: [] for k in SETTINGS}
-    first_s: dict[str, list[float]] = {k: [] for k in SETTINGS}
+    flow_s: dict[str, list[float]] = {k: [] for k in settings}
+    first_s: dict[str, list[float]] = {k: [] for k in settings}
     try:
         for r in range(a.rounds):
-            for name in (list(SETTINGS) if r % 2 == 0 else list(SETTINGS)[::-1]):
-                for attr, value in SETTINGS[name].items():
+            for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
+                for attr, value in settings[name].items():
                     setattr(FastDiT, attr, value)
                 flow.decoder._fast.drop()  # the solver is rebuilt with the setting
                 first_audio_s(tts, voice, 0, marks)  # untimed
@@ -64,14 +69,14 @@ def main(argv=None) -> int:
                 flow_s[name].append(round(parts["flow_s"], 3))
                 first_s[name].append(round(t, 3))
     finally:
-        for attr, value in SETTINGS["now"].items():
+        for attr, value in settings["now"].items():
             setattr(FastDiT, attr, value)
-    for name in SETTINGS:
+    for name in settings:
         print(f"{name}: first chunk's flow call {' '.join(f'{x:.3f}' for x in flow_s[name])} s "
               f"(median {statistics.median(flow_s[name]):.3f}); first audio median "
               f"{statistics.median(first_s[name]):.3f} s")
     if a.json:
-        Path(a.json).write_text(json.dumps({"flow": precision_name(flow.precision),
+        Path(a.json).write_text(json.dumps({"flow": precision_name(flow.precision), "switched": off,
                                             "engine": flow.decoder.int8_engine, "threads": a.threads,
                                             "flow_s": flow_s, "first_audio_s": first_s}, indent=1))
     return 0

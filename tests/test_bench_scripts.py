@@ -167,5 +167,16 @@ def test_first_chunk_ab(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["flow"] == "bf16" and set(data["flow_s"]) == {"before", "now"}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in data["first_audio_s"].values())
-    assert FastDiT.lowp_conv_pos and FastDiT.keep_modulations  # the defaults are back
+    assert data["switched"] == ["lowp_conv_pos", "keep_modulations", "pad_keys"]  # all, by default
+    assert FastDiT.lowp_conv_pos and FastDiT.keep_modulations and FastDiT.pad_keys  # the defaults are back
     assert "now: first chunk's flow call" in capsys.readouterr().out
+
+
+def test_key_padding_bench(tmp_path, capsys):
+    out = tmp_path / "keys.json"
+    main = runpy.run_path(str(SCRIPTS / "bench_key_padding.py"))["main"]
+    assert main(["--threads", "1", "--queries", "20", "--keys", "40", "--reps", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert list(data["rows"]) == [str(n) for n in range(40, 56)]
+    assert all(r["plain_ms"] > 0 and r["padded_ms"] > 0 for r in data["rows"].values())
+    assert "padded to 48" in capsys.readouterr().out

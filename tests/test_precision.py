@@ -279,3 +279,87 @@ def test_the_fast_solver_runs_its_conv_position_embedding_in_its_activation_dtyp
     dit = flow.decoder.estimator
     assert isinstance(FastDiT(dit, torch.bfloat16).conv_pos, _LowpConvPos)
     assert FastDiT(dit, prec.INT8, "onednn").conv_pos is dit.input_embed.conv_pos_embed  # float32 activations
+
+
+# ----------------------------------------------------------------------------------------------
+# A streaming call's keys padded to KEY_ALIGN frames (hidden by the mask)
+
+
+def _padded_attention(q, k, v, mask, pad, show_padding=False):
+    from torch.nn.functional import pad as fpad
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from cosyllama.flow.cache import joined
+
+    kp, vp = (joined(None, x.transpose(1, 2).flatten(2), pad).unflatten(-1, k.shape[1::2]).transpose(1, 2)
+              for x in (k, v))
+    return sdpa(q, kp, vp, attn_mask=fpad(mask, (0, pad), value=show_padding))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_padded_under_the_mask_change_the_attention_only_by_rounding(dtype):
+    """Padded keys are zero and hidden: each adds exp(-inf) = 0 to a softmax sum and 0 x 0 to an output, so
+    only the products' kernels (their summation order) and the rounding of the probabilities to ``dtype`` may
+    differ. Error model, per output o = sum_j p_j v_j, with w = sum_j p_j |v_j| (exact probabilities): a
+    score's float32 sum over the 64 channels, reordered, moves by up to 2 x 64 x 2^-24 of max sum |q k| x
+    scale, a probability by twice that relative, so o by that times w; the probabilities rounded to ``dtype``
+    (2^-9 relative in bfloat16, either side: 2 x 2^-9 x w), the weighted sum over N keys reordered (N x 2^-24
+    x w), the output rounded to ``dtype`` (2^-9 x |o|); all doubled. A padded key left visible (the mask not
+    extended) fails it."""
+    from cosyllama.flow.dit import chunk_attention_mask
+    from cosyllama.flow.fast_dit import KEY_ALIGN
+
+    g = torch.Generator().manual_seed(11)
+    b, h, m, n, d = 2, 4, 37, 87, 64
+    q, k, v = (torch.randn(b, h, rows, d, generator=g).to(dtype) for rows in (m, n, n))
+    mask = chunk_attention_mask(n, 50)[n - m:]
+    pad = (-n) % KEY_ALIGN
+    assert pad and KEY_ALIGN == 16
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).double()
+    got = _padded_attention(q, k, v, mask, pad).double()
+    u = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -9
+    qd, kd, vd = q.double(), k.double(), v.double()
+    probs = torch.softmax((qd @ kd.transpose(-1, -2) * d ** -0.5).masked_fill(~mask, float("-inf")), -1)
+    w = probs @ vd.abs()
+    ds = 2 * d * 2.0 ** -24 * (qd.abs() @ kd.abs().transpose(-1, -2)).amax() * d ** -0.5
+    bound = 2 * ((2 * ds + 2 * u + n * 2.0 ** -24) * w + u * want.abs())
+    ratio = float(((got - want).abs() / bound).amax())
+    assert ratio <= 1, ratio
+    leaked = _padded_attention(q, k, v, mask, pad, show_padding=True).double()
+    assert ((leaked - want).abs() > bound).any()
+
+
+def test_a_streaming_call_pads_its_keys_and_a_whole_call_does_not(monkeypatch):
+    """The fast solver pads a streaming call's keys to a multiple of KEY_ALIGN (its mask hides them) and
+    leaves an unmasked (non-streaming) call's as they are; with the switch off nothing is padded, and the
+    two streamed results differ only by rounding (both within the recorded reference's bounds)."""
+    import torch.nn.functional as F
+
+    from cosyllama.flow import fast_dit
+
+    fx = load_fixture("flow")[0]
+    a = (t(fx["token"]), t(fx["prompt_token"]), t(fx["prompt_feat"]), t(fx["embedding"]))
+    chunk = (t(fx["token"])[:, :int(fx["stream_chunk1_n_tokens"][0])], *a[1:])
+    flow = Flow.from_dir(MODEL_DIR, precision="bf16")
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((k.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    padded = flow.inference(*chunk, streaming=True, finalize=False)
+    assert seen and all(keys % fast_dit.KEY_ALIGN == 0 and cols == keys for keys, cols in seen)
+    n = seen[0][0]
+    seen.clear()
+    flow.inference(*a)
+    assert seen and all(cols is None for _, cols in seen)
+    monkeypatch.setattr(fast_dit.FastDiT, "pad_keys", False)
+    flow.decoder._fast.drop()
+    seen.clear()
+    plain = flow.inference(*chunk, streaming=True, finalize=False)
+    assert seen and all(keys < n for keys, _ in seen)  # the fixture's key count is not a multiple of 16
+    for mel in (padded, plain):
+        mean, mx = mel_diff(mel, fx["stream_chunk1_mel"])
+        assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)

@@ -212,13 +212,17 @@ class StepCache:
                 self.cache.conv_mark[self.step] = hx[:, max(mark - CONV_CONTEXT, 0) - first:mark - first].clone()
         return y
 
-    def kv(self, block: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, block: int, k: torch.Tensor, v: torch.Tensor,
+           pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated), V ``(B, m, inner)`` of the new frames -> those of all N frames, in the
-        dtype of the new ones (cached frames converted back from the storage dtype)."""
+        dtype of the new ones (cached frames converted back from the storage dtype), followed by
+        ``pad`` zero frames (keys the caller's mask hides; see :func:`joined`)."""
         slot = (self.step, block)
         if self.start:
             k0, v0 = self.cache.kv[slot]
-            k, v = _after(k0, k), _after(v0, v)
+            k, v = joined(k0, k, pad), joined(v0, v, pad)
+        elif pad:
+            k, v = joined(None, k, pad), joined(None, v, pad)
         if self.store:
             self.cache.kv[slot] = (self._stored(k), self._stored(v))
         return k, v
@@ -231,10 +235,15 @@ class StepCache:
         return t.to(self.store_dtype) if t.dtype != self.store_dtype else t.contiguous()
 
 
-def _after(cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``cat([cached, new], dim=1)`` in ``new``'s dtype, converting ``cached`` on the way (one pass)."""
-    c = cached.shape[1]
-    out = new.new_empty(new.shape[0], c + new.shape[1], new.shape[2])
-    out[:, :c].copy_(cached)
-    out[:, c:].copy_(new)
+def joined(cached: torch.Tensor | None, new: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """``cat([cached, new, pad zero frames], dim=1)`` in ``new``'s dtype, converting ``cached`` on the
+    way (one pass; ``cached`` None: none)."""
+    c = 0 if cached is None else cached.shape[1]
+    m = new.shape[1]
+    out = new.new_empty(new.shape[0], c + m + pad, new.shape[2])
+    if cached is not None:
+        out[:, :c].copy_(cached)
+    out[:, c:c + m].copy_(new)
+    if pad:
+        out[:, c + m:].zero_()
     return out
