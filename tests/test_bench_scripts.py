@@ -180,3 +180,7 @@ def test_key_padding_bench(tmp_path, capsys):
     assert list(data["rows"]) == [str(n) for n in range(40, 56)]
     assert all(r["plain_ms"] > 0 and r["padded_ms"] > 0 for r in data["rows"].values())
     assert "padded to 48" in capsys.readouterr().out
+    assert main(["--threads", "1", "--whole", "--keys", "33", "--step", "8", "--reps", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["queries"] == "keys" and list(data["rows"]) == ["33", "41"]
+    assert "a whole call" in capsys.readouterr().out

@@ -329,10 +329,11 @@ def test_keys_padded_under_the_mask_change_the_attention_only_by_rounding(dtype)
     assert ((leaked - want).abs() > bound).any()
 
 
-def test_a_streaming_call_pads_its_keys_and_a_whole_call_does_not(monkeypatch):
-    """The fast solver pads a streaming call's keys to a multiple of KEY_ALIGN (its mask hides them) and
-    leaves an unmasked (non-streaming) call's as they are; with the switch off nothing is padded, and the
-    two streamed results differ only by rounding (both within the recorded reference's bounds)."""
+def test_the_fast_solver_pads_its_keys_where_a_mask_is_there_or_pays(monkeypatch):
+    """The fast solver pads a streaming call's keys to a multiple of KEY_ALIGN (its mask hides them), and a whole
+    call's where its activations are bfloat16 (a mask added for the purpose); a whole call with float32
+    activations keeps its keys and no mask. With the switch off nothing is padded, and the streamed results
+    differ only by rounding (both within the recorded reference's bounds)."""
     import torch.nn.functional as F
 
     from cosyllama.flow import fast_dit
@@ -348,18 +349,25 @@ def test_a_streaming_call_pads_its_keys_and_a_whole_call_does_not(monkeypatch):
         seen.append((k.shape[-2], None if attn_mask is None else attn_mask.shape[-1]))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
+    def calls(*args, **kw):
+        seen.clear()
+        mel = flow.inference(*args, **kw)
+        assert len(seen) == len(flow.decoder.estimator.transformer_blocks) * flow.decoder.n_timesteps
+        return mel, set(seen)
+
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    padded = flow.inference(*chunk, streaming=True, finalize=False)
-    assert seen and all(keys % fast_dit.KEY_ALIGN == 0 and cols == keys for keys, cols in seen)
-    n = seen[0][0]
-    seen.clear()
-    flow.inference(*a)
-    assert seen and all(cols is None for _, cols in seen)
+    padded, ((n, cols),) = calls(*chunk, streaming=True, finalize=False)
+    assert n % fast_dit.KEY_ALIGN == 0 and cols == n
+    _, ((whole, cols),) = calls(*a)
+    assert whole % fast_dit.KEY_ALIGN == 0 and cols == whole
+    flow.decoder.set_compute_dtype(prec.INT8, "fbgemm")  # float32 activations
+    _, ((keys, cols),) = calls(*a)
+    assert keys < whole and cols is None
+    flow.decoder.set_compute_dtype(torch.bfloat16)
     monkeypatch.setattr(fast_dit.FastDiT, "pad_keys", False)
     flow.decoder._fast.drop()
-    seen.clear()
-    plain = flow.inference(*chunk, streaming=True, finalize=False)
-    assert seen and all(keys < n for keys, _ in seen)  # the fixture's key count is not a multiple of 16
+    plain, ((keys, cols),) = calls(*chunk, streaming=True, finalize=False)
+    assert keys == cols < n  # the fixture's key count is not a multiple of 16
     for mel in (padded, plain):
         mean, mx = mel_diff(mel, fx["stream_chunk1_mel"])
         assert mean <= MEAN_BOUND and mx <= MAX_BOUND, (mean, mx)

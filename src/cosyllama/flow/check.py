@@ -48,7 +48,7 @@ MAX_BOUND = 0.1
 CHECK_TOKENS = 20
 CHECK_PROMPT_TOKENS = 5
 CHECK_SEED = 1234
-CHECK_VERSION = 3  # bump when a path's arithmetic changes: older cached outcomes are then ignored
+CHECK_VERSION = 4  # bump when a path's arithmetic changes: older cached outcomes are then ignored
 
 CALIBRATION_TOKENS = 50  # the static int8 path's calibration solve (see calibration_input)
 CALIBRATION_PROMPT_TOKENS = 25

@@ -66,13 +66,14 @@ INT8_ENGINE = "fbgemm"
 # two products.
 STATIC_ENGINE = "onednn+bf16+static"
 
-# A streaming call's keys are padded with zero frames to a whole number of KEY_ALIGN, the padding hidden by the
-# attention mask the call has anyway: a hidden key adds exp(-inf) = 0 to each softmax sum and 0 x 0 to each output.
-# PyTorch's CPU flash attention hands its two products to the BLAS, whose bf16 kernels on AMX take a slower path
-# when the key count is not a multiple of 16: 2 x 16 heads, 106 query frames, bf16, 2 threads of the AMX class:
-# 206 keys 0.96 ms, 208 keys 0.49 ms (float32: 1.31, 1.12); 606 against 608 keys with 56 queries 1.17 against
-# 1.02 ms (docs/amx.md, "Keys padded to 16"). Unmasked calls stay as they are: adding a mask there costs about
-# what the padding gains at the real lengths.
+# The attention keys are padded with zero frames to a whole number of KEY_ALIGN, the padding hidden by the mask: a
+# hidden key adds exp(-inf) = 0 to each softmax sum and 0 x 0 to each output. PyTorch's CPU flash attention hands
+# its two products to the BLAS, whose bf16 kernels on AMX take a slower path when the key count is not a multiple
+# of 16: 2 x 16 heads, 106 query frames, bf16, 2 threads of the AMX class: 206 keys 0.96 ms, 208 keys 0.49 ms
+# (float32: 1.31, 1.12); 606 against 608 keys with 56 queries 1.17 against 1.02 ms (docs/amx.md, "Keys padded to
+# 16"). A streaming call has its mask anyway; an unmasked (whole) call gets one only where the activations are
+# bf16 and the keys fall short of a multiple: there the padded call with its mask is 2-18 % faster on average
+# over the key counts at 400-915 frames; in float32 the mask costs what the padding gains.
 KEY_ALIGN = 16
 INT8_ENGINES = ("fbgemm", "onednn", "onednn+bf16", STATIC_ENGINE)
 
@@ -323,7 +324,7 @@ class FastDiT:
     # position convs in bfloat16 where the activations are (_LowpConvPos), the modulations kept per schedule.
     lowp_conv_pos = True
     keep_modulations = True
-    # and the keys padded to a whole number of KEY_ALIGN frames where a mask is there to hide the padding
+    # and the attention keys padded to a whole number of KEY_ALIGN frames (see KEY_ALIGN)
     pad_keys = True
 
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE,
@@ -475,9 +476,12 @@ class FastDiT:
         cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
         # keys padded to a whole number of KEY_ALIGN frames, the padding hidden by the mask (see KEY_ALIGN)
-        key_pad = (-n) % KEY_ALIGN if mask is not None and self.pad_keys else 0
+        key_pad = (-n) % KEY_ALIGN if self.pad_keys and (mask is not None or dt_ == torch.bfloat16) else 0
         if key_pad:
-            mask = F.pad(mask, (0, key_pad), value=False)
+            visible = torch.ones(m, n, dtype=torch.bool, device=mu.device) if mask is None else mask
+            mask = F.pad(visible, (0, key_pad), value=False)
+        if mask is not None:  # additive, once per call: what SDPA makes of a boolean mask on every call
+            mask = torch.zeros(mask.shape, dtype=dt_, device=mu.device).masked_fill_(~mask, float("-inf"))
         x = noise[:, :, start:]
         for s, (_, dt) in enumerate(grid):
             past = None if cache is None else StepCache(cache, s, keep, streaming, kv_dtype)
