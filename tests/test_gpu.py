@@ -116,6 +116,24 @@ def test_flow_bf16_within_the_fidelity_bound(flows, case):
         assert float(d.mean()) <= MEAN_BOUND and float(d.max()) <= MAX_BOUND, (case, k)
 
 
+def test_flow_bf16_whole_call_keeps_its_keys_unmasked(flows, monkeypatch):
+    """Padding the keys under a mask pays on the CPU's BLAS only (fast_dit.KEY_ALIGN): on CUDA a whole bf16 call
+    keeps its key count and no mask (which would cost the flash kernel)."""
+    import torch.nn.functional as F
+
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((k.shape[-2], attn_mask is None))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    fx = load_fixture("flow")[0]
+    a = [t(fx[k]) for k in ("token", "prompt_token", "prompt_feat", "embedding")]
+    flows["bf16"].inference(*a)
+    assert seen and all(unmasked for _, unmasked in seen)
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "reference"])
 @pytest.mark.parametrize("keys", [("mel", "f0", "speech"), ("mel_full", "f0_full", "speech_full"),
                                   ("mel_b", "f0_b", "speech_b")], ids=lambda k: k[0])

@@ -73,7 +73,7 @@ STATIC_ENGINE = "onednn+bf16+static"
 # (float32: 1.31, 1.12); 606 against 608 keys with 56 queries 1.17 against 1.02 ms (docs/amx.md, "Keys padded to
 # 16"). A streaming call has its mask anyway; an unmasked (whole) call gets one only where the activations are
 # bf16 and the keys fall short of a multiple: there the padded call with its mask is 2-18 % faster on average
-# over the key counts at 400-915 frames; in float32 the mask costs what the padding gains.
+# over the key counts at 400-915 frames; in float32 the mask costs what the padding gains. CPU only.
 KEY_ALIGN = 16
 INT8_ENGINES = ("fbgemm", "onednn", "onednn+bf16", STATIC_ENGINE)
 
@@ -476,7 +476,9 @@ class FastDiT:
         cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
         # keys padded to a whole number of KEY_ALIGN frames, the padding hidden by the mask (see KEY_ALIGN)
-        key_pad = (-n) % KEY_ALIGN if self.pad_keys and (mask is not None or dt_ == torch.bfloat16) else 0
+        # (on the CPU only: its BLAS is what pays for it; on CUDA a mask would cost the flash kernel)
+        pads = self.pad_keys and mu.device.type == "cpu" and (mask is not None or dt_ == torch.bfloat16)
+        key_pad = (-n) % KEY_ALIGN if pads else 0
         if key_pad:
             visible = torch.ones(m, n, dtype=torch.bool, device=mu.device) if mask is None else mask
             mask = F.pad(visible, (0, key_pad), value=False)
