@@ -1,7 +1,7 @@
 """Time a warmed voice's first streaming chunk with the fast flow solver's switches turned off, in one process:
 ``before`` (without the ``--switch`` ones: the position convs in float32, the modulations computed in every call,
 the keys unpadded) and ``now`` (the defaults: bf16 position convs on the bf16 paths, modulations kept per
-schedule, a masked call's keys padded to 16), alternating (A B, B A, ...), each request after an untimed one on
+schedule, the attention keys padded to 16), alternating (A B, B A, ...), each request after an untimed one on
 the rebuilt solver. Prints each setting's flow call and first audio per round and their medians (default: the
 full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
 

@@ -282,7 +282,7 @@ def test_the_fast_solver_runs_its_conv_position_embedding_in_its_activation_dtyp
 
 
 # ----------------------------------------------------------------------------------------------
-# A streaming call's keys padded to KEY_ALIGN frames (hidden by the mask)
+# The attention keys padded to KEY_ALIGN frames (hidden by the mask): streaming calls, whole bf16 calls
 
 
 def _padded_attention(q, k, v, mask, pad, show_padding=False):
@@ -304,8 +304,9 @@ def test_keys_padded_under_the_mask_change_the_attention_only_by_rounding(dtype)
     score's float32 sum over the 64 channels, reordered, moves by up to 2 x 64 x 2^-24 of max sum |q k| x
     scale, a probability by twice that relative, so o by that times w; the probabilities rounded to ``dtype``
     (2^-9 relative in bfloat16, either side: 2 x 2^-9 x w), the weighted sum over N keys reordered (N x 2^-24
-    x w), the output rounded to ``dtype`` (2^-9 x |o|); all doubled. A padded key left visible (the mask not
-    extended) fails it."""
+    x w), the output rounded to ``dtype`` (2^-9 x |o|); all doubled. Each term bounds any summation order and
+    either rounding direction, so the bound holds whichever kernels MKL/oneDNN pick (AVX2 or AVX512-BF16 AMD,
+    Intel AMX). A padded key left visible (the mask not extended) fails it."""
     from cosyllama.flow.dit import chunk_attention_mask
     from cosyllama.flow.fast_dit import KEY_ALIGN
 
