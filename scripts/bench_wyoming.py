@@ -3,9 +3,10 @@ Assistant streams an LLM's answer: ``synthesize-start``, three sentence pieces, 
 from the first piece to the first ``audio-chunk``.
 
 Starts the Wyoming server in this process on a free loopback port (the same code as
-``cosyllama wyoming``: scheduler, admission, threads), registers one voice from the bench's prompt
-clip (cross-lingual, no transcript), warms it (``TTS.warm_voice``) and runs one request untimed,
-then ``--requests`` timed ones, each disconnecting after its first audio chunk. Every sentence
+``cosyllama wyoming``: scheduler, admission, threads; one server per setting, kept across its
+requests), registers one voice from the bench's prompt clip (cross-lingual, no transcript), warms it
+(``TTS.warm_voice``) and runs one request untimed on each server, then ``--requests`` timed ones,
+each disconnecting after its first audio chunk. Every sentence
 decodes a forced ``--max-tokens`` (random weights have no natural stop), as
 ``bench_first_audio.py`` does, so the rows compare with its "first audio of a warmed voice":
 
@@ -99,29 +100,30 @@ def main(argv=None) -> int:
         p.error(f"--first-chunk-tokens {args.first_chunk_tokens!r}: a comma list of none and numbers of tokens")
     settings = [f"{i}/{f or 'ref'}" for i in interleaves for f in firsts]  # "interleave/first chunk"
 
-    async def one(setting: str) -> tuple[float, str]:
-        # a scheduler of its own, closed after the request
-        interleave, first = setting.split("/")
-        defaults = replace(options, first_chunk_tokens=None if first == "ref" else int(first))
-        serving = prepare(models, ServingOptions(models.options, interleave=modes[interleave], defaults=defaults),
-                          voices=tts.voices)
-        try:
-            server = await start_wyoming("tcp://127.0.0.1:0", serving)
-            try:
-                return await first_audio_s(server.address[1], args.timeout), serving.scheduler.interleave
-            finally:
-                await server.stop()
-        finally:
-            serving.close()
-
     async def run() -> dict[str, list[float]]:
-        await one(settings[0])  # untimed: first-call costs
-        out: dict[str, list[float]] = {x: [] for x in settings}
-        for setting in rounds(settings, args.requests):
-            t, on = await one(setting)
-            out[setting].append(t)
-            print(f"  --interleave/--first-chunk-tokens {setting} ({on}): first audio {t:.2f} s", flush=True)
-        return out
+        # one server per setting, each with a scheduler of its own, kept across its requests as a running
+        # server is (its model threads too)
+        servers = {}
+        try:
+            for setting in settings:
+                interleave, first = setting.split("/")
+                defaults = replace(options, first_chunk_tokens=None if first == "ref" else int(first))
+                serving = prepare(models, ServingOptions(models.options, interleave=modes[interleave],
+                                                         defaults=defaults), voices=tts.voices)
+                servers[setting] = (serving, await start_wyoming("tcp://127.0.0.1:0", serving))
+                await first_audio_s(servers[setting][1].address[1], args.timeout)  # untimed: first-call costs
+            out: dict[str, list[float]] = {x: [] for x in settings}
+            for setting in rounds(settings, args.requests):
+                serving, server = servers[setting]
+                t = await first_audio_s(server.address[1], args.timeout)
+                out[setting].append(t)
+                print(f"  --interleave/--first-chunk-tokens {setting} ({serving.scheduler.interleave}): "
+                      f"first audio {t:.2f} s", flush=True)
+            return out
+        finally:
+            for serving, server in servers.values():
+                await server.stop()
+                serving.close()
 
     results = asyncio.run(run())
     flow = precision_name(tts.token2wav.flow.precision)

@@ -22,6 +22,7 @@ from .flow import Flow
 from .frontend import Frontend
 from .llm.backend import LLMBackend
 from .llm.factory import choose_llm, make_llm
+from .openmp import gives_team_back
 from .options import LoadOptions
 from .vocoder import HiFT
 
@@ -50,6 +51,7 @@ class Models:
         return self.config.model_dir
 
     @classmethod
+    @gives_team_back  # loaded here, maybe served from other threads (cosyllama.openmp)
     def load(cls, options: LoadOptions, *, llm_backend: LLMBackend | None = None) -> Models:
         """Load every model ``options`` asks for. ``llm_backend``: one already built (tests, tools),
         used instead of building one from the options. Sets PyTorch's threads to ``options.threads``

@@ -38,6 +38,7 @@ from .llm.factory import make_token_source
 from .llm.takes import BadTake, RetryTake, Take, retry_seed
 from .loudness_stage import even_loudness
 from .models import Models
+from .openmp import gives_team_back, release_thread_team
 from .options import LoadOptions
 from .request import FRONTEND_MODES, MODES, SynthesisOptions, SynthesisRequest, check_mode, check_options, resolve_mode
 from .seeds import offset_seed
@@ -198,6 +199,7 @@ class TTS:
 
     # -- voices ------------------------------------------------------------------------------------
 
+    @gives_team_back  # made here, used on other threads maybe (cosyllama.openmp)
     def make_voice(self, prompt_wav: AudioSource, prompt_text: str | None = None) -> PromptFeatures:
         """Prompt tokens, speaker embedding and prompt mel of a clip (16 kHz+, up to 30 s), once."""
         if self.limits is not None:
@@ -213,6 +215,7 @@ class TTS:
         self.voices.add(voice_id, voice)
         return voice
 
+    @gives_team_back  # made here, used on other threads maybe (cosyllama.openmp)
     def warm_voice(self, voice: PromptFeatures | str) -> bool:
         """Compute now the flow blocks streaming requests with this voice share (see
         ``prompt_cache_mb``), so that its first streaming request starts its first chunk after them
@@ -463,10 +466,14 @@ class TTS:
     @contextmanager
     def _flow_work(self, first: bool = False) -> Iterator[None]:
         """Held around each flow + vocoder call of this pipeline: one of its flow slots (when it has a
-        limit), then the token source's pause (``first``: the call that makes the request's first audio)."""
-        with self._flow_sem if self._flow_sem is not None else nullcontext():
-            with self.token_source.pause_for_flow(first):
-                yield
+        limit), then the token source's pause (``first``: the call that makes the request's first audio);
+        afterwards the thread's OpenMP workers are given back (:func:`~cosyllama.openmp.release_thread_team`)."""
+        try:
+            with self._flow_sem if self._flow_sem is not None else nullcontext():
+                with self.token_source.pause_for_flow(first):
+                    yield
+        finally:  # idle, this thread's OpenMP team would slow the next thread's flow call (cosyllama.openmp)
+            release_thread_team()
 
     def _later_flow_work(self, first: bool = False) -> AbstractContextManager[None]:
         """:meth:`_flow_work` for the segments after the first: none of their chunks is the request's first audio."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..defaults import RETRIES
 from ..errors import CosyllamaError, InputError
+from ..openmp import release_thread_team
 from ..options import LoadOptions
 from .manifest import Row
 from .output import audio_name, caption_name, write_audio, write_caption
@@ -313,6 +314,7 @@ class BatchEngine:
                          for i in range(opts.concurrency)]
         for th in self._threads:
             th.start()
+        release_thread_team()  # the rows run on the workers: this thread's OpenMP team would slow them
 
     def _work(self) -> None:
         while True:

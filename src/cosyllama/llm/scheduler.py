@@ -39,6 +39,7 @@ import torch
 
 from ..defaults import INTERLEAVE_MODES, PREFILL_CHUNK
 from ..errors import BackendBusyError, CosyllamaError
+from ..openmp import hold_thread_team, release_thread_team
 from .backend import LLMBackend, Prefill
 from .decode import CancelToken, DecodeOptions, RequestCancelled, TokenDecoder
 
@@ -263,11 +264,12 @@ class BatchScheduler:
 
     def _loop_once(self) -> bool:
         with self._cond:
+            released = False  # this thread's OpenMP team given back while it waited (cosyllama.openmp)
             while not self._closed and not self._wake and not any(r.next_tok is not None or r.prefilling
                                                                   for r in self._active):
-                self._cond.wait()
+                released |= self._idle_wait()
             while self._flows and not self._closed:  # interleave: a flow call has the cores
-                self._cond.wait()
+                released |= self._idle_wait()
             if self._closed:
                 return False
             self._wake = False
@@ -285,13 +287,24 @@ class BatchScheduler:
                     self._waiting.extendleft(reversed(admitted[i + 1:]))
                 break
         filling = [r for r in self._active if r.prefilling and not r.cancelled]
+        live = [r for r in self._active if r.next_tok is not None and not r.cancelled]
+        if released and (filling or live):
+            hold_thread_team()  # decoding again, maybe beside flow calls: their workers must not spin
         if filling:
             self._turn = (self._turn + 1) % len(filling)
             self._prefill_piece(filling[self._turn])
-        live = [r for r in self._active if r.next_tok is not None and not r.cancelled]
+            live = [r for r in self._active if r.next_tok is not None and not r.cancelled]
         if live:
             self._step(live)
         return True
+
+    def _idle_wait(self) -> bool:
+        """Wait on the condition (held), this thread's OpenMP team given back first: while it waits, flow
+        calls on other threads run alone, and libgomp lets their workers spin between regions only while
+        its teams do not outnumber the cores (:mod:`cosyllama.openmp`). True if a team was given back."""
+        released = release_thread_team()
+        self._cond.wait()
+        return released
 
     def _start(self, req: _Request) -> bool:
         """Begin one request: its sequence reserved, its prompt to run in pieces. False when the

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..llm.factory import make_token_source
 from ..llm.scheduler import DEFAULT_MAX_ACTIVE, DEFAULT_MAX_WAITING, BatchScheduler
+from ..openmp import gives_team_back, release_thread_team
 from ..voice_directory import ClipEncoder
 from ..voices import VoiceStore
 from .admission import Admission
@@ -87,8 +88,10 @@ class Serving:
             session.cut()
 
     async def call(self, fn, *args):
-        """``fn(*args)`` in the threads that run model code (never the event loop)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """``fn(*args)`` in the threads that run model code (never the event loop); the thread gives its
+        OpenMP workers back afterwards (:mod:`cosyllama.openmp`), so that an idle thread's team does not
+        slow the next call on another."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, gives_team_back(fn), *args)
 
     def close(self) -> None:
         """Stop the model threads and the text helper process, and the scheduler when :func:`prepare` made it."""
@@ -141,6 +144,9 @@ def prepare(models, options: ServingOptions, *, voices: VoiceStore | None = None
         from ..engine import schedule_line
 
         log.warning("%s", schedule_line(options.defaults.first_chunk_tokens))  # beside the CPU line
+    # the model code runs on the serving's threads from now on: this thread's OpenMP team (the loading's,
+    # the voice folders') would slow their flow calls (cosyllama.openmp)
+    release_thread_team()
     return Serving(models, served, scheduler, options, max_concurrent, owns_scheduler)
 
 
