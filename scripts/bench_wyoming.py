@@ -14,6 +14,7 @@ decodes a forced ``--max-tokens`` (random weights have no natural stop), as
     python scripts/bench_wyoming.py --model-dir DIR --llm torch --json out.jsonl
     python scripts/bench_wyoming.py --threads 2 --interleave off,first,all   # the scheduler's modes, in turns
     python scripts/bench_wyoming.py --threads 2 --first-chunk-tokens none,10 # the low-latency first chunk, in turns
+    python scripts/bench_wyoming.py --threads 2 --concurrent 2 --max-tokens 50 # 2 sessions at once, to their ends
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ PIECES = ("The quick brown fox jumps over the lazy dog. ", "The evening sun sets
 VOICE = "bench"
 
 
-async def first_audio_s(port: int, timeout: float) -> float:
-    """Seconds from sending the first text piece to receiving the first audio chunk."""
+async def session_s(port: int, timeout: float, to_end: bool = False) -> tuple[float, float | None]:
+    """Seconds from sending the first text piece to the first audio chunk, and (``to_end``: the client
+    sends ``synthesize-stop`` and reads on) to ``synthesize-stopped``, the end of the session's audio."""
     from wyoming.client import AsyncTcpClient
-    from wyoming.tts import SynthesizeChunk, SynthesizeStart, SynthesizeVoice
+    from wyoming.tts import SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
     client = AsyncTcpClient("127.0.0.1", port, read_timeout=timeout)
     await client.connect()
@@ -41,14 +43,26 @@ async def first_audio_s(port: int, timeout: float) -> float:
         t0 = time.perf_counter()
         for piece in PIECES:  # an LLM writes faster than speech is made: all of it at once
             await client.write_event(SynthesizeChunk(text=piece).event())
+        if to_end:
+            await client.write_event(SynthesizeStop().event())
+        first = None
         while (event := await client.read_event()) is not None:
-            if event.type == "audio-chunk" and event.payload:
-                return time.perf_counter() - t0
+            if event.type == "audio-chunk" and event.payload and first is None:
+                first = time.perf_counter() - t0
+                if not to_end:
+                    return first, None
+            if event.type == "synthesize-stopped" and first is not None:
+                return first, time.perf_counter() - t0
             if event.type == "error":
                 raise RuntimeError(f"the server answered {event.data}")
-        raise RuntimeError("the server closed the connection before any audio")
+        raise RuntimeError("the server closed the connection before the end of the audio")
     finally:
         await client.disconnect()  # cancels the rest of the session
+
+
+async def first_audio_s(port: int, timeout: float) -> float:
+    """Seconds from sending the first text piece to receiving the first audio chunk."""
+    return (await session_s(port, timeout))[0]
 
 
 def main(argv=None) -> int:
@@ -78,6 +92,9 @@ def main(argv=None) -> int:
                    help="comma list of the server's --interleave settings (auto, off, first, all), timed in turns")
     p.add_argument("--first-chunk-tokens", default="none",
                    help="comma list of the server's --first-chunk-tokens (none: the reference's schedule), in turns")
+    p.add_argument("--concurrent", type=int, default=1,
+                   help="sessions at once per timed round, each read to the end of its audio (default 1: one "
+                        "session, closed after its first audio chunk)")
     p.add_argument("--json", help="append one JSON line with the result here")
     args = p.parse_args(argv)
     model = args.model_dir or ensure_full_model(print)
@@ -99,6 +116,9 @@ def main(argv=None) -> int:
     except ValueError:
         p.error(f"--first-chunk-tokens {args.first_chunk_tokens!r}: a comma list of none and numbers of tokens")
     settings = [f"{i}/{f or 'ref'}" for i in interleaves for f in firsts]  # "interleave/first chunk"
+    if args.concurrent < 1:
+        p.error("--concurrent: 1 or more sessions")
+    ends: dict[str, list[float]] = {x: [] for x in settings}  # --concurrent: each session's end of audio
 
     async def run() -> dict[str, list[float]]:
         # one server per setting, each with a scheduler of its own, kept across its requests as a running
@@ -115,10 +135,19 @@ def main(argv=None) -> int:
             out: dict[str, list[float]] = {x: [] for x in settings}
             for setting in rounds(settings, args.requests):
                 serving, server = servers[setting]
-                t = await first_audio_s(server.address[1], args.timeout)
-                out[setting].append(t)
-                print(f"  --interleave/--first-chunk-tokens {setting} ({serving.scheduler.interleave}): "
-                      f"first audio {t:.2f} s", flush=True)
+                if args.concurrent == 1:
+                    t = await first_audio_s(server.address[1], args.timeout)
+                    out[setting].append(t)
+                    print(f"  --interleave/--first-chunk-tokens {setting} ({serving.scheduler.interleave}): "
+                          f"first audio {t:.2f} s", flush=True)
+                    continue
+                times = await asyncio.gather(*(session_s(server.address[1], args.timeout, to_end=True)
+                                               for _ in range(args.concurrent)))
+                out[setting].extend(first for first, _ in times)
+                ends[setting].extend(end for _, end in times)
+                print(f"  --interleave/--first-chunk-tokens {setting} ({serving.scheduler.interleave}), "
+                      f"{args.concurrent} sessions at once: first audio / end "
+                      + ", ".join(f"{a:.2f} / {b:.2f}" for a, b in times) + " s", flush=True)
             return out
         finally:
             for serving, server in servers.values():
@@ -136,6 +165,7 @@ def main(argv=None) -> int:
             row = {"llm": args.llm, "type": args.type if gguf else "fp32", "flow": flow, "threads": args.threads,
                    "interleave": setting.split("/")[0], "first_chunk_tokens": setting.split("/")[1],
                    "warm_kept": kept, "max_tokens": args.max_tokens, "first_audio_s": times,
+                   "concurrent": args.concurrent, **({"end_s": ends[setting]} if args.concurrent > 1 else {}),
                    "version": cosyllama.__version__}
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")

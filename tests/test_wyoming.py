@@ -272,6 +272,22 @@ def test_bench_script_measures_first_audio_over_wyoming(tmp_path, capsys):
     assert "wyoming first audio" in capsys.readouterr().out
 
 
+def test_bench_script_runs_sessions_at_once_to_their_ends(tmp_path, capsys):
+    """scripts/bench_wyoming.py --concurrent: each session read to synthesize-stopped (a run that works)."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    out = tmp_path / "wyoming.jsonl"
+    main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "scripts" / "bench_wyoming.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--requests", "1",
+                 "--max-tokens", "30", "--prompt-seconds", "1", "--concurrent", "2", "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["concurrent"] == 2 and len(row["first_audio_s"]) == len(row["end_s"]) == 2
+    assert all(0 < first < end for first, end in zip(row["first_audio_s"], row["end_s"]))
+    assert "2 sessions at once: first audio / end" in capsys.readouterr().out
+
+
 def test_a_taken_port_is_a_clear_error(server):
 
     from cosyllama.errors import InputError
