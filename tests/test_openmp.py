@@ -201,6 +201,33 @@ def test_a_batch_engine_gives_the_loading_threads_team_back(tts, released, tmp_p
         engine.close()
 
 
+def test_the_http_routes_model_calls_give_the_team_back(tts, voice, monkeypatch):
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from cosyllama.server.app import create_app
+    from cosyllama.server.options import ServeOptions, ServingOptions
+    from helpers import LoopbackServer
+
+    wrapped: list[str] = []
+
+    def spy(fn):
+        wrapped.append(getattr(fn, "__name__", repr(fn)))
+        return fn
+
+    for module in ("cosyllama.server.speech", "cosyllama.server.captioned"):
+        monkeypatch.setattr(f"{module}.gives_team_back", spy)
+    tts.voices.add("en", voice, replace=True)
+    srv = LoopbackServer(create_app(tts, ServeOptions(ServingOptions(tts.options))))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as c:
+            body = {"input": "Hello there.", "voice": "en", "greedy": True, "response_format": "pcm"}
+            assert c.post("/v1/audio/speech", json={**body, "stream": True}).status_code == 200
+            assert c.post("/dev/captioned_speech", json={**body, "stream": True}).status_code == 200
+    finally:
+        srv.stop()
+    assert {"open", "next_bytes", "next_line"} <= set(wrapped)
+
+
 def _wait(cond, timeout: float = 30.0) -> bool:
     end = time.monotonic() + timeout
     while not cond() and time.monotonic() < end:

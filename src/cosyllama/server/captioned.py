@@ -36,6 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from ..alignment import LANGUAGE_CODE
 from ..captions import Segment, to_srt, to_vtt
 from ..llm.scheduler import RequestCancelled
+from ..openmp import gives_team_back
 from .common import state_of
 from .errors import Refusal, api_error
 from .job import SpeechJob
@@ -131,7 +132,7 @@ async def _lines(job: CaptionLines, first: bytes | None):
         while data is not None:
             if data:
                 yield data
-            data = await run_in_threadpool(job.next_line)
+            data = await run_in_threadpool(gives_team_back(job.next_line))
     except RequestCancelled:
         return
     except Exception as e:  # the status line is gone: end the stream early and say why in the log

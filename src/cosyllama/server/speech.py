@@ -40,6 +40,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ..llm.scheduler import CancelToken, RequestCancelled
+from ..openmp import gives_team_back
 from .common import AppState, admit, client_gone
 from .errors import api_error, error_body
 from .job import SpeechJob, SynthesisJob
@@ -126,8 +127,8 @@ async def run_job(request: Request, state: AppState, job: SynthesisJob, first_pa
 
     try:
         try:
-            await run_in_threadpool(job.open)
-            first = await run_in_threadpool(first_part)
+            await run_in_threadpool(gives_team_back(job.open))
+            first = await run_in_threadpool(gives_team_back(first_part))
         except RequestCancelled:
             return Response(status_code=499)  # the client is gone; nobody reads this
         except Exception as e:
@@ -147,7 +148,7 @@ async def _pieces(job: SpeechJob, first: bytes | None):
     while data is not None:
         if data:
             yield data
-        data = await run_in_threadpool(job.next_bytes)
+        data = await run_in_threadpool(gives_team_back(job.next_bytes))
 
 
 async def _audio_body(job: SpeechJob, first: bytes | None):
