@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cosyllama import openmp
+from server_helpers import wait_until
 
 
 def _threads() -> int:
@@ -157,10 +158,11 @@ def test_the_scheduler_gives_its_team_back_before_it_waits(tts, released):
     from cosyllama.llm.scheduler import BatchScheduler
 
     with BatchScheduler(tts.llm) as sched:
-        assert _wait(lambda: "cosyllama-scheduler" in released)  # idle from the start
+        wait_until(lambda: "cosyllama-scheduler" in released, "the idle scheduler to give its team back")
         released.clear()
         tokens = list(sched.generate(Prefill((1, 2, 3), (4, 5)), 5, DecodeOptions(greedy=True, max_len=5)))
-        assert tokens and _wait(lambda: released[-1:] == ["cosyllama-scheduler"])  # and idle again after it
+        assert tokens
+        wait_until(lambda: released[-1:] == ["cosyllama-scheduler"], "the scheduler, idle again, to give it back")
     # while it decoded it held a team again (llama.cpp's threads beside flow calls: their workers must not spin)
     assert "hold:cosyllama-scheduler" in released
 
@@ -176,7 +178,7 @@ def test_the_scheduler_paused_for_a_first_chunk_gives_its_team_back_and_holds_on
         next(tokens)
         with sched.pause_for_flow(first=True):
             released.clear()
-            assert _wait(lambda: "cosyllama-scheduler" in released)  # it waits for the flow call
+            wait_until(lambda: "cosyllama-scheduler" in released, "the paused scheduler to give its team back")
         assert len(list(tokens)) == 39
     assert released.index("hold:cosyllama-scheduler") > released.index("cosyllama-scheduler")
 
@@ -226,10 +228,3 @@ def test_the_http_routes_model_calls_give_the_team_back(tts, voice, monkeypatch)
     finally:
         srv.stop()
     assert {"open", "next_bytes", "next_line"} <= set(wrapped)
-
-
-def _wait(cond, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        time.sleep(0.01)
-    return cond()

@@ -90,7 +90,8 @@ def gives_team_back(fn):
 
 def hold_thread_team() -> None:
     """Make sure the calling thread holds an OpenMP team: one parallel region of PyTorch's over two
-    threads' worth of elements (a few microseconds; nothing where :func:`can_release` is False). The
+    threads' worth of elements (a thread start when it holds none, microseconds when it does; nothing where
+    :func:`can_release` is False). The
     batching scheduler holds one while llama.cpp decodes beside flow calls (see the module docstring)."""
     if _pause() is None:
         return

@@ -264,12 +264,14 @@ class BatchScheduler:
 
     def _loop_once(self) -> bool:
         with self._cond:
-            released = False  # this thread's OpenMP team given back while it waited (cosyllama.openmp)
+            waited = False  # it gave its OpenMP team back first (cosyllama.openmp)
             while not self._closed and not self._wake and not any(r.next_tok is not None or r.prefilling
                                                                   for r in self._active):
-                released |= self._idle_wait()
+                self._idle_wait()
+                waited = True
             while self._flows and not self._closed:  # interleave: a flow call has the cores
-                released |= self._idle_wait()
+                self._idle_wait()
+                waited = True
             if self._closed:
                 return False
             self._wake = False
@@ -288,7 +290,7 @@ class BatchScheduler:
                 break
         filling = [r for r in self._active if r.prefilling and not r.cancelled]
         live = [r for r in self._active if r.next_tok is not None and not r.cancelled]
-        if released and (filling or live):
+        if waited and (filling or live):
             hold_thread_team()  # decoding again, maybe beside flow calls: their workers must not spin
         if filling:
             self._turn = (self._turn + 1) % len(filling)
@@ -298,13 +300,12 @@ class BatchScheduler:
             self._step(live)
         return True
 
-    def _idle_wait(self) -> bool:
+    def _idle_wait(self) -> None:
         """Wait on the condition (held), this thread's OpenMP team given back first: while it waits, flow
         calls on other threads run alone, and libgomp lets their workers spin between regions only while
-        its teams do not outnumber the cores (:mod:`cosyllama.openmp`). True if a team was given back."""
-        released = release_thread_team()
+        its teams do not outnumber the cores (:mod:`cosyllama.openmp`)."""
+        release_thread_team()
         self._cond.wait()
-        return released
 
     def _start(self, req: _Request) -> bool:
         """Begin one request: its sequence reserved, its prompt to run in pieces. False when the
