@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -685,9 +686,14 @@ async def _soak_client(port: int, i: int) -> str:
 def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
     """:data:`SOAK_CLIENTS` Wyoming clients, 8 at a time, against `cosyllama serve --wyoming` in its own process:
     normal and streamed synthesis, clients that never read, clients leaving mid-stream, malformed
-    events, idle connections, huge announced lengths, unknown voices. After the last one (once the
-    server is idle) its open descriptors are those after the first 50 (+-2) and its RSS within 5 %
-    of that (the figures are printed: run with -s)."""
+    events, idle connections, huge announced lengths, unknown voices. The server's RSS and open
+    descriptors are read every 50 clients once it is idle (the figures are printed: run with -s).
+    At the end its descriptors are those after the first 50 (+-2), and the median RSS of the last
+    three readings is within 5 % of the first three's. Medians, because one idle reading moves by
+    up to ~4 % either way with what the last requests left in glibc's heaps (1,000 clients on the
+    AMX host stayed within 501-537 MB with no trend); a leak of 0.5 MB a client, the scale of the
+    ones this test was written against (docs/benchmarks.md#server-soak-bounded-work-and-memory),
+    moves the medians by ~13 %."""
     with socket.socket() as a, socket.socket() as b:
         a.bind(("127.0.0.1", 0))
         b.bind(("127.0.0.1", 0))
@@ -725,8 +731,9 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
             await asyncio.gather(*(one(i) for i in range(lo, hi)))
 
         t0 = time.perf_counter()
-        for lo, hi in ((0, 50), (50, SOAK_CLIENTS)):
-            _run(batch(lo, hi), timeout=30 * TIMEOUT)
+        for lo in range(0, SOAK_CLIENTS, 50):
+            hi = min(lo + 50, SOAK_CLIENTS)
+            _run(batch(lo, hi), timeout=10 * TIMEOUT)
             settled = True
             try:
                 _wait(idle, "the server did not become idle", timeout=60)
@@ -739,15 +746,18 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
         proc.terminate()
         proc.wait(30)
         log.close()
-    (rss0, fd0, ok0), (rss1, fd1, ok1) = figures[50], figures[SOAK_CLIENTS]
+    readings = [figures[k] for k in sorted(figures)]
+    rss = [r for r, _, _ in readings]
+    early, late = statistics.median(rss[:3]), statistics.median(rss[-3:])
+    fd0, fd1 = readings[0][1], readings[-1][1]
     counts = {k: kinds.count(k) for k in sorted(set(kinds))}
-    print(f"wyoming soak: {SOAK_CLIENTS} clients {counts} in {wall:.0f} s, 8 at a time; server after 50: RSS "
-          f"{rss0:.0f} MB, {fd0} fds; after {SOAK_CLIENTS}: RSS {rss1:.0f} MB ({100 * (rss1 / rss0 - 1):+.1f} %), "
-          f"{fd1} fds; idle: {ok0}, {ok1}")
+    print(f"wyoming soak: {SOAK_CLIENTS} clients {counts} in {wall:.0f} s, 8 at a time; server RSS every 50 "
+          f"clients: {', '.join(f'{r:.0f}' for r in rss)} MB (medians {early:.0f} -> {late:.0f}, "
+          f"{100 * (late / early - 1):+.1f} %); fds {fd0} -> {fd1}; idle: {[ok for _, _, ok in readings]}")
     assert not [k for k in kinds if k.startswith("failed")], counts
-    assert ok0 and ok1, "sessions were left running"
+    assert all(ok for _, _, ok in readings), "sessions were left running"
     assert abs(fd1 - fd0) <= 2
-    assert rss1 <= 1.05 * rss0
+    assert late <= 1.05 * early
 
 
 # ----------------------------------------------------------------------------------------------
