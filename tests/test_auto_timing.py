@@ -42,6 +42,7 @@ class Machine:
     cores: int = 2
     now: float = T0
     solves: list[str] = field(default_factory=list)
+    attention: tuple | None = None  # what auto.attention_seconds gives (None: no projection, the timed seconds count)
 
     def solve(self, flow, cand, inp):
         cand.apply(flow)
@@ -83,6 +84,7 @@ def fresh_machine(monkeypatch, measuring):
     monkeypatch.setattr(auto, "_clock", lambda: m.now)
     monkeypatch.setattr(auto, "_loadavg", lambda: m.load)
     monkeypatch.setattr(auto, "_cores", lambda: m.cores)
+    monkeypatch.setattr(auto, "_attention_seconds", lambda flow, cands: m.attention)
     return m
 
 
@@ -166,6 +168,52 @@ def test_a_lossy_path_must_beat_fp32_by_the_margin(times, want, monkeypatch, mac
         assert "int8/fbgemm 3.05 s" in c.reason
     else:
         assert c.reason.startswith("auto: fastest here, measured now")
+
+
+def test_the_verdict_is_taken_on_the_times_projected_to_the_real_size(monkeypatch, machine):
+    """Timed 1.5x fp32 on the small solve, int8 would pass the margin; with attention taking 0.5 s of each
+    timed solve and 8 s of each at the real size (4x the frames: same work for both, as on AVX512-BF16 without
+    AMX), the projections are fp32 2.5 x 4 + 8 = 18 s and int8 1.5 x 4 + 8 = 14 s: 1.29x, so fp32 stays."""
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: False)
+    machine.seconds = {"fp32": 3.0, "int8/fbgemm": 2.0, "int8/onednn": 2.2}
+    machine.attention = ({n: [0.5, 8.0] for n in machine.seconds}, 4.0)
+    c = Flow.from_dir(MODEL_DIR, precision="auto").precision_choice
+    assert c.auto.chosen.name == "fp32"
+    assert c.auto.projected == {"fp32": 18.0, "int8/fbgemm": 14.0, "int8/onednn": 14.8}
+    assert c.reason.startswith("auto: fp32 kept, no lossy path is 1.3x faster here, measured now")
+    (rec,) = _verdicts(check.cache_dir()).values()
+    assert rec["verdict"] == "fp32" and rec["scale"] == 4.0 and rec["attention"]["fp32"] == [0.5, 8.0]
+    assert auto.Measurement.from_record(rec).projected == c.auto.projected  # the cached record projects alike
+
+    # attention cheap at the real size (AMX's bf16 tiles for the lossy path, fp32's own kernel slow): int8 wins
+    machine.attention = ({"fp32": [0.5, 8.0], "int8/fbgemm": [0.2, 2.0], "int8/onednn": [0.2, 2.0]}, 4.0)
+    _new_process(monkeypatch)
+    monkeypatch.setattr(auto, "VERDICT_VERSION", auto.VERDICT_VERSION + 1)  # no cached verdict
+    c = Flow.from_dir(MODEL_DIR, precision="auto").precision_choice
+    assert c.auto.chosen.name == "int8/fbgemm"  # 18 / (1.8 x 4 + 2 = 9.2) = 1.96x
+    assert "projected to 75+250 tokens: fp32 / int8/fbgemm 1.96x" in c.reason
+
+
+def test_a_record_without_attention_timings_counts_its_timed_seconds():
+    rec = {"rounds": {"fp32": [3.0, 3.1], "bf16": [1.0, 1.2]}, "order": ["fp32", "bf16", "bf16", "fp32"],
+           "cpu_share": 0.97, "threads": 2, "cores": 2, "wall_s": 8.3, "measured_at": T0}
+    m = auto.Measurement.from_record(rec)
+    assert m.attention is None and m.projected == m.seconds == {"fp32": 3.0, "bf16": 1.0}
+
+
+def test_attention_is_timed_per_attention_dtype_at_both_sizes(monkeypatch):
+    """On the fixture model: every candidate gets its solve's attention seconds at the timed and the real size,
+    the candidates that run attention in bf16 (bf16, the mixed int8 paths) the same ones, the others fp32's."""
+    monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
+    flow = Flow.from_dir(MODEL_DIR)
+    cands = auto.candidates(flow)
+    att, scale = auto.attention_seconds(flow, cands)
+    assert scale == pytest.approx((auto.REAL_PROMPT_TOKENS + auto.REAL_TOKENS)
+                                  / (auto.TIME_PROMPT_TOKENS + auto.TIME_TOKENS))
+    assert set(att) == {c.name for c in cands} and all(0 < a < b for a, b in att.values())
+    bf16 = {n for n in att if n == "bf16" or n.endswith(("+bf16", "+bf16+static"))}
+    assert "bf16" in bf16 and len({tuple(att[n]) for n in bf16}) == 1
+    assert all(att[n] == att["fp32"] for n in att if n not in bf16)
 
 
 def test_candidates_are_timed_in_interleaved_rounds(monkeypatch, machine):

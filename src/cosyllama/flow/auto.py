@@ -33,6 +33,14 @@ from .check import CHECK_SEED, Candidate, CheckResult, Flow, cached, check_candi
 TIME_TOKENS = 50  # the timed solve: 2 s after a 1 s prompt (150 frames: attention's share is not negligible)
 TIME_PROMPT_TOKENS = 25
 TIME_ROUNDS = 2  # A B C, C B A: every candidate timed twice, beside the others; its best round counts
+# What the timed solve predicts: 3 s + 10 s (the benchmarks' size). A solve's attention grows with the square of
+# its frames and its products linearly, so the small solve overstates a lossy path's gain wherever attention costs
+# every candidate alike (AVX512-BF16 without AMX: PyTorch's flash kernel runs bf16 no faster than fp32). Each
+# candidate's time is projected: its attention (timed apart, in the candidate's attention dtype, at both sizes)
+# taken out, the rest scaled by the frames, the real size's attention put back. On a Zen 4 the timed fp32 /
+# static int8 ratio was 3.19x against 2.44x at 3 s + 10 s, projected 2.56x (docs/precision.md).
+REAL_PROMPT_TOKENS = 75
+REAL_TOKENS = 250
 # A measurement is trusted only if the process got this share of the CPU its threads asked for (CPU seconds /
 # (wall seconds x threads) over the timed rounds). Quiet 2-core machines gave 0.96-0.99 at 2 threads on the
 # full-size flow (docs/data/bench-flow-vocoder-avx2-idle.json, flow-candidates-mixed-amx.json); one busy thread
@@ -50,7 +58,7 @@ LOAD_SLACK = 1.0
 # really is faster it passes by far (AVX2 on a Zen 3/4 core: 1.71x timed, 1.83x at 75 + 150 tokens;
 # docs/benchmarks.md#auto-on-the-avx2-class), as do bf16 and int8 on AVX512-BF16 (2.3x, 3.4x).
 LOSSY_MIN_GAIN = 1.3
-VERDICT_VERSION = 2  # bump when the record's meaning changes: older verdicts are measured again
+VERDICT_VERSION = 3  # bump when the record's meaning changes: older verdicts are measured again
 AUTO_ENV = "COSYLLAMA_AUTO"  # "measure" (default) or "rule"
 
 
@@ -98,6 +106,60 @@ def _solve(flow: Flow, cand: Candidate, inp: tuple[torch.Tensor, ...]) -> tuple[
     return wall, cpu
 
 
+def _attention_dtype(cand: Candidate) -> torch.dtype:
+    """The dtype a candidate's solve runs attention in: bf16 for bf16 and the mixed int8 paths, float32 else."""
+    if cand.dtype == torch.bfloat16 or (cand.int8_engine or "").endswith(("+bf16", "+bf16+static")):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _attention_call(frames: int, heads: int, dim_head: int, dtype: torch.dtype, reps: int = 3) -> float:
+    """Best-of-``reps`` seconds of one whole-call attention over ``frames`` frames, both CFG rows, as the
+    solver runs it (bf16: keys padded to :data:`~cosyllama.flow.fast_dit.KEY_ALIGN` under an additive mask)."""
+    import torch.nn.functional as F
+
+    from .fast_dit import KEY_ALIGN
+
+    pad = (-frames) % KEY_ALIGN if dtype == torch.bfloat16 else 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, frames, dim_head, generator=g).to(dtype)
+    k, v = (torch.randn(2, heads, frames + pad, dim_head, generator=g).to(dtype) for _ in range(2))
+    mask = None
+    if pad:
+        mask = torch.zeros(frames, frames + pad, dtype=dtype)
+        mask[:, frames:] = float("-inf")
+    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # warm
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def attention_seconds(flow: Flow, cands: list[Candidate]) -> tuple[dict[str, list[float]], float] | None:
+    """Per candidate the seconds a solve spends in attention at the timed size and at the real size
+    (:data:`REAL_PROMPT_TOKENS` + :data:`REAL_TOKENS`), and the ratio of their frames; None off the CPU
+    or where the flow's shapes cannot be read."""
+    if flow.device.type != "cpu":
+        return None
+    try:
+        blocks = flow.decoder.estimator.transformer_blocks
+        attn = blocks[0].attn
+        heads, dim_head = attn.heads, attn.to_q.out_features // attn.heads
+        ratio, steps = flow.cfg.token_mel_ratio, flow.decoder.n_timesteps
+    except (AttributeError, IndexError, TypeError):
+        return None
+    small, real = ratio * (TIME_PROMPT_TOKENS + TIME_TOKENS), ratio * (REAL_PROMPT_TOKENS + REAL_TOKENS)
+    calls = len(blocks) * steps
+    per = {dt: [calls * _attention_call(n, heads, dim_head, dt) for n in (small, real)]
+           for dt in {_attention_dtype(c) for c in cands}}
+    return {c.name: per[_attention_dtype(c)] for c in cands}, real / small
+
+
+_attention_seconds = attention_seconds  # a seam (tests: None, no projection, or given seconds)
+
+
 def busy_before_timing(threads: int) -> str | None:
     """Why the machine is too busy to time on at all (None: time, the CPU share then decides): the
     1-minute load average, which counts every runnable thread of the machine (this process's own
@@ -128,10 +190,22 @@ class Measurement:
     measured_at: float
     load_before: tuple[float, ...] | None = None
     load_after: tuple[float, ...] | None = None
+    attention: dict[str, list[float]] | None = None  # per candidate: attention seconds at the timed, real size
+    scale: float | None = None  # the real size's frames over the timed solve's
 
     @property
     def seconds(self) -> dict[str, float]:
         return {n: min(rs) for n, rs in self.rounds.items()}
+
+    @property
+    def projected(self) -> dict[str, float]:
+        """Each candidate's seconds projected to the real size (see :data:`REAL_TOKENS`): its timed
+        attention out, the rest scaled by the frames, the real size's attention in. The timed seconds
+        where the measurement has no attention timings."""
+        s = self.seconds
+        if not self.attention or not self.scale or set(self.attention) != set(s):
+            return s
+        return {n: max(t - self.attention[n][0], 0.0) * self.scale + self.attention[n][1] for n, t in s.items()}
 
     def contention(self) -> str | None:
         """Why these timings cannot be trusted (None: they can): the process got less than
@@ -156,8 +230,11 @@ class Measurement:
         if not rounds_ or any(not rs for rs in rounds_.values()):
             raise ValueError("a record without timings")
         loads = [tuple(float(x) for x in d[k]) if d.get(k) else None for k in ("load_before", "load_after")]
+        att = d.get("attention")
+        att = {str(n): [float(x) for x in a] for n, a in att.items()} if att else None
+        scale = float(d["scale"]) if d.get("scale") else None
         return cls(rounds_, [str(n) for n in d["order"]], float(d["cpu_share"]), int(d["threads"]), int(d["cores"]),
-                   float(d["wall_s"]), float(d["measured_at"]), *loads)
+                   float(d["wall_s"]), float(d["measured_at"]), *loads, att, scale)
 
     def conditions(self) -> str:
         """``load 0.4, CPU 97% of 2 threads``: the load average when it started and the CPU it got."""
@@ -188,8 +265,10 @@ def measure(flow: Flow, cands: list[Candidate], repeat: int = TIME_ROUNDS) -> Me
         order.append(name)
         wall, cpu = wall + w, cpu + c
     share = cpu / (wall * threads) if wall > 0 else 0.0
+    load_after = _loadavg()
+    att = _attention_seconds(flow, cands)
     return Measurement(times, order, round(share, 4), threads, _cores(), round(wall, 4), _clock(), load_before,
-                       _loadavg())
+                       load_after, *(att or (None, None)))
 
 
 def _verdict_key(flow: Flow, cands: list[Candidate]) -> str | None:
@@ -248,6 +327,7 @@ class AutoChoice:
     busy: str | None = None
     previous: tuple[str, Measurement] | None = None  # with ``remeasure``: the verdict cached before
     checks: tuple[CheckResult, ...] = ()  # every candidate's check that passed
+    projected: dict[str, float] | None = None  # the seconds projected to the real size (Measurement.projected)
 
     @property
     def cached(self) -> bool:
@@ -271,6 +351,10 @@ class AutoChoice:
             out = f"{when} at {m.conditions()} on {TIME_PROMPT_TOKENS}+{TIME_TOKENS} tokens: {t}"
         if self.failed:
             out += "; failed the fidelity check: " + ", ".join(f.summary() for f in self.failed)
+        p, exact = self.projected, Candidate(torch.float32).name
+        if p and self.source != "rule" and exact in p and self.chosen.name != exact:
+            out += (f"; projected to {REAL_PROMPT_TOKENS}+{REAL_TOKENS} tokens: fp32 / {self.chosen.name} "
+                    f"{p[exact] / p[self.chosen.name]:.2f}x")
         if self.check is not None:
             out += f"; {self.check.summary()}"
         return out
@@ -279,7 +363,8 @@ class AutoChoice:
         """The CPU line's words for this choice."""
         if self.source == "rule":
             return f"auto: rule of thumb, {rule_words(self.chosen)}, because {self.summary(now)}"
-        if self.seconds and self.seconds.get(self.chosen.name, 0.0) > min(self.seconds.values()):
+        by = self.projected or self.seconds
+        if by and by.get(self.chosen.name, 0.0) > min(by.values()):
             return f"auto: fp32 kept, no lossy path is {LOSSY_MIN_GAIN}x faster here, {self.summary(now)}"
         return f"auto: fastest here, {self.summary(now)}"
 
@@ -339,7 +424,7 @@ def choose_fastest(flow: Flow, remeasure: bool = False) -> AutoChoice:
         chosen.apply(flow)
         m = kw.get("measurement")
         return AutoChoice(chosen, checks.get(chosen.name), m.seconds if m else {}, tuple(failed),
-                          checks=tuple(checks.values()), **kw)
+                          checks=tuple(checks.values()), projected=m.projected if m else None, **kw)
 
     key = _verdict_key(flow, passed)
     hit = cached_verdict(flow, passed)
@@ -354,13 +439,14 @@ def choose_fastest(flow: Flow, remeasure: bool = False) -> AutoChoice:
     busy = m.contention()
     if busy:
         return done(rule_of_thumb(flow, passed), source="rule", measurement=m, busy=busy, previous=previous)
-    best = verdict(m.seconds, by_name)
+    best = verdict(m.projected, by_name)
     if key is not None:
         rec = m.record(best.name)
         remember(key, rec)
     return done(best, source="measured", measurement=m, previous=previous)
 
 
-__all__ = ["AUTO_ENV", "CPU_SHARE_MIN", "LOAD_SLACK", "LOSSY_MIN_GAIN", "TIME_PROMPT_TOKENS", "TIME_ROUNDS",
-           "TIME_TOKENS", "AutoChoice", "Measurement", "busy_before_timing", "cached_verdict", "candidates",
+__all__ = ["AUTO_ENV", "CPU_SHARE_MIN", "LOAD_SLACK", "LOSSY_MIN_GAIN", "REAL_PROMPT_TOKENS", "REAL_TOKENS",
+           "TIME_PROMPT_TOKENS", "TIME_ROUNDS", "TIME_TOKENS", "AutoChoice", "Measurement", "attention_seconds",
+           "busy_before_timing", "cached_verdict", "candidates",
            "choose_fastest", "format_age", "measure", "rule_of_thumb", "rule_words", "timing_input", "verdict"]

@@ -165,7 +165,15 @@ def run_auto(model_dir: Path, progress: Progress, device: torch.device = torch.d
 
 def format_auto(a: dict) -> list[str]:
     """The lines of the ``auto`` part: the candidates' rounds and checks, the new verdict, the cached one."""
-    from ..flow.auto import CPU_SHARE_MIN, TIME_PROMPT_TOKENS, TIME_TOKENS, Measurement, format_age
+    from ..flow.auto import (
+        CPU_SHARE_MIN,
+        REAL_PROMPT_TOKENS,
+        REAL_TOKENS,
+        TIME_PROMPT_TOKENS,
+        TIME_TOKENS,
+        Measurement,
+        format_age,
+    )
 
     m = Measurement.from_record(a["measurement"])
     n = max(len(rs) for rs in m.rounds.values())
@@ -174,16 +182,19 @@ def format_auto(a: dict) -> list[str]:
     lines = ["", f"auto: the flow candidates timed again ({TIME_PROMPT_TOKENS}+{TIME_TOKENS} tokens, {n} interleaved "
              f"rounds: {order}, then back; {m.threads} threads)",
              f"{'candidate':<{w}}" + "".join(f"{f'round {i + 1} s':>11}" for i in range(n)) + f"{'best s':>9}"
-             f"{'mel vs fp32 mean / max':>25}"]
-    for name, rs in sorted(m.rounds.items(), key=lambda kv: min(kv[1])):
+             + (f"{f'at {REAL_PROMPT_TOKENS}+{REAL_TOKENS} s':>14}" if m.attention else "")
+             + f"{'mel vs fp32 mean / max':>25}"]
+    proj = m.projected
+    for name, rs in sorted(m.rounds.items(), key=lambda kv: proj[kv[0]]):
         ck = a["checks"].get(name)
         fid = f"{ck['mean_abs']:.4f} / {ck['max_abs']:.4f}" if ck else "-"
-        lines.append(f"{name:<{w}}" + "".join(f"{r:>11.3f}" for r in rs) + f"{min(rs):>9.3f}{fid:>25}")
+        lines.append(f"{name:<{w}}" + "".join(f"{r:>11.3f}" for r in rs) + f"{min(rs):>9.3f}"
+                     + (f"{proj[name]:>14.2f}" if m.attention else "") + f"{fid:>25}")
     for name, ck in a["checks"].items():
         if not ck["passed"]:
             fid = f"{ck['mean_abs']:.4f} / {ck['max_abs']:.4f}"
             lines.append(f"{name:<{w}}failed the fidelity check ({fid}): not timed")
-    best = min(m.seconds, key=m.seconds.get)
+    best = min(proj, key=proj.get)
     share = f"CPU {m.cpu_share:.0%} of {m.threads} threads (trusted from {CPU_SHARE_MIN:.0%})"
     load = f", load {m.load_before[0]:.1f} -> {m.load_after[0]:.1f}" if m.load_before and m.load_after else ""
     lines.append(f"now:    fastest {best}, {share}{load}")
