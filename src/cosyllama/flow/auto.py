@@ -38,7 +38,8 @@ TIME_ROUNDS = 2  # A B C, C B A: every candidate timed twice, beside the others;
 # every candidate alike (AVX512-BF16 without AMX: PyTorch's flash kernel runs bf16 no faster than fp32). Each
 # candidate's time is projected: its attention (timed apart, in the candidate's attention dtype, at both sizes)
 # taken out, the rest scaled by the frames, the real size's attention put back. On a Zen 4 the timed fp32 /
-# static int8 ratio was 3.19x against 2.44x at 3 s + 10 s, projected 2.56x (docs/precision.md).
+# static int8 ratio was 3.19-3.27x against 2.44-2.64x at 3 s + 10 s, projected 2.68x (docs/precision.md). The
+# attention timing (under a second) follows the rounds, outside the CPU share that decides whether they count.
 REAL_PROMPT_TOKENS = 75
 REAL_TOKENS = 250
 # A measurement is trusted only if the process got this share of the CPU its threads asked for (CPU seconds /
