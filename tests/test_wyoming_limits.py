@@ -691,7 +691,7 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
     At the end its descriptors are those after the first 50 (+-2), and the median RSS of the last
     three readings is within 5 % of the first three's. Medians, because one idle reading moves by
     up to ~4 % either way with what the last requests left in glibc's heaps (1,000 clients on the
-    AMX host stayed within 501-537 MB with no trend); a leak of 0.5 MB a client, the scale of the
+    AVX512-BF16 (Zen 4) host stayed within 501-537 MB with no trend); a leak of 0.5 MB a client, the scale of the
     ones this test was written against (docs/benchmarks.md#server-soak-bounded-work-and-memory),
     moves the medians by ~13 %."""
     with socket.socket() as a, socket.socket() as b:
