@@ -123,9 +123,6 @@ def _same_sound(audio: np.ndarray, reference: np.ndarray, below_hz: float | None
 def test_same_sound_tells_a_shifted_or_quieter_copy():
     rng = np.random.default_rng(0)
     ref = rng.standard_normal(12_000)
-    assert _same_sound(ref + 0.1 * rng.standard_normal(ref.size), ref)
-    assert not _same_sound(np.roll(ref, 480), ref)
-    assert not _same_sound(0.6 * ref, ref)
     for below_hz in (10_000, None):
         assert _same_sound(ref + 0.1 * rng.standard_normal(ref.size), ref, below_hz)
         assert not _same_sound(0.6 * ref, ref, below_hz)

@@ -716,7 +716,7 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.post("/v1/voices", files={"audio": ("p.wav", PROMPT_WAV.read_bytes(), "audio/wav")},
                           data={"text": "Hello, this is my voice.", "id": "en"}).status_code == 200
-        figures, kinds = {}, []
+        readings, kinds = [], []
 
         async def batch(lo, hi):
             sem = asyncio.Semaphore(8)
@@ -740,13 +740,12 @@ def test_soak_mixed_wyoming_clients_rss_and_descriptors_flat(tmp_path):
             except AssertionError:
                 settled = False
             time.sleep(3)  # past --idle-timeout: every connection the server closes is closed
-            figures[hi] = (*_proc_figures(proc.pid), settled)
+            readings.append((*_proc_figures(proc.pid), settled))
         wall = time.perf_counter() - t0
     finally:
         proc.terminate()
         proc.wait(30)
         log.close()
-    readings = [figures[k] for k in sorted(figures)]
     rss = [r for r, _, _ in readings]
     early, late = statistics.median(rss[:3]), statistics.median(rss[-3:])
     fd0, fd1 = readings[0][1], readings[-1][1]

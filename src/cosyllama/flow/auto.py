@@ -109,9 +109,10 @@ def _solve(flow: Flow, cand: Candidate, inp: tuple[torch.Tensor, ...]) -> tuple[
 
 def _attention_dtype(cand: Candidate) -> torch.dtype:
     """The dtype a candidate's solve runs attention in: bf16 for bf16 and the mixed int8 paths, float32 else."""
-    if cand.dtype == torch.bfloat16 or (cand.int8_engine or "").endswith(("+bf16", "+bf16+static")):
-        return torch.bfloat16
-    return torch.float32
+    from .fast_dit import int8_is_mixed
+
+    mixed = cand.int8_engine is not None and int8_is_mixed(cand.int8_engine)
+    return torch.bfloat16 if cand.dtype == torch.bfloat16 or mixed else torch.float32
 
 
 def _attention_call(frames: int, heads: int, dim_head: int, dtype: torch.dtype, reps: int = 3) -> float:
@@ -328,7 +329,11 @@ class AutoChoice:
     busy: str | None = None
     previous: tuple[str, Measurement] | None = None  # with ``remeasure``: the verdict cached before
     checks: tuple[CheckResult, ...] = ()  # every candidate's check that passed
-    projected: dict[str, float] | None = None  # the seconds projected to the real size (Measurement.projected)
+
+    @property
+    def projected(self) -> dict[str, float]:
+        """The measurement's seconds projected to the real size (:attr:`Measurement.projected`; empty without one)."""
+        return self.measurement.projected if self.measurement is not None else {}
 
     @property
     def cached(self) -> bool:
@@ -425,7 +430,7 @@ def choose_fastest(flow: Flow, remeasure: bool = False) -> AutoChoice:
         chosen.apply(flow)
         m = kw.get("measurement")
         return AutoChoice(chosen, checks.get(chosen.name), m.seconds if m else {}, tuple(failed),
-                          checks=tuple(checks.values()), projected=m.projected if m else None, **kw)
+                          checks=tuple(checks.values()), **kw)
 
     key = _verdict_key(flow, passed)
     hit = cached_verdict(flow, passed)
