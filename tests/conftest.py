@@ -17,6 +17,10 @@ from helpers import MODEL_DIR
 # model depends on the machine, so the suite (and the CLIs it starts) use the class rule for reproducible paths.
 # tests/test_auto_timing.py measures, with the timings mocked where a choice is asserted.
 os.environ.setdefault("COSYLLAMA_AUTO", "rule")
+# Likewise the flow's bf16 attention: the kernel wherever it can run (a CPU with AVX512-BF16 and a C++ compiler),
+# not a timing that may go either way on the fixture's small heads; PyTorch's elsewhere. Tests of PyTorch's
+# attention path set COSYLLAMA_ATTENTION=pytorch themselves.
+os.environ.setdefault("COSYLLAMA_ATTENTION", "kernel")
 
 # Every process the suite starts, and every process those start, inherits this mark; at the end of the
 # session none of them may be left (a server's helper process outliving it, a test's subprocess not

@@ -162,10 +162,14 @@ def test_mixed_int8_bf16_path_stays_within_bound_and_runs_in_bf16(flow_mixed, mo
     solver = flow_mixed.decoder._fast_solver()
     assert solver.act_dtype is torch.bfloat16 and solver.tail_steps == fast_dit.INT8_FP32_LAST_STEPS
     assert all(b["qkv"].bias.dtype is torch.bfloat16 for b in solver.tail_blocks)
+    from cosyllama.flow import native_attention
+
     seen = set()
     real = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda q, *a, **kw: seen.add(q.dtype) or real(q, *a, **kw))
+    kernel = native_attention.attention  # the bf16 kernel, where it runs (tests/test_native_attention.py)
+    monkeypatch.setattr(native_attention, "attention", lambda q, *a, **kw: seen.add(q.dtype) or kernel(q, *a, **kw))
     mean, mx = _worst(flow_mixed)
     print(f"flow int8/onednn+bf16 vs upstream fp32 mel: mean {mean:.2e} max {mx:.2e}")
     assert seen == {torch.bfloat16}

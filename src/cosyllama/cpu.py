@@ -350,6 +350,7 @@ class CpuPath:
     llm: str | None = None  # "torch" / "llamacpp"
     flow_why: str | None = None  # why the flow runs at ``flow`` (the flow's own record; else derived)
     llama_bufts: str | None = None  # what the llama.cpp backend chose for extra buffer types, and why
+    attention: str | None = None  # the flow's bf16 attention and why (native_attention.Choice.words)
 
     def as_dict(self) -> dict:
         d = {"cpu": cpu_model(), "cpu_class": cpu_class(), "isa": isa_names(), "native_bf16": has_native_bf16(),
@@ -357,6 +358,8 @@ class CpuPath:
         if self.flow:
             d["flow_precision"] = self.flow
             d["flow_precision_why"] = self.flow_why or precision_reason(self.requested, self.flow, self.device)
+            if self.attention:
+                d["flow_attention"] = self.attention
         if self.vocoder:
             d["vocoder_precision"] = self.vocoder
             d["vocoder_precision_why"] = precision_reason(self.requested, self.vocoder, self.device, "vocoder")
@@ -374,6 +377,8 @@ class CpuPath:
             parts = []
             if self.flow:
                 parts.append(f"flow {self.flow} ({d['flow_precision_why']})")
+                if self.attention:
+                    parts.append(f"flow {self.attention}")
             if self.vocoder:
                 parts.append(f"vocoder {self.vocoder} ({d['vocoder_precision_why']})")
             out.append(f"precision on {self.device}: " + "; ".join(parts))
@@ -398,4 +403,26 @@ def tts_path(tts, requested: str, threads: int | None = None) -> CpuPath:
     return CpuPath(threads=threads or torch.get_num_threads(), flow=names.get(t2w.flow.precision),
                    vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device),
                    llm=llm, flow_why=choice.reason if choice is not None else None,
-                   llama_bufts=tts.llm.extra_buffer_types_why if llm == "llamacpp" else None)
+                   llama_bufts=tts.llm.extra_buffer_types_why if llm == "llamacpp" else None,
+                   attention=attention_words(t2w.flow))
+
+
+def attention_words(flow) -> str | None:
+    """How a flow on the CPU whose solver computes in bf16 (bf16, the mixed int8 paths) runs attention, for the
+    CPU line (:meth:`cosyllama.flow.native_attention.Choice.words`); None for any other flow."""
+    import torch
+
+    from .flow import native_attention
+    from .flow.fast_dit import int8_is_mixed
+    from .precision import INT8
+
+    dec = flow.decoder
+    bf16 = flow.precision == torch.bfloat16 or (flow.precision == INT8 and int8_is_mixed(dec.int8_engine))
+    if not bf16 or str(getattr(flow, "device", "cpu")).split(":")[0] != "cpu":
+        return None
+    try:
+        attn = dec.estimator.transformer_blocks[0].attn
+        heads, dim_head = attn.heads, attn.to_q.out_features // attn.heads
+    except (AttributeError, IndexError):
+        return None
+    return native_attention.choice(heads, dim_head).words()

@@ -117,24 +117,22 @@ def _attention_dtype(cand: Candidate) -> torch.dtype:
 
 def _attention_call(frames: int, heads: int, dim_head: int, dtype: torch.dtype, reps: int = 3) -> float:
     """Best-of-``reps`` seconds of one whole-call attention over ``frames`` frames, both CFG rows, as the
-    solver runs it (bf16: keys padded to :data:`~cosyllama.flow.fast_dit.KEY_ALIGN` under an additive mask)."""
+    solver runs it: in bf16 on the attention chosen for this CPU (the bf16 kernel or PyTorch's with its keys
+    padded, :mod:`cosyllama.flow.native_attention`), in float32 on PyTorch's."""
     import torch.nn.functional as F
 
-    from .fast_dit import KEY_ALIGN
+    if dtype == torch.bfloat16:
+        from . import native_attention
 
-    pad = (-frames) % KEY_ALIGN if dtype == torch.bfloat16 else 0
+        which = "kernel" if native_attention.choice(heads, dim_head).kernel else "pytorch"
+        return native_attention.timed_calls(frames, heads, dim_head, reps, (which,))[which]
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, heads, frames, dim_head, generator=g).to(dtype)
-    k, v = (torch.randn(2, heads, frames + pad, dim_head, generator=g).to(dtype) for _ in range(2))
-    mask = None
-    if pad:
-        mask = torch.zeros(frames, frames + pad, dtype=dtype)
-        mask[:, frames:] = float("-inf")
-    F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # warm
+    q, k, v = (torch.randn(2, heads, frames, dim_head, generator=g).to(dtype) for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v)  # warm
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        F.scaled_dot_product_attention(q, k, v)
         best = min(best, time.perf_counter() - t0)
     return best
 

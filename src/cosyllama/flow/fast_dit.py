@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import INT8
+from . import native_attention
 from .cache import FlowStreamCache, StepCache, joined
 from .dit import CONV_POS_GROUPS, LN_EPS, CausalConvPositionEmbedding, DiT, chunk_attention_mask
 
@@ -396,6 +397,11 @@ class FastDiT:
                 ff2=_Fp32Linear([(ff[2].weight, ff[2].bias)]))
                 for a, ff in ((b.attn, b.ff.ff) for b in dit.transformer_blocks)] if self.tail_steps else []
 
+    def attention_kernel(self) -> bool:
+        """Whether bf16 attention runs on the kernel here (:func:`cosyllama.flow.native_attention.choice`: measured
+        once per CPU, PyTorch version, thread count and head shape, then cached)."""
+        return native_attention.choice(self.heads, self.dim_head).kernel
+
     def static_scales(self, steps: int) -> tuple:
         """From an observing solver's ranges (``observe=True``, after its calibration solves): per block,
         per Euler step before the tail, the four (scale, zero point) pairs :class:`_StaticInt8Linear` takes."""
@@ -475,9 +481,15 @@ class FastDiT:
         ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
         cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
+        # bf16 on the CPU: the bf16 attention kernel where it was chosen here (cosyllama.flow.native_attention),
+        # which takes the chunk mask as each query's count of visible keys and needs no padded keys
+        kernel = dt_ == torch.bfloat16 and mu.device.type == "cpu" and self.attention_kernel()
+        row_len = native_attention.chunk_row_lengths(n, start, dit.static_chunk_size) if kernel and streaming \
+            else None
         # keys padded to a whole number of KEY_ALIGN frames, the padding hidden by the mask (see KEY_ALIGN)
         # (on the CPU only: its BLAS is what pays for it; on CUDA a mask would cost the flash kernel)
-        pads = self.pad_keys and mu.device.type == "cpu" and (mask is not None or dt_ == torch.bfloat16)
+        pads = (self.pad_keys and not kernel and mu.device.type == "cpu"
+                and (mask is not None or dt_ == torch.bfloat16))
         key_pad = (-n) % KEY_ALIGN if pads else 0
         if key_pad:
             visible = torch.ones(m, n, dtype=torch.bool, device=mu.device) if mask is None else mask
@@ -518,7 +530,9 @@ class FastDiT:
                 elif key_pad:
                     k, v = joined(None, k, key_pad), joined(None, v, key_pad)
                 q, k, v = (t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for t in (q, k, v))
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, m, D), m-major
+                o = native_attention.attention(q, k, v, row_len) if kernel else None  # (B, H, m, D), m-major
+                if o is None:  # PyTorch's (also where the kernel declines these tensors)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                 del q, k, v, qkv
                 if q8:  # quantized straight from the m-major view (the result is row-major)
                     o = blk["out"](quantize_u8(o.transpose(1, 2), *q8[1]).flatten(2), q8[1], res)

@@ -1,0 +1,266 @@
+"""The flow's bf16 attention kernel for CPUs with AVX512-BF16 (``kernels/attention_bf16.cpp``).
+
+PyTorch's CPU flash kernel runs bfloat16 attention no faster than float32 where the CPU has AVX512-BF16 but
+no AMX: on 2 Zen 4 cores ~30 ms per attention of the flow's real size (2 CFG rows x 16 heads x 650 frames)
+against ~12 ms for this kernel, which computes both products with the CPU's bf16 dot products and keeps the
+softmax in float32 (its arithmetic, and an error the size of PyTorch's on the same inputs, are described in
+the source). On Intel AMX PyTorch's kernel runs on the tiles and may be the faster one, so which runs is
+measured, not assumed (:func:`choice`).
+
+The kernel is C++ with a plain C ABI, called through ctypes. It is compiled on first use with the system's
+C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``; under a second) into the cache directory, under a
+name that hashes the source, the flags and the compiler, so an upgrade or another compiler builds it again.
+Without a compiler, on a CPU without AVX512-BF16 (as PyTorch sees it: an emulator or a hypervisor that hides
+it counts), or with ``COSYLLAMA_ATTENTION=pytorch``, PyTorch's attention runs, and the CPU line says why.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels") / "attention_bf16.cpp"
+FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
+         "-shared", "-pthread")
+NEEDS = {"avx512f": "AVX-512", "avx512bw": "AVX512-BW", "avx512vl": "AVX512-VL", "avx512_bf16": "AVX512-BF16"}
+ABI_VERSION = 1
+ENV = "COSYLLAMA_ATTENTION"  # auto (default): measured; kernel: whenever it can run; pytorch: never
+MODES = ("auto", "kernel", "pytorch")
+# The kernel replaces PyTorch's attention only when it is at least this much faster at the timed size: a
+# kernel that merely ties is not worth a second code path in the run.
+MIN_GAIN = 1.1
+# The attention the choice is timed on: both CFG rows over 650 frames, a 3 s prompt + 10 s of speech (the
+# size `auto` projects to, cosyllama.flow.auto.REAL_PROMPT_TOKENS / REAL_TOKENS).
+TIMED_FRAMES = 650
+TIMED_ROUNDS = 3
+COMPILE_TIMEOUT_S = 120
+
+
+def mode() -> str:
+    """``COSYLLAMA_ATTENTION``: ``auto``, ``kernel`` or ``pytorch`` (an unknown value is an error)."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        from ..errors import InputError
+
+        raise InputError(f"{ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
+def cpu_problem() -> str | None:
+    """Why this CPU cannot run the kernel (None: it can), from the instruction sets PyTorch's kernels see."""
+    from ..cpu import kernel_flags
+
+    flags = kernel_flags()
+    missing = [name for flag, name in NEEDS.items() if flag not in flags]
+    return f"the CPU has no {', '.join(missing)}" if missing else None
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or None
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build(cxx: str) -> Path:
+    """The compiled kernel for ``cxx`` (built now unless the cache has it); raises OSError/RuntimeError."""
+    from ..cachedir import cache_dir
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(FLAGS + (cxx, version)).encode()).hexdigest()[:16]
+    name = f"attention_bf16-{digest}.so"
+    where = cache_dir() / "kernels"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError:  # a read-only cache: build into a private temporary folder, every run
+        where = Path(tempfile.mkdtemp(prefix="cosyllama-kernels-"))
+    target = where / name
+    if target.exists():
+        return target
+    tmp = where / f".{name}.{os.getpid()}.tmp"
+    done = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
+                          timeout=COMPILE_TIMEOUT_S)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+        raise RuntimeError(f"the C++ compiler failed: {first}")
+    os.replace(tmp, target)  # atomic: a process racing this one loads either file, never half of one
+    return target
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> tuple[ctypes.CDLL | None, str | None]:
+    """The loaded kernel and None, or None and why it cannot run here."""
+    problem = cpu_problem()
+    if problem:
+        return None, problem
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler to build it (install g++)"
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+        if lib.cosyllama_attention_version() != ABI_VERSION:
+            return None, "the built kernel answers another interface version"
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, str(e) or type(e).__name__
+    fn = lib.cosyllama_attention_bf16
+    fn.restype = ctypes.c_int
+    return lib, None
+
+
+_I64x3 = ctypes.c_int64 * 3
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_len: torch.Tensor | None = None,
+              scale: float | None = None) -> torch.Tensor | None:
+    """softmax(q k^T scale) v over bf16 ``q (B, H, M, D)``, ``k``, ``v (B, H, N, D)`` (any strides but a unit
+    channel stride), query row ``i`` seeing keys ``0 .. row_len[i]-1`` (int32 ``(M,)``; None: all N). Returns
+    ``(B, H, M, D)`` bf16, laid out M-major as PyTorch's attention returns it (so ``.transpose(1, 2)`` is
+    contiguous); None where the kernel cannot take these tensors or cannot run here (call PyTorch's)."""
+    lib, _ = library()
+    if lib is None:
+        return None
+    b, h, m, d = q.shape
+    n = k.shape[2]
+    if (q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or q.device.type != "cpu"
+            or k.shape != (b, h, n, d) or v.shape != k.shape or d % 16 or min(b, h, m, n) == 0
+            or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1):
+        return None
+    if row_len is not None:
+        row_len = row_len.to(torch.int32).contiguous()
+        if row_len.shape != (m,):
+            return None
+    out = torch.empty(b, m, h, d, dtype=torch.bfloat16)
+    view = out.transpose(1, 2)
+    rc = lib.cosyllama_attention_bf16(
+        ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
+        ctypes.c_void_p(out.data_ptr()), b, h, m, n, d, _I64x3(*q.stride()[:3]), _I64x3(*k.stride()[:3]),
+        _I64x3(*v.stride()[:3]), _I64x3(*view.stride()[:3]),
+        None if row_len is None else ctypes.c_void_p(row_len.data_ptr()),
+        ctypes.c_float(d ** -0.5 if scale is None else scale), max(1, torch.get_num_threads()))
+    return view if rc == 0 else None
+
+
+def chunk_row_lengths(n: int, start: int, chunk: int) -> torch.Tensor:
+    """Per query frame ``start .. n-1`` the keys the block-causal chunk mask lets it see (a prefix: its own
+    ``chunk``-frame block and every earlier one; cosyllama.flow.dit.chunk_attention_mask)."""
+    pos = torch.arange(start, n)
+    return torch.clamp((pos // chunk + 1) * chunk, max=n).to(torch.int32)
+
+
+def _inputs(frames: int, heads: int, dim_head: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    # laid out as the solver's q/k/v: head-split views of one (B, frames, 3 x heads x dim_head) projection
+    qkv = torch.randn(2, frames, 3, heads, dim_head, generator=g).to(torch.bfloat16)
+    return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+
+
+def pytorch_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """A callable that runs PyTorch's attention on these bf16 tensors as the solver calls it on the CPU (keys
+    padded to :data:`~cosyllama.flow.fast_dit.KEY_ALIGN` under an additive mask)."""
+    import torch.nn.functional as F
+
+    from .fast_dit import KEY_ALIGN
+
+    frames = k.shape[2]
+    pad = (-frames) % KEY_ALIGN
+    mask = None
+    if pad:
+        k, v = (F.pad(t, (0, 0, 0, pad)) for t in (k, v))
+        mask = torch.zeros(q.shape[2], frames + pad, dtype=q.dtype)
+        mask[:, frames:] = float("-inf")
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def timed_calls(frames: int, heads: int, dim_head: int, rounds: int = TIMED_ROUNDS,
+                which: tuple[str, ...] = ("pytorch", "kernel")) -> dict[str, float]:
+    """Best-of-``rounds`` seconds of one bf16 attention over ``frames`` frames (both CFG rows) by PyTorch
+    (``"pytorch"``) and, where it runs here, by the kernel (``"kernel"``), timed in alternation so a machine
+    that slows down meanwhile slows both."""
+    q, k, v = _inputs(frames, heads, dim_head)
+    calls = {"pytorch": pytorch_call(q, k, v)} if "pytorch" in which else {}
+    if "kernel" in which and library()[0] is not None and attention(q, k, v) is not None:  # also warms it
+        calls["kernel"] = lambda: attention(q, k, v)
+    best = {name: float("inf") for name in calls}
+    for name in calls:
+        calls[name]()
+    for _ in range(rounds):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which bf16 attention the flow runs on this CPU and why; ``seconds`` as timed (empty: not timed)."""
+
+    kernel: bool
+    why: str
+    seconds: tuple[tuple[str, float], ...] = ()
+
+    def words(self) -> str:
+        """For the CPU line: ``attention bf16 kernel (...)`` or ``attention PyTorch's (...)``."""
+        return f"attention {'bf16 kernel' if self.kernel else 'PyTorch' + chr(39) + 's'} ({self.why})"
+
+
+def _key(heads: int, dim_head: int, threads: int) -> str:
+    from ..cpu import cpu_model
+
+    return "|".join(str(x) for x in ("attention", cpu_model(), torch.__version__, threads, heads, dim_head,
+                                     hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]))
+
+
+_choices: dict[tuple[int, int, int, str], Choice] = {}
+
+
+def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
+    """Whether the flow's bf16 attention runs on the kernel here: ``COSYLLAMA_ATTENTION`` decides where set to
+    ``kernel`` or ``pytorch``; under ``auto`` (the default) both are timed once at :data:`TIMED_FRAMES` frames
+    with these heads and the kernel runs when it is :data:`MIN_GAIN` x faster. The timing is cached beside the
+    precision checks (``precision-checks.json``, key ``attention|<CPU>|<PyTorch>|<threads>|...``)."""
+    from .check import cached, remember
+
+    threads = threads or torch.get_num_threads()
+    how = mode()
+    memo = (heads, dim_head, threads, how)
+    if memo in _choices:
+        return _choices[memo]
+    lib, problem = library()
+    if how == "pytorch":
+        out = Choice(False, f"{ENV}=pytorch")
+    elif lib is None:
+        out = Choice(False, f"no bf16 kernel: {problem}")
+    elif how == "kernel":
+        out = Choice(True, f"{ENV}=kernel")
+    else:
+        key = _key(heads, dim_head, threads)
+        record = cached(key)
+        if record is None or "seconds" not in record:
+            record = {"seconds": timed_calls(TIMED_FRAMES, heads, dim_head), "measured_at": time.time()}
+            remember(key, record)
+        secs = record["seconds"]
+        gain = secs["pytorch"] / secs["kernel"] if secs.get("kernel") else 0.0
+        use = gain >= MIN_GAIN
+        out = Choice(use, f"{gain:.2f}x PyTorch's here at {TIMED_FRAMES} frames"
+                          + ("" if use else f", under the {MIN_GAIN}x it needs"),
+                     tuple(sorted(secs.items())))
+    _choices[memo] = out
+    return out
