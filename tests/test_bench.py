@@ -276,3 +276,24 @@ def test_bench_setup_makes_a_gguf_once_when_two_processes_ask_at_once(tmp_path, 
     path = bench_setup.ensure_gguf(MODEL_DIR, "speech", "Q8_0", lambda m: None)  # must wait, then reuse
     first.join(30)
     assert path.read_bytes() == b"gguf" and len(calls) == 1
+
+
+def test_the_torch_attention_variant_runs_pytorchs_attention(monkeypatch):
+    """``<variant>-torch-attention`` is its variant with PyTorch's bf16 attention where the bf16 kernel would run
+    (what the kernel gains, in turns in one run); the setting is back as it was after each call."""
+    from cosyllama.flow import native_attention
+    from cosyllama.tools.bench_flow import FlowVariant
+
+    v = FlowVariant.parse("int8-onednn+bf16+static-torch-attention")
+    assert (v.precision, v.engine, v.torch_attention) == ("int8", "onednn+bf16+static", True)
+    assert FlowVariant.parse("bf16-torch-attention").precision == "bf16"
+    assert FlowVariant.parse("bf16-torch-attention-torch-attention") is None
+    assert FlowVariant.parse("bf17-torch-attention") is None
+    monkeypatch.setenv(native_attention.ENV, "kernel")
+    with v.running(torch.device("cpu")):
+        assert native_attention.mode() == "pytorch"
+    assert native_attention.mode() == "kernel"
+    monkeypatch.delenv(native_attention.ENV)
+    with v.running(torch.device("cpu")):
+        assert native_attention.mode() == "pytorch"
+    assert native_attention.ENV not in __import__("os").environ

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
                    help="comma list of flow precisions to time (fp32 first: the others' fidelity is measured "
                         "against it; default fp32,bf16,int8 on the CPU, fp32,bf16 on a GPU); the pipeline's "
                         "rows take fp32 and auto. Research variants: fp32-autocast, bf16-res16, "
-                        "<precision>-steps<N> (see cosyllama.tools.bench_flow)")
+                        "<precision>-steps<N>, <variant>-torch-attention (see cosyllama.tools.bench_flow)")
     b.add_argument("--vocoder-precisions", default=None,
                    help="comma list of vocoder variants: fp32, bf16, and fp32-ref / bf16-ref (the reference "
                         "module path); default fp32,bf16")

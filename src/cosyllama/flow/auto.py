@@ -59,7 +59,7 @@ LOAD_SLACK = 1.0
 # really is faster it passes by far (AVX2 on a Zen 3/4 core: 1.71x timed, 1.83x at 75 + 150 tokens;
 # docs/benchmarks.md#auto-on-the-avx2-class), as do bf16 and int8 on AVX512-BF16 (2.3x, 3.4x).
 LOSSY_MIN_GAIN = 1.3
-VERDICT_VERSION = 3  # bump when the record's meaning changes: older verdicts are measured again
+VERDICT_VERSION = 4  # bump when the record's meaning changes: older verdicts are measured again
 AUTO_ENV = "COSYLLAMA_AUTO"  # "measure" (default) or "rule"
 
 
@@ -281,7 +281,22 @@ def _verdict_key(flow: Flow, cands: list[Candidate]) -> str | None:
 
     scheme = (fast_dit.INT8_REDUCE_RANGE, fast_dit.INT8_WEIGHT_MAX, fast_dit.INT8_FP32_LAST_STEPS)
     return "|".join([key, f"threads={torch.get_num_threads()}", ",".join(c.name for c in cands), str(scheme),
-                     f"v{VERDICT_VERSION}"])
+                     f"attention={_bf16_attention(flow)}", f"v{VERDICT_VERSION}"])
+
+
+def _bf16_attention(flow: Flow) -> str:
+    """Which bf16 attention the flow's bf16 and mixed candidates run on this CPU (``kernel`` or ``pytorch``,
+    cosyllama.flow.native_attention): a verdict timed with one says nothing about the other."""
+    from . import native_attention
+
+    try:
+        attn = flow.decoder.estimator.transformer_blocks[0].attn
+        heads, dim_head = attn.heads, attn.to_q.out_features // attn.heads
+    except (AttributeError, IndexError, TypeError):
+        return "pytorch"
+    if flow.device.type != "cpu":
+        return "pytorch"
+    return "kernel" if native_attention.choice(heads, dim_head).kernel else "pytorch"
 
 
 def cached_verdict(flow: Flow, cands: list[Candidate]) -> tuple[str, Measurement] | None:

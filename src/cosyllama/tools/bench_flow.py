@@ -15,12 +15,15 @@ the medians. Research variants (``--flow-precisions``, never in the defaults): `
 (the reference path under plain ``torch.autocast(bfloat16)``: the baseline the bf16 solver was
 built to beat), ``bf16-res16`` (the bf16 solver with its residual stream in bfloat16 too: what
 keeping it float32 costs), ``<precision>-steps<N>`` (N Euler steps instead of the model's 10: an
-explicit quality trade). Vocoder variants ``fp32-ref`` / ``bf16-ref`` run the module-by-module
-reference path instead of the channels-last conv stack.
+explicit quality trade), ``<variant>-torch-attention`` (a bf16 or mixed int8 variant with PyTorch's attention
+where the bf16 attention kernel would run: what the kernel gains, cosyllama.flow.native_attention). Vocoder
+variants ``fp32-ref`` / ``bf16-ref`` run the module-by-module reference path instead of the channels-last conv
+stack.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 import time
@@ -41,7 +44,8 @@ FLOW_VARIANTS = ("fp32", "bf16", "int8", "int8-onednn")  # the default on the CP
 # Bench-only spellings: the int8 solver on a named int8 engine (plain "int8" is fast_dit.INT8_ENGINE's).
 ENGINE_VARIANTS = {"int8-onednn": "onednn", "int8-fbgemm": "fbgemm", "int8-onednn+bf16": "onednn+bf16",
                    "int8-onednn+bf16+static": "onednn+bf16+static"}
-RESEARCH_VARIANTS = ("fp32-autocast", "bf16-res16", "<precision>-steps<N>")
+RESEARCH_VARIANTS = ("fp32-autocast", "bf16-res16", "<precision>-steps<N>", "<variant>-torch-attention")
+TORCH_ATTENTION = "-torch-attention"
 VOCODER_VARIANTS = ("fp32", "bf16", "fp32-ref", "bf16-ref")
 BATCH_SIZES = (1, 2, 4, 8, 16)
 # Op kinds of --profile: a profiled op belongs to the first kind one of whose names it contains.
@@ -52,7 +56,7 @@ FLOW_OP_KINDS = {"int8 products": ("quantized::linear", "qlinear_pointwise"),
                  "quantization passes": ("quantize_per_tensor", "int_repr"),
                  "bf16/fp32 products": ("linear_pointwise", "addmm", "aten::mm", "aten::bmm", "aten::matmul",
                                         "aten::linear"),
-                 "attention": ("scaled_dot_product", "flash_attention"),
+                 "attention": ("scaled_dot_product", "flash_attention", "attention_bf16"),
                  "conv": ("convolution", "conv1d", "conv2d"),
                  "dtype conversions": ("aten::to", "aten::_to_copy", "aten::copy_"),
                  "gelu": ("gelu",),
@@ -79,6 +83,7 @@ class FlowVariant:
     steps: int | None = None  # Euler steps (None: the model's)
     autocast: bool = False  # the reference path under torch.autocast(bfloat16)
     residual_bf16: bool = False  # the bf16 solver with its residual stream in bfloat16 too
+    torch_attention: bool = False  # bf16 attention on PyTorch's kernel, not the bf16 one chosen here
 
     @classmethod
     def parse(cls, name: str) -> FlowVariant | None:
@@ -87,6 +92,10 @@ class FlowVariant:
 
         if name in PRECISIONS:
             return cls(name, name)
+        if name.endswith(TORCH_ATTENTION):
+            base = cls.parse(name[:-len(TORCH_ATTENTION)])
+            return None if base is None or base.torch_attention else dataclasses.replace(
+                base, name=name, torch_attention=True)
         if name in ENGINE_VARIANTS:
             return cls(name, "int8", engine=ENGINE_VARIANTS[name])
         if name == "fp32-autocast":
@@ -120,6 +129,15 @@ class FlowVariant:
         with ExitStack() as stack:
             if self.autocast:
                 stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+            if self.torch_attention:
+                import os
+
+                from ..flow import native_attention
+
+                saved_mode = os.environ.get(native_attention.ENV)
+                os.environ[native_attention.ENV] = "pytorch"
+                stack.callback(lambda: os.environ.pop(native_attention.ENV, None) if saved_mode is None
+                               else os.environ.__setitem__(native_attention.ENV, saved_mode))
             if self.residual_bf16:
                 from ..flow.fast_dit import FastDiT
 
