@@ -129,12 +129,15 @@ def test_a_row_that_sees_no_key_is_zero_not_nan():
 
 
 def test_threads_split_heads_without_changing_a_bit(monkeypatch):
+    """On PyTorch's OpenMP team (where PyTorch runs on libgomp) or on threads of the kernel's own, any count."""
     _kernel_or_skip()
     q, k, v = _inputs(2, 5, 33, 61, 64, seed=3)
     outs = []
-    for threads in (1, 2, 3):
-        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
-        outs.append(native_attention.attention(q, k, v))
+    for team in (native_attention._team(), None):
+        monkeypatch.setattr(native_attention, "_team", lambda t=team: t)
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+            outs.append(native_attention.attention(q, k, v))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 

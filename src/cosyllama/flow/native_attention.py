@@ -32,7 +32,7 @@ SOURCE = Path(__file__).with_name("kernels") / "attention_bf16.cpp"
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
          "-shared", "-pthread")
 NEEDS = {"avx512f": "AVX-512", "avx512bw": "AVX512-BW", "avx512vl": "AVX512-VL", "avx512_bf16": "AVX512-BF16"}
-ABI_VERSION = 1
+ABI_VERSION = 2
 ENV = "COSYLLAMA_ATTENTION"  # auto (default): measured; kernel: whenever it can run; pytorch: never
 MODES = ("auto", "kernel", "pytorch")
 # The kernel replaces PyTorch's attention only when it is at least this much faster at the timed size: a
@@ -160,7 +160,25 @@ def _call(lib, q, k, v, out, view, b, h, m, n, d, row_len, scale) -> int:
         ctypes.c_void_p(out.data_ptr()), b, h, m, n, d, _I64x3(*q.stride()[:3]), _I64x3(*k.stride()[:3]),
         _I64x3(*v.stride()[:3]), _I64x3(*view.stride()[:3]),
         None if row_len is None else ctypes.c_void_p(row_len.data_ptr()),
-        ctypes.c_float(d ** -0.5 if scale is None else scale), max(1, torch.get_num_threads()))
+        ctypes.c_float(d ** -0.5 if scale is None else scale), max(1, torch.get_num_threads()),
+        ctypes.c_void_p(_team()))
+
+
+@functools.lru_cache(maxsize=None)
+def _team() -> int | None:
+    """The address of libgomp's ``GOMP_parallel`` in the copy PyTorch's parallel regions run on, so the kernel
+    works on PyTorch's own OpenMP team (see the source); None where PyTorch is not on libgomp (the kernel then
+    starts threads of its own)."""
+    from ..openmp import _loaded_libgomp
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    for path in _loaded_libgomp():
+        try:
+            return ctypes.cast(ctypes.CDLL(path).GOMP_parallel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def chunk_row_lengths(n: int, start: int, chunk: int) -> torch.Tensor:

@@ -20,7 +20,11 @@
 // is not needed.
 //
 // Work is split by (batch, head): each thread repacks one head's keys and values into the layouts the dot
-// products read, then walks its query rows in tiles of QB rows. A tile's scores are kept whole
+// products read, then walks its query rows in tiles of QB rows. The threads are PyTorch's own OpenMP team
+// where the caller passes libgomp's GOMP_parallel (the entry point GCC's `omp parallel` compiles to): the
+// team PyTorch's products just ran on, awake, with no second set of threads for its spinning workers to
+// take the cores from (pthreads started per call, the other route, ran a solve's attention ~1.5x slower
+// on 2 cores than the same calls timed alone). A tile's scores are kept whole
 // (QB x keys, float32) so the softmax is exact, not the running rescale of a flash kernel: at the flow's
 // lengths (a few thousand keys at most) a tile's row fits in the L2 cache.
 //
@@ -41,6 +45,9 @@ namespace {
 constexpr int QB = 6;        // query rows per tile
 constexpr int KT = 4;        // 16-key vectors per score tile (64 keys); a row's last tile may have fewer
 
+void *worker(void *p);
+inline void worker_entry(void *p) { worker(p); }
+
 struct Args {
     const uint16_t *q, *k, *v;
     uint16_t *o;
@@ -51,6 +58,8 @@ struct Args {
     std::atomic<int> next;
     std::atomic<int> failed;
 };
+
+void team_worker(void *p) { worker_entry(p); }
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -260,15 +269,19 @@ void *worker(void *p) {
 extern "C" {
 
 // Version of this interface: the loader refuses a library that answers otherwise.
-int cosyllama_attention_version(void) { return 1; }
+int cosyllama_attention_version(void) { return 2; }
+
+// libgomp's GOMP_parallel: runs fn(data) on the calling thread and num_threads - 1 workers of its team.
+typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 
 // out[b, h, i, :] = softmax over j < row_len[i] of (q[b, h, i, :] . k[b, h, j, :]) * scale, applied to v.
-// Strides in elements (batch, head, row); the channel stride is 1. d a multiple of 16. Returns 0, or
-// 1 for shapes it does not take, 2 when memory ran out.
+// Strides in elements (batch, head, row); the channel stride is 1. d a multiple of 16. gomp_parallel: libgomp's
+// GOMP_parallel to run on the caller's OpenMP team, or null for threads of its own. Returns 0, or 1 for shapes
+// it does not take, 2 when memory ran out.
 int cosyllama_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
                              int b, int h, int m, int n, int d, const int64_t *q_strides,
                              const int64_t *k_strides, const int64_t *v_strides, const int64_t *o_strides,
-                             const int32_t *row_len, float scale, int threads) {
+                             const int32_t *row_len, float scale, int threads, void *gomp_parallel) {
     if (b <= 0 || h <= 0 || m <= 0 || n <= 0 || d <= 0 || d % 16 != 0 || threads <= 0) return 1;
     Args a;
     a.q = q, a.k = k, a.v = v, a.o = out;
@@ -281,6 +294,10 @@ int cosyllama_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_
     a.next.store(0);
     a.failed.store(0);
     if (threads > b * h) threads = b * h;
+    if (gomp_parallel) {
+        ((gomp_parallel_fn)gomp_parallel)(team_worker, &a, (unsigned)threads, 0);
+        return a.failed.load() ? 2 : 0;
+    }
     pthread_t extra[64];
     int started = 0;
     for (int t = 1; t < threads && t <= 64; ++t) {
