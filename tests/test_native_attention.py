@@ -151,6 +151,7 @@ def fresh(monkeypatch, tmp_path):
     from cosyllama.flow import check
 
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_attention, "PREBUILT", tmp_path / "prebuilt")  # none built beside the source
     monkeypatch.delenv(native_attention.ENV, raising=False)
     monkeypatch.setattr(check, "_memory", {})
     library = native_attention.library  # a test may stand in for it
@@ -175,7 +176,7 @@ def test_a_cpu_without_avx512_bf16_never_builds_it(fresh, monkeypatch):
     from cosyllama import cpu
 
     monkeypatch.setattr(cpu, "kernel_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
-    monkeypatch.setattr(native_attention, "_build", lambda cxx: pytest.fail("built on a CPU that cannot run it"))
+    monkeypatch.setattr(native_attention, "build", lambda *a: pytest.fail("built on a CPU that cannot run it"))
     monkeypatch.setenv(native_attention.ENV, "kernel")
     c = native_attention.choice(4, 16)
     assert not c.kernel and "the CPU has no AVX512-BW, AVX512-VL, AVX512-BF16" in c.why
@@ -203,6 +204,27 @@ def test_a_failing_compiler_means_pytorchs_attention(fresh, monkeypatch, tmp_pat
     c = native_attention.choice(4, 16)
     assert not c.kernel and c.why == "no bf16 kernel: the C++ compiler failed: x.cpp:1: error: no bf16 here"
     assert not list((fresh / "kernels").glob("*.so"))  # no half-built library left to load next time
+
+
+def test_a_kernel_built_at_install_time_runs_without_a_compiler(fresh, monkeypatch, capsys):
+    """What the container image does: ``python -m cosyllama.flow.native_attention`` at build time, a run with
+    no compiler then loads that build. The command itself needs a compiler, and says so."""
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    assert native_attention.main([str(fresh / "prebuilt")]) == 1
+    assert "no C++ compiler: set CXX or install g++" in capsys.readouterr().err
+    monkeypatch.delenv("CXX")
+    if native_attention._compiler() is None:
+        pytest.skip("no C++ compiler here")
+    assert native_attention.main([]) == 0  # the default place is the one the loader looks in first
+    built = capsys.readouterr().out.strip()
+    assert built == str(fresh / "prebuilt" / native_attention.library_name())
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    lib, why = native_attention.library()
+    if native_attention.cpu_problem() is None:
+        assert lib is not None, why
+        assert not list(fresh.glob("kernels/*.so"))  # nothing built in the cache
+    else:
+        assert why == native_attention.cpu_problem()
 
 
 def test_auto_times_both_once_and_remembers(fresh, monkeypatch):

@@ -9,9 +9,11 @@ measured, not assumed (:func:`choice`).
 
 The kernel is C++ with a plain C ABI, called through ctypes. It is compiled on first use with the system's
 C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``; under a second) into the cache directory, under a
-name that hashes the source, the flags and the compiler, so an upgrade or another compiler builds it again.
-Without a compiler, on a CPU without AVX512-BF16 (as PyTorch sees it: an emulator or a hypervisor that hides
-it counts), or with ``COSYLLAMA_ATTENTION=pytorch``, PyTorch's attention runs, and the CPU line says why.
+name that hashes the source and the flags, so a changed kernel is built again; ``python -m
+cosyllama.flow.native_attention`` builds it beside its source instead, for installs whose runs have no compiler
+(the container image does this at build time). Without a compiler or a built kernel, on a CPU without
+AVX512-BF16 (as PyTorch sees it: an emulator or a hypervisor that hides it counts), or with
+``COSYLLAMA_ATTENTION=pytorch``, PyTorch's attention runs, and the CPU line says why.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernels") / "attention_bf16.cpp"
+PREBUILT = SOURCE.parent  # where `python -m cosyllama.flow.native_attention` puts the kernel by default
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
          "-shared", "-pthread")
 NEEDS = {"avx512f": "AVX-512", "avx512bw": "AVX512-BW", "avx512vl": "AVX512-VL", "avx512_bf16": "AVX512-BF16"}
@@ -76,25 +79,20 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(cxx: str) -> Path:
-    """The compiled kernel for ``cxx`` (built now unless the cache has it); raises OSError/RuntimeError."""
-    from ..cachedir import cache_dir
+def library_name() -> str:
+    """The compiled kernel's file name: it hashes the source and the flags, so a changed kernel is built again."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(FLAGS).encode()).hexdigest()[:16]
+    return f"attention_bf16-{digest}.so"
 
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(FLAGS + (cxx, version)).encode()).hexdigest()[:16]
-    name = f"attention_bf16-{digest}.so"
-    where = cache_dir() / "kernels"
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        probe = where / f".probe-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError:  # a read-only cache: build into a private temporary folder, every run
-        where = Path(tempfile.mkdtemp(prefix="cosyllama-kernels-"))
-    target = where / name
+
+def build(where: Path, cxx: str) -> Path:
+    """Compile the kernel into ``where`` with ``cxx`` (unless it is there already); raises OSError, RuntimeError
+    or subprocess.SubprocessError. Any x86-64 host builds it: the flags name the instructions, not the host."""
+    where.mkdir(parents=True, exist_ok=True)
+    target = where / library_name()
     if target.exists():
         return target
-    tmp = where / f".{name}.{os.getpid()}.tmp"
+    tmp = where / f".{target.name}.{os.getpid()}.tmp"
     done = subprocess.run([cxx, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True,
                           timeout=COMPILE_TIMEOUT_S)
     if done.returncode != 0:
@@ -105,17 +103,41 @@ def _build(cxx: str) -> Path:
     return target
 
 
+def _cache_folder() -> Path:
+    """``<cache dir>/kernels``, or a private temporary folder where the cache cannot be written."""
+    from ..cachedir import cache_dir
+
+    where = cache_dir() / "kernels"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f".probe-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+        return where
+    except OSError:  # a read-only cache: build into a private temporary folder, every run
+        return Path(tempfile.mkdtemp(prefix="cosyllama-kernels-"))
+
+
+def _find_or_build() -> Path:
+    """The kernel built beside its source at install time (a container image does that: the run has no
+    compiler), else in the cache directory, else built there now; raises where none is and none can be built."""
+    for where in (PREBUILT, _cache_folder()):
+        if (where / library_name()).exists():
+            return where / library_name()
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler to build it (install g++)")
+    return build(_cache_folder(), cxx)
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> tuple[ctypes.CDLL | None, str | None]:
     """The loaded kernel and None, or None and why it cannot run here."""
     problem = cpu_problem()
     if problem:
         return None, problem
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler to build it (install g++)"
     try:
-        lib = ctypes.CDLL(str(_build(cxx)))
+        lib = ctypes.CDLL(str(_find_or_build()))
         if lib.cosyllama_attention_version() != ABI_VERSION:
             return None, "the built kernel answers another interface version"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
@@ -288,3 +310,26 @@ def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
                      tuple(sorted(secs.items())))
     _choices[memo] = out
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cosyllama.flow.native_attention [DIR]``: build the kernel into DIR (default: beside its source,
+    where every run finds it without a compiler; what the container image does at build time)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    where = Path(args[0]) if args else PREBUILT
+    cxx = _compiler()
+    if cxx is None:
+        print("no C++ compiler: set CXX or install g++", file=sys.stderr)
+        return 1
+    try:
+        print(build(where, cxx))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        print(f"could not build the bf16 attention kernel: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
