@@ -176,7 +176,7 @@ def dist(tmp_path_factory) -> Path:
 def _package_files() -> set[str]:
     """The files of the package in this checkout, as paths inside a wheel (``cosyllama/...``)."""
     return {p.relative_to(PACKAGE.parent).as_posix() for p in PACKAGE.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".so")}  # .so: built here
 
 
 @pytest.mark.release

@@ -121,6 +121,8 @@ def _cache_folder() -> Path:
 def _find_or_build() -> Path:
     """The kernel built beside its source at install time (a container image does that: the run has no
     compiler), else in the cache directory, else built there now; raises where none is and none can be built."""
+    if not SOURCE.is_file():
+        raise RuntimeError("its source is not in this install")
     for where in (PREBUILT, _cache_folder()):
         if (where / library_name()).exists():
             return where / library_name()
