@@ -184,3 +184,19 @@ def test_key_padding_bench(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["queries"] == "keys" and list(data["rows"]) == ["33", "41"]
     assert "a whole call" in capsys.readouterr().out
+
+
+def test_attention_bench(tmp_path, capsys):
+    from cosyllama.flow import native_attention
+
+    main = runpy.run_path(str(SCRIPTS / "bench_attention.py"))["main"]
+    out = tmp_path / "attention.json"
+    args = ["--threads", "1", "--frames", "20,37", "--heads", "2", "--rounds", "1", "--json", str(out)]
+    if native_attention.library()[0] is None:
+        assert main(args) == 1
+        assert "cannot run here" in capsys.readouterr().out
+        return
+    assert main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["frames"] for r in rows] == [20, 37]
+    assert all(r["kernel_s"] > 0 and r["pytorch_s"] > 0 and r["max_err_kernel"] < 0.02 for r in rows)
