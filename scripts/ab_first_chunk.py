@@ -1,7 +1,8 @@
 """Time a warmed voice's first streaming chunk with the fast flow solver's switches turned off, in one process:
 ``before`` (without the ``--switch`` ones: the position convs in float32, the modulations computed in every call,
-the keys unpadded) and ``now`` (the defaults: bf16 position convs on the bf16 paths, modulations kept per
-schedule, the attention keys padded to 16), alternating (A B, B A, ...), each request after an untimed one on
+the keys unpadded, PyTorch's attention) and ``now`` (the defaults: bf16 position convs on the bf16 paths,
+modulations kept per schedule, the attention keys padded to 16 or the bf16 attention kernel where it runs),
+alternating (A B, B A, ...), each request after an untimed one on
 the rebuilt solver. Prints each setting's flow call and first audio per round and their medians (default: the
 full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
 
@@ -28,7 +29,7 @@ from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_w
 from cosyllama.tts import SynthesisOptions  # noqa: E402
 
 # the solver's switches (FastDiT class attributes, all on by default); "before" turns off those --switch names
-SWITCHES = ("lowp_conv_pos", "keep_modulations", "pad_keys")
+SWITCHES = ("lowp_conv_pos", "keep_modulations", "pad_keys", "attention_kernel_on")
 
 
 def main(argv=None) -> int:

@@ -325,8 +325,10 @@ class FastDiT:
     # position convs in bfloat16 where the activations are (_LowpConvPos), the modulations kept per schedule.
     lowp_conv_pos = True
     keep_modulations = True
-    # and the attention keys padded to a whole number of KEY_ALIGN frames (see KEY_ALIGN)
+    # and the attention keys padded to a whole number of KEY_ALIGN frames (see KEY_ALIGN), and bf16 attention on
+    # the bf16 kernel where it was chosen here (cosyllama.flow.native_attention)
     pad_keys = True
+    attention_kernel_on = True
 
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE,
                  static_scales: tuple | None = None, observe: bool = False):
@@ -483,7 +485,8 @@ class FastDiT:
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
         # bf16 on the CPU: the bf16 attention kernel where it was chosen here (cosyllama.flow.native_attention),
         # which takes the chunk mask as each query's count of visible keys and needs no padded keys
-        kernel = dt_ == torch.bfloat16 and mu.device.type == "cpu" and self.attention_kernel()
+        kernel = (self.attention_kernel_on and dt_ == torch.bfloat16 and mu.device.type == "cpu"
+                  and self.attention_kernel())
         row_len = native_attention.chunk_row_lengths(n, start, dit.static_chunk_size) if kernel and streaming \
             else None
         # keys padded to a whole number of KEY_ALIGN frames, the padding hidden by the mask (see KEY_ALIGN)
