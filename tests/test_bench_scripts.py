@@ -167,8 +167,9 @@ def test_first_chunk_ab(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["flow"] == "bf16" and set(data["flow_s"]) == {"before", "now"}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in data["first_audio_s"].values())
-    assert data["switched"] == ["lowp_conv_pos", "keep_modulations", "pad_keys"]  # all, by default
+    assert data["switched"] == ["lowp_conv_pos", "keep_modulations", "pad_keys", "attention_kernel_on"]  # all
     assert FastDiT.lowp_conv_pos and FastDiT.keep_modulations and FastDiT.pad_keys  # the defaults are back
+    assert FastDiT.attention_kernel_on
     assert "now: first chunk's flow call" in capsys.readouterr().out
 
 
