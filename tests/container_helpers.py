@@ -145,3 +145,22 @@ def describe(port: int) -> dict:
     info = (asyncio.run(wyoming_session(port, Describe())))[-1]
     assert info.type == "info", info
     return info.data
+
+
+# In an image: whether the flow's bf16 attention kernel was built into it, and why it would not run (None: it runs)
+KERNEL_CHECK = ("from cosyllama.flow import native_attention as n; "
+                "print((n.PREBUILT / n.library_name()).is_file()); print(n.library()[1])")
+
+
+def kernel_in_image(image: str) -> tuple[bool, str]:
+    """Run :data:`KERNEL_CHECK` in ``image`` (no network, its own entry point bypassed)."""
+    r = podman("run", "--rm", *ULIMITS, "--network", "none", "--entrypoint", "python3", image, "-c", KERNEL_CHECK)
+    built, why = r.stdout.strip().splitlines()[-2:]
+    return built == "True", why
+
+
+def expected_kernel_problem() -> str:
+    """What :data:`KERNEL_CHECK` prints as its second line on this host: the CPU's reason, or None."""
+    from cosyllama.flow import native_attention
+
+    return str(native_attention.cpu_problem())

@@ -44,8 +44,10 @@ from container_helpers import (
     debian_image,
     describe,
     engine_or_skip,
+    expected_kernel_problem,
     free_port,
     kept_llama_wheel,
+    kernel_in_image,
     missing_tools,
     pip_mounts,
     podman,
@@ -178,6 +180,12 @@ def addon_argv(store, image, name, share, data, token, *extra, share_mode: str =
     return ["run", "--name", name, *ULIMITS, "--hostname", sv.hostname(store.slug), "--volume", f"{data}:/data",
             "--volume", f"{share}:/share:{share_mode}", "--env", "TZ=UTC", "--env", f"SUPERVISOR_TOKEN={token}",
             "--env", f"HASSIO_TOKEN={token}", *extra, image]
+
+
+def test_the_addon_holds_the_bf16_attention_kernel(addon_image):
+    """As in the container image: compiled when the Supervisor builds the add-on, loadable without a compiler."""
+    built, why = kernel_in_image(addon_image)
+    assert built and why == expected_kernel_problem()
 
 
 def test_addon_converts_on_first_start_is_discovered_speaks_and_stops_in_time(store, addon_image, hassio, tmp_path,

@@ -37,8 +37,10 @@ from container_helpers import (
     debian_image,
     describe,
     engine_or_skip,
+    expected_kernel_problem,
     free_port,
     kept_llama_wheel,
+    kernel_in_image,
     missing_tools,
     pip_mounts,
     podman,
@@ -260,6 +262,13 @@ def test_image_size_and_build_time(image, pytestconfig):
     assert "g++" not in podman("run", "--rm", *ULIMITS, "--entrypoint", "sh", image, "-c",
                                "command -v g++ cc gcc || true").stdout, "a compiler in the final image"
     assert "llama" in history
+
+
+def test_the_bf16_attention_kernel_is_built_into_the_image(image):
+    """Compiled at build time (the final image has no compiler): it loads on a CPU with AVX512-BF16, and on any
+    other it is never loaded, for the CPU's reason (cosyllama.flow.native_attention)."""
+    built, why = kernel_in_image(image)
+    assert built and why == expected_kernel_problem()
 
 
 def test_health_is_healthy_in_time_and_the_healthcheck_agrees(start, pytestconfig):
