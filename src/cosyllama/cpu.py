@@ -416,13 +416,6 @@ def attention_words(flow) -> str | None:
     from .flow.fast_dit import int8_is_mixed
     from .precision import INT8
 
-    dec = flow.decoder
-    bf16 = flow.precision == torch.bfloat16 or (flow.precision == INT8 and int8_is_mixed(dec.int8_engine))
-    if not bf16 or str(getattr(flow, "device", "cpu")).split(":")[0] != "cpu":
-        return None
-    try:
-        attn = dec.estimator.transformer_blocks[0].attn
-        heads, dim_head = attn.heads, attn.to_q.out_features // attn.heads
-    except (AttributeError, IndexError):
-        return None
-    return native_attention.choice(heads, dim_head).words()
+    bf16 = flow.precision == torch.bfloat16 or (flow.precision == INT8 and int8_is_mixed(flow.decoder.int8_engine))
+    c = native_attention.for_flow(flow) if bf16 else None
+    return c.words() if c is not None else None

@@ -289,14 +289,8 @@ def _bf16_attention(flow: Flow) -> str:
     cosyllama.flow.native_attention): a verdict timed with one says nothing about the other."""
     from . import native_attention
 
-    try:
-        attn = flow.decoder.estimator.transformer_blocks[0].attn
-        heads, dim_head = attn.heads, attn.to_q.out_features // attn.heads
-    except (AttributeError, IndexError, TypeError):
-        return "pytorch"
-    if flow.device.type != "cpu":
-        return "pytorch"
-    return "kernel" if native_attention.choice(heads, dim_head).kernel else "pytorch"
+    c = native_attention.for_flow(flow)
+    return "kernel" if c is not None and c.kernel else "pytorch"
 
 
 def cached_verdict(flow: Flow, cands: list[Candidate]) -> tuple[str, Measurement] | None:

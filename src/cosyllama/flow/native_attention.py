@@ -279,6 +279,17 @@ def _key(heads: int, dim_head: int, threads: int) -> str:
 _choices: dict[tuple[int, int, int, str], Choice] = {}
 
 
+def for_flow(flow) -> Choice | None:
+    """:func:`choice` for a loaded flow's head shape; None off the CPU or where its shape cannot be read."""
+    try:
+        attn = flow.decoder.estimator.transformer_blocks[0].attn
+        heads, dim_head = attn.heads, attn.to_q.out_features // attn.heads
+        on_cpu = flow.device.type == "cpu"
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return choice(heads, dim_head) if on_cpu else None
+
+
 def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
     """Whether the flow's bf16 attention runs on the kernel here: ``COSYLLAMA_ATTENTION`` decides where set to
     ``kernel`` or ``pytorch``; under ``auto`` (the default) both are timed once at :data:`TIMED_FRAMES` frames
