@@ -7,6 +7,7 @@ the rebuilt solver. Prints each setting's flow call and first audio per round an
 full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
 
     python scripts/ab_first_chunk.py --threads 2 --rounds 6 [--switch pad_keys] [--json FILE]
+    python scripts/ab_first_chunk.py --threads 2 --rounds 6 --engines onednn+bf16,onednn+bf16+static
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch  # noqa: E402
 
 import cosyllama  # noqa: E402
 from bench_first_audio import Marks, first_audio_s  # noqa: E402
+from cosyllama.flow.check import Candidate  # noqa: E402
 from cosyllama.flow.fast_dit import FastDiT  # noqa: E402
-from cosyllama.precision import precision_name  # noqa: E402
+from cosyllama.precision import INT8, precision_name  # noqa: E402
 from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_wav  # noqa: E402
 from cosyllama.tts import SynthesisOptions  # noqa: E402
 
@@ -42,10 +44,15 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-seconds", type=float, default=3.0)
     p.add_argument("--switch", action="append", choices=SWITCHES,
                    help="time only this switch against its absence (repeatable; default: all of them)")
+    p.add_argument("--engines", help="instead of switches: time these int8 engines against each other, comma-"
+                                     "separated (e.g. onednn+bf16,onednn+bf16+static), every switch on")
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args(argv)
-    off = a.switch or list(SWITCHES)
-    settings = {"before": {k: k not in off for k in SWITCHES}, "now": dict.fromkeys(SWITCHES, True)}
+    off = [] if a.engines else a.switch or list(SWITCHES)
+    if a.engines:  # every setting has the defaults; the engine is switched per setting below
+        settings = {e: dict.fromkeys(SWITCHES, True) for e in a.engines.split(",")}
+    else:
+        settings = {"before": {k: k not in off for k in SWITCHES}, "now": dict.fromkeys(SWITCHES, True)}
     model = a.model_dir or ensure_full_model(print)
     gguf = ensure_gguf(model, "speech", "Q8_0", print) if a.llm == "llamacpp" else None
     tts = cosyllama.load(model, llm=a.llm, gguf=gguf, threads=a.threads, prompt_cache_mb=512, precision=a.precision)
@@ -64,21 +71,23 @@ def main(argv=None) -> int:
             for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
                 for attr, value in settings[name].items():
                     setattr(FastDiT, attr, value)
+                if a.engines:
+                    Candidate(INT8, name).apply(flow)  # calibrates a static engine once (cached)
                 flow.decoder._fast.drop()  # the solver is rebuilt with the setting
                 first_audio_s(tts, voice, 0, marks)  # untimed
                 t, parts = first_audio_s(tts, voice, r, marks)
                 flow_s[name].append(round(parts["flow_s"], 3))
                 first_s[name].append(round(t, 3))
     finally:
-        for attr, value in settings["now"].items():
-            setattr(FastDiT, attr, value)
+        for attr in SWITCHES:  # the defaults back
+            setattr(FastDiT, attr, True)
     for name in settings:
         print(f"{name}: first chunk's flow call {' '.join(f'{x:.3f}' for x in flow_s[name])} s "
               f"(median {statistics.median(flow_s[name]):.3f}); first audio median "
               f"{statistics.median(first_s[name]):.3f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({"flow": precision_name(flow.precision), "switched": off,
-                                            "engine": flow.decoder.int8_engine, "threads": a.threads,
+                                            "engine": a.engines or flow.decoder.int8_engine, "threads": a.threads,
                                             "flow_s": flow_s, "first_audio_s": first_s}, indent=1))
     return 0
 

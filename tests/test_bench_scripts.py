@@ -173,6 +173,22 @@ def test_first_chunk_ab(tmp_path, capsys):
     assert "now: first chunk's flow call" in capsys.readouterr().out
 
 
+def test_first_chunk_ab_between_engines(tmp_path, capsys):
+    from cosyllama.flow.fast_dit import int8_engine_problem
+
+    engines = ("onednn+bf16", "onednn+bf16+static")
+    if any(int8_engine_problem(e) for e in engines):
+        pytest.skip(int8_engine_problem(engines[1]) or int8_engine_problem(engines[0]))
+    out = tmp_path / "ab.json"
+    main = runpy.run_path(str(SCRIPTS / "ab_first_chunk.py"))["main"]
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--precision", "int8", "--threads", "1",
+                 "--rounds", "2", "--prompt-seconds", "1", "--engines", ",".join(engines), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["flow_s"]) == set(engines) and data["switched"] == [] and data["engine"] == ",".join(engines)
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in data["first_audio_s"].values())
+    assert "onednn+bf16+static: first chunk's flow call" in capsys.readouterr().out
+
+
 def test_key_padding_bench(tmp_path, capsys):
     out = tmp_path / "keys.json"
     main = runpy.run_path(str(SCRIPTS / "bench_key_padding.py"))["main"]
