@@ -148,12 +148,9 @@ def test_threads_split_heads_without_changing_a_bit(monkeypatch):
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """A clean slate: no loaded kernel, no remembered choice, an empty cache directory."""
-    from cosyllama.flow import check
-
     monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path))
     monkeypatch.setattr(native_attention, "PREBUILT", tmp_path / "prebuilt")  # none built beside the source
     monkeypatch.delenv(native_attention.ENV, raising=False)
-    monkeypatch.setattr(check, "_memory", {})
     library = native_attention.library  # a test may stand in for it
     library.cache_clear()
     native_attention._choices.clear()
@@ -242,9 +239,6 @@ def test_auto_times_both_once_and_remembers(fresh, monkeypatch):
     assert {name for name, _ in first.seconds} == {"pytorch", "kernel"}
     assert "x PyTorch's here at 650 frames" in first.why
     native_attention._choices.clear()  # a new process: the record on disk answers
-    from cosyllama.flow import check
-
-    monkeypatch.setattr(check, "_memory", {})
     assert native_attention.choice(4, 16) == first and len(calls) == 1
     assert list((fresh / "kernels").glob("attention_bf16-*.so"))
 
@@ -256,9 +250,6 @@ def test_the_kernel_runs_only_where_it_was_faster(fresh, monkeypatch):
     monkeypatch.setattr(native_attention, "library", lambda: (object(), None))
     for pytorch, kernel, use in ((0.030, 0.012, True), (0.030, 0.029, False), (0.010, 0.020, False)):
         native_attention._choices.clear()
-        from cosyllama.flow import check
-
-        monkeypatch.setattr(check, "_memory", {})
         (fresh / "precision-checks.json").unlink(missing_ok=True)
         monkeypatch.setattr(native_attention, "timed_calls",
                             lambda *a, p=pytorch, k=kernel, **kw: {"pytorch": p, "kernel": k})
@@ -320,15 +311,17 @@ def test_the_flow_on_the_kernel_is_within_the_bound(precision, monkeypatch):
 
 
 def test_the_cpu_line_names_the_attention(monkeypatch):
-    from cosyllama.cpu import attention_words
+    from cosyllama.cpu import CpuPath
 
     flow = Flow.from_dir(MODEL_DIR, precision="fp32")
-    assert attention_words(flow) is None  # float32: PyTorch's float32 attention, nothing to say
+    assert flow.attention_words() is None  # float32: PyTorch's float32 attention, nothing to say
     flow.set_precision("bf16")
     monkeypatch.setenv(native_attention.ENV, "pytorch")
-    assert attention_words(flow) == "attention PyTorch's (COSYLLAMA_ATTENTION=pytorch)"
+    assert flow.attention_words() == "attention PyTorch's (COSYLLAMA_ATTENTION=pytorch)"
+    line = CpuPath(threads=2, flow="bf16", attention=flow.attention_words()).lines()[1]
+    assert line.endswith("; flow attention PyTorch's (COSYLLAMA_ATTENTION=pytorch)")
     monkeypatch.setenv(native_attention.ENV, "kernel")
-    words = attention_words(flow)
+    words = flow.attention_words()
     lib, why = native_attention.library()
     assert words == ("attention bf16 kernel (COSYLLAMA_ATTENTION=kernel)" if lib is not None
                      else f"attention PyTorch's (no bf16 kernel: {why})")

@@ -404,18 +404,5 @@ def tts_path(tts, requested: str, threads: int | None = None) -> CpuPath:
                    vocoder=names.get(t2w.hift.compute_dtype), requested=requested, device=str(tts.device),
                    llm=llm, flow_why=choice.reason if choice is not None else None,
                    llama_bufts=tts.llm.extra_buffer_types_why if llm == "llamacpp" else None,
-                   attention=attention_words(t2w.flow))
+                   attention=getattr(t2w.flow, "attention_words", lambda: None)())
 
-
-def attention_words(flow) -> str | None:
-    """How a flow on the CPU whose solver computes in bf16 (bf16, the mixed int8 paths) runs attention, for the
-    CPU line (:meth:`cosyllama.flow.native_attention.Choice.words`); None for any other flow."""
-    import torch
-
-    from .flow import native_attention
-    from .flow.fast_dit import int8_is_mixed
-    from .precision import INT8
-
-    bf16 = flow.precision == torch.bfloat16 or (flow.precision == INT8 and int8_is_mixed(flow.decoder.int8_engine))
-    c = native_attention.for_flow(flow) if bf16 else None
-    return c.words() if c is not None else None

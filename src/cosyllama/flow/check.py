@@ -18,14 +18,13 @@ What ``auto`` then does with the candidates that pass (it times them and keeps t
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from ..cachedir import cache_dir
+from ..cachedir import cache_dir, load_records, save_record
 from ..config import FlowConfig
 from ..precision import INT8, precision_name
 from .cfm import CFM
@@ -124,26 +123,6 @@ def file_key(flow: Flow, candidate: torch.dtype | Candidate, what: str = "check"
     return "|".join(str(x) for x in parts)
 
 
-def _load_disk() -> dict:
-    try:
-        return json.loads((cache_dir() / "precision-checks.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_disk(key: str, value: dict) -> None:
-    path = cache_dir() / "precision-checks.json"
-    try:
-        data = _load_disk()
-        data[key] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache only costs the check again next time
-
-
 def random_input(flow: Flow, seed: int, prompt_tokens: int, tokens: int) -> tuple[torch.Tensor, ...]:
     """Deterministic flow input from ``seed``: ``tokens`` random speech tokens after a prompt of
     ``prompt_tokens``, a random prompt mel around -5 and a random speaker embedding (token,
@@ -206,7 +185,7 @@ def cached(key: str | None) -> dict | None:
     """What the cache holds under ``key`` (in memory, else on disk; None: nothing, or no key)."""
     if key is None:
         return None
-    hit = _memory.get(key) or _load_disk().get(key)
+    hit = _memory.get(key) or load_records().get(key)
     if hit is not None:
         _memory[key] = hit
     return hit
@@ -215,7 +194,7 @@ def cached(key: str | None) -> dict | None:
 def remember(key: str, value: dict) -> None:
     """Keep ``value`` under ``key``, in memory and on disk (a read-only cache only costs the work again)."""
     _memory[key] = value
-    _save_disk(key, value)
+    save_record(key, value)
 
 
 def check_candidate(flow: Flow, candidate: torch.dtype | Candidate, reference: dict | None = None) -> CheckResult:

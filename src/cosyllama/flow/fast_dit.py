@@ -13,6 +13,7 @@ from ..precision import INT8
 from . import native_attention
 from .cache import FlowStreamCache, StepCache, joined
 from .dit import CONV_POS_GROUPS, LN_EPS, CausalConvPositionEmbedding, DiT, chunk_attention_mask
+from .native_attention import KEY_ALIGN
 
 
 def _onednn_linear_available(dtype: torch.dtype) -> bool:
@@ -67,15 +68,6 @@ INT8_ENGINE = "fbgemm"
 # two products.
 STATIC_ENGINE = "onednn+bf16+static"
 
-# The attention keys are padded with zero frames to a whole number of KEY_ALIGN, the padding hidden by the mask: a
-# hidden key adds exp(-inf) = 0 to each softmax sum and 0 x 0 to each output. PyTorch's CPU flash attention hands
-# its two products to the BLAS, whose bf16 kernels on AMX take a slower path when the key count is not a multiple
-# of 16: 2 x 16 heads, 106 query frames, bf16, 2 threads of the AMX class: 206 keys 0.96 ms, 208 keys 0.49 ms
-# (float32: 1.31, 1.12); 606 against 608 keys with 56 queries 1.17 against 1.02 ms (docs/amx.md, "Keys padded to
-# 16"). A streaming call has its mask anyway; an unmasked (whole) call gets one only where the activations are
-# bf16 and the keys fall short of a multiple: there the padded call with its mask is 2-18 % faster on average
-# over the key counts at 400-915 frames; in float32 the mask costs what the padding gains. CPU only.
-KEY_ALIGN = 16
 INT8_ENGINES = ("fbgemm", "onednn", "onednn+bf16", STATIC_ENGINE)
 
 
@@ -325,8 +317,7 @@ class FastDiT:
     # position convs in bfloat16 where the activations are (_LowpConvPos), the modulations kept per schedule.
     lowp_conv_pos = True
     keep_modulations = True
-    # and the attention keys padded to a whole number of KEY_ALIGN frames (see KEY_ALIGN), and bf16 attention on
-    # the bf16 kernel where it was chosen here (cosyllama.flow.native_attention)
+    # and the attention keys padded to KEY_ALIGN frames (see KEY_ALIGN), and the bf16 attention kernel where chosen
     pad_keys = True
     attention_kernel_on = True
 
@@ -398,11 +389,6 @@ class FastDiT:
                 ff1=_Fp32Linear([(ff[0][0].weight, ff[0][0].bias)], gelu=True),
                 ff2=_Fp32Linear([(ff[2].weight, ff[2].bias)]))
                 for a, ff in ((b.attn, b.ff.ff) for b in dit.transformer_blocks)] if self.tail_steps else []
-
-    def attention_kernel(self) -> bool:
-        """Whether bf16 attention runs on the kernel here (:func:`cosyllama.flow.native_attention.choice`: measured
-        once per CPU, PyTorch version, thread count and head shape, then cached)."""
-        return native_attention.choice(self.heads, self.dim_head).kernel
 
     def static_scales(self, steps: int) -> tuple:
         """From an observing solver's ranges (``observe=True``, after its calibration solves): per block,
@@ -483,16 +469,12 @@ class FastDiT:
         ang = dit.rotary_embed(n)[start:, ::2]  # (m, r/2): one angle per interleaved pair
         cis = torch.polar(torch.ones_like(ang), ang)[:, None, :]  # cos + i sin, broadcast over the q/k axis
         mask = chunk_attention_mask(n, dit.static_chunk_size, mu.device)[start:] if streaming else None
-        # bf16 on the CPU: the bf16 attention kernel where it was chosen here (cosyllama.flow.native_attention),
-        # which takes the chunk mask as each query's count of visible keys and needs no padded keys
+        # bf16 on the CPU: the attention kernel where chosen (native_attention: chunk mask as per-row key counts)
         kernel = (self.attention_kernel_on and dt_ == torch.bfloat16 and mu.device.type == "cpu"
-                  and self.attention_kernel())
-        row_len = native_attention.chunk_row_lengths(n, start, dit.static_chunk_size) if kernel and streaming \
-            else None
-        # keys padded to a whole number of KEY_ALIGN frames, the padding hidden by the mask (see KEY_ALIGN)
-        # (on the CPU only: its BLAS is what pays for it; on CUDA a mask would cost the flash kernel)
-        pads = (self.pad_keys and not kernel and mu.device.type == "cpu"
-                and (mask is not None or dt_ == torch.bfloat16))
+                  and native_attention.choice(self.heads, self.dim_head).kernel)
+        row_len = native_attention.chunk_row_lengths(n, start, dit.static_chunk_size) if kernel and streaming else None
+        # keys padded to KEY_ALIGN frames under the mask (see KEY_ALIGN; CPU only: on CUDA a mask costs flash)
+        pads = self.pad_keys and not kernel and mu.device.type == "cpu" and (mask is not None or dt_ == torch.bfloat16)
         key_pad = (-n) % KEY_ALIGN if pads else 0
         if key_pad:
             visible = torch.ones(m, n, dtype=torch.bool, device=mu.device) if mask is None else mask
@@ -533,9 +515,7 @@ class FastDiT:
                 elif key_pad:
                     k, v = joined(None, k, key_pad), joined(None, v, key_pad)
                 q, k, v = (t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for t in (q, k, v))
-                o = native_attention.attention(q, k, v, row_len) if kernel else None  # (B, H, m, D), m-major
-                if o is None:  # PyTorch's (also where the kernel declines these tensors)
-                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                o = native_attention.attend(q, k, v, mask, row_len, kernel)  # (B, H, m, D), m-major
                 del q, k, v, qkv
                 if q8:  # quantized straight from the m-major view (the result is row-major)
                     o = blk["out"](quantize_u8(o.transpose(1, 2), *q8[1]).flatten(2), q8[1], res)

@@ -164,6 +164,18 @@ class Flow(nn.Module):
         log.info("flow precision %s (%s)", auto.chosen.name, reason)
         return dtype
 
+    def attention_words(self) -> str | None:
+        """For the CPU line: how this flow runs attention where its solver computes in bf16 on the CPU (bf16, the
+        mixed int8 paths; :meth:`cosyllama.flow.native_attention.Choice.words`); None for any other flow."""
+        from ..precision import INT8
+        from . import native_attention
+        from .fast_dit import int8_is_mixed
+
+        dec = self.decoder
+        bf16 = self.precision == torch.bfloat16 or (self.precision == INT8 and int8_is_mixed(dec.int8_engine))
+        c = native_attention.for_flow(self) if bf16 else None
+        return c.words() if c is not None else None
+
     def set_n_timesteps(self, n: int) -> None:
         """Euler steps of the solver (reference: 10). Fewer steps are faster and change the mel
         (``cosyllama bench --flow-precisions fp32,bf16,bf16-steps5`` measures both); an explicit

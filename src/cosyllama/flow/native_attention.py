@@ -46,6 +46,17 @@ MIN_GAIN = 1.1
 TIMED_FRAMES = 650
 TIMED_ROUNDS = 3
 COMPILE_TIMEOUT_S = 120
+
+# PyTorch's attention (where the kernel does not run): the keys are padded with zero frames to a whole number of
+# KEY_ALIGN, the padding hidden by the mask: a hidden key adds exp(-inf) = 0 to each softmax sum and 0 x 0 to each
+# output. PyTorch's CPU flash attention hands its two products to the BLAS, whose bf16 kernels on AMX take a slower
+# path when the key count is not a multiple of 16: 2 x 16 heads, 106 query frames, bf16, 2 threads of the AMX class:
+# 206 keys 0.96 ms, 208 keys 0.49 ms (float32: 1.31, 1.12); 606 against 608 keys with 56 queries 1.17 against 1.02
+# ms (docs/amx.md, "Keys padded to 16"). A streaming call has its mask anyway; an unmasked (whole) call gets one
+# only where the activations are bf16 and the keys fall short of a multiple: there the padded call with its mask is
+# 2-18 % faster on average over the key counts at 400-915 frames; in float32 the mask costs what the padding gains.
+# CPU only.
+KEY_ALIGN = 16
 PROFILE_NAME = "cosyllama::attention_bf16"  # the kernel's calls in torch.profiler's tables
 
 
@@ -178,6 +189,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_len: torch.
     return view if rc == 0 else None
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           row_len: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+    """The flow solver's attention: on the kernel where ``kernel`` (with ``row_len``, :func:`attention`) and it takes
+    these tensors, else PyTorch's with ``mask`` (the same visible keys, as an additive mask or None)."""
+    import torch.nn.functional as F
+
+    o = attention(q, k, v, row_len) if kernel else None
+    return o if o is not None else F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def _call(lib, q, k, v, out, view, b, h, m, n, d, row_len, scale) -> int:
     return lib.cosyllama_attention_bf16(
         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
@@ -221,10 +242,8 @@ def _inputs(frames: int, heads: int, dim_head: int) -> tuple[torch.Tensor, ...]:
 
 def pytorch_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """A callable that runs PyTorch's attention on these bf16 tensors as the solver calls it on the CPU (keys
-    padded to :data:`~cosyllama.flow.fast_dit.KEY_ALIGN` under an additive mask)."""
+    padded to :data:`KEY_ALIGN` under an additive mask)."""
     import torch.nn.functional as F
-
-    from .fast_dit import KEY_ALIGN
 
     frames = k.shape[2]
     pad = (-frames) % KEY_ALIGN
@@ -295,7 +314,7 @@ def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
     ``kernel`` or ``pytorch``; under ``auto`` (the default) both are timed once at :data:`TIMED_FRAMES` frames
     with these heads and the kernel runs when it is :data:`MIN_GAIN` x faster. The timing is cached beside the
     precision checks (``precision-checks.json``, key ``attention|<CPU>|<PyTorch>|<threads>|...``)."""
-    from .check import cached, remember
+    from ..cachedir import load_records, save_record
 
     threads = threads or torch.get_num_threads()
     how = mode()
@@ -311,10 +330,10 @@ def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
         out = Choice(True, f"{ENV}=kernel")
     else:
         key = _key(heads, dim_head, threads)
-        record = cached(key)
-        if record is None or "seconds" not in record:
+        record = load_records().get(key)
+        if not isinstance(record, dict) or not isinstance(record.get("seconds"), dict):
             record = {"seconds": timed_calls(TIMED_FRAMES, heads, dim_head), "measured_at": time.time()}
-            remember(key, record)
+            save_record(key, record)
         secs = record["seconds"]
         gain = secs["pytorch"] / secs["kernel"] if secs.get("kernel") else 0.0
         use = gain >= MIN_GAIN
