@@ -59,6 +59,14 @@ LOAD_SLACK = 1.0
 # really is faster it passes by far (AVX2 on a Zen 3/4 core: 1.71x timed, 1.83x at 75 + 150 tokens;
 # docs/benchmarks.md#auto-on-the-avx2-class), as do bf16 and int8 on AVX512-BF16 (2.3x, 3.4x).
 LOSSY_MIN_GAIN = 1.3
+# The mixed int8 path with dynamic activation scales (int8/onednn+bf16) replaces its static twin (the same path with
+# calibrated scales, when that passed its check) only when it is at least this much faster. The static one does a
+# subset of the dynamic one's work (no range pass, GELU and requantization inside the products), and the timed
+# solve cannot tell them apart where it is dominated by fixed costs: on a Zen 4, 2 threads, they timed 2.54 and
+# 2.56 s at 25 + 50 tokens while at 3 s + 10 s static ran 1.28x faster (1.082 against 1.382 s per audio second)
+# and a warmed voice's first streamed chunk 1.16x (1.60 against 1.87 s; docs/benchmarks.md).
+DYNAMIC_MIN_GAIN = 1.1
+STATIC_SUFFIX = "+static"
 VERDICT_VERSION = 4  # bump when the record's meaning changes: older verdicts are measured again
 AUTO_ENV = "COSYLLAMA_AUTO"  # "measure" (default) or "rule"
 
@@ -378,15 +386,23 @@ class AutoChoice:
             return f"auto: rule of thumb, {rule_words(self.chosen)}, because {self.summary(now)}"
         by = self.projected or self.seconds
         if by and by.get(self.chosen.name, 0.0) > min(by.values()):
-            return f"auto: fp32 kept, no lossy path is {LOSSY_MIN_GAIN}x faster here, {self.summary(now)}"
+            if self.chosen.dtype == torch.float32:
+                return f"auto: fp32 kept, no lossy path is {LOSSY_MIN_GAIN}x faster here, {self.summary(now)}"
+            return (f"auto: static scales kept, their dynamic twin is not {DYNAMIC_MIN_GAIN}x faster here, "
+                    f"{self.summary(now)}")
         return f"auto: fastest here, {self.summary(now)}"
 
 
 def verdict(seconds: dict[str, float], by_name: dict[str, Candidate]) -> Candidate:
-    """The fastest of the timed candidates, float32 unless a lossy one is :data:`LOSSY_MIN_GAIN` times faster."""
+    """The fastest of the timed candidates, float32 unless a lossy one is :data:`LOSSY_MIN_GAIN` times faster, and
+    a static-scale twin rather than its dynamic path unless that is :data:`DYNAMIC_MIN_GAIN` times faster."""
     exact = Candidate(torch.float32).name
     fast = [n for n, t in seconds.items() if n == exact or seconds[exact] >= LOSSY_MIN_GAIN * t]
-    return by_name[min(fast, key=seconds.get)]
+    best = min(fast, key=seconds.get)
+    twin = best + STATIC_SUFFIX
+    if twin in fast and seconds[twin] < DYNAMIC_MIN_GAIN * seconds[best]:
+        best = twin
+    return by_name[best]
 
 
 def rule_of_thumb(flow: Flow, passed: list[Candidate]) -> Candidate:
