@@ -164,6 +164,7 @@ def test_the_setting_is_checked(fresh, monkeypatch):
     with pytest.raises(InputError, match="COSYLLAMA_ATTENTION='fastest': expected one of auto, kernel, pytorch"):
         native_attention.choice(4, 16)
     monkeypatch.setenv(native_attention.ENV, "pytorch")
+    monkeypatch.setattr(native_attention, "library", lambda: pytest.fail("built where it would never run"))
     c = native_attention.choice(4, 16)
     assert not c.kernel and c.words() == "attention PyTorch's (COSYLLAMA_ATTENTION=pytorch)"
 

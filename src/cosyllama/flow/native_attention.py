@@ -285,7 +285,8 @@ class Choice:
 
     def words(self) -> str:
         """For the CPU line: ``attention bf16 kernel (...)`` or ``attention PyTorch's (...)``."""
-        return f"attention {'bf16 kernel' if self.kernel else 'PyTorch' + chr(39) + 's'} ({self.why})"
+        name = "bf16 kernel" if self.kernel else "PyTorch's"
+        return f"attention {name} ({self.why})"
 
 
 def _key(heads: int, dim_head: int, threads: int) -> str:
@@ -321,7 +322,7 @@ def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
     memo = (heads, dim_head, threads, how)
     if memo in _choices:
         return _choices[memo]
-    lib, problem = library()
+    lib, problem = library() if how != "pytorch" else (None, None)  # no build where it would never run
     if how == "pytorch":
         out = Choice(False, f"{ENV}=pytorch")
     elif lib is None:
@@ -335,7 +336,7 @@ def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
             record = {"seconds": timed_calls(TIMED_FRAMES, heads, dim_head), "measured_at": time.time()}
             save_record(key, record)
         secs = record["seconds"]
-        gain = secs["pytorch"] / secs["kernel"] if secs.get("kernel") else 0.0
+        gain = secs.get("pytorch", 0.0) / secs["kernel"] if secs.get("kernel") else 0.0
         use = gain >= MIN_GAIN
         out = Choice(use, f"{gain:.2f}x PyTorch's here at {TIMED_FRAMES} frames"
                           + ("" if use else f", under the {MIN_GAIN}x it needs"),
