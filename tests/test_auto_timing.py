@@ -239,13 +239,25 @@ def test_attention_is_timed_per_attention_dtype_at_both_sizes(monkeypatch):
     monkeypatch.setattr(prec, "cpu_has_native_bf16", lambda: True)
     flow = Flow.from_dir(MODEL_DIR)
     cands = auto.candidates(flow)
+    real_call, calls = auto._attention_call, []
+
+    def call(frames, heads, dim_head, dtype, reps=3):  # a real call, reported by its shape (no race on its speed)
+        calls.append((frames, dtype))
+        assert real_call(frames, heads, dim_head, dtype, 1) > 0
+        return frames * (2.0 if dtype == torch.bfloat16 else 3.0)
+
+    monkeypatch.setattr(auto, "_attention_call", call)
     att, scale = auto.attention_seconds(flow, cands)
-    assert scale == pytest.approx((auto.REAL_PROMPT_TOKENS + auto.REAL_TOKENS)
-                                  / (auto.TIME_PROMPT_TOKENS + auto.TIME_TOKENS))
-    assert set(att) == {c.name for c in cands} and all(0 < a < b for a, b in att.values())
+    small, real = (flow.cfg.token_mel_ratio * (p + n) for p, n in ((auto.TIME_PROMPT_TOKENS, auto.TIME_TOKENS),
+                                                                    (auto.REAL_PROMPT_TOKENS, auto.REAL_TOKENS)))
+    assert scale == pytest.approx(real / small)
+    assert sorted(calls, key=str) == sorted([(n, dt) for n in (small, real) for dt in (torch.float32, torch.bfloat16)],
+                                            key=str)  # once per attention dtype and size
+    per_call = len(flow.decoder.estimator.transformer_blocks) * flow.decoder.n_timesteps
+    assert set(att) == {c.name for c in cands}
     bf16 = {n for n in att if n == "bf16" or n.endswith(("+bf16", "+bf16+static"))}
-    assert "bf16" in bf16 and len({tuple(att[n]) for n in bf16}) == 1
-    assert all(att[n] == att["fp32"] for n in att if n not in bf16)
+    assert "bf16" in bf16 and all(att[n] == [per_call * 2.0 * small, per_call * 2.0 * real] for n in bf16)
+    assert all(att[n] == [per_call * 3.0 * small, per_call * 3.0 * real] for n in att if n not in bf16)
 
 
 def test_candidates_are_timed_in_interleaved_rounds(monkeypatch, machine):
