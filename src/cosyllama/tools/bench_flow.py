@@ -131,13 +131,11 @@ class FlowVariant:
                 stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
             if self.torch_attention:
                 import os
+                from unittest import mock
 
                 from ..flow import native_attention
 
-                saved_mode = os.environ.get(native_attention.ENV)
-                os.environ[native_attention.ENV] = "pytorch"
-                stack.callback(lambda: os.environ.pop(native_attention.ENV, None) if saved_mode is None
-                               else os.environ.__setitem__(native_attention.ENV, saved_mode))
+                stack.enter_context(mock.patch.dict(os.environ, {native_attention.ENV: "pytorch"}))
             if self.residual_bf16:
                 from ..flow.fast_dit import FastDiT
 

@@ -45,9 +45,6 @@ namespace {
 constexpr int QB = 6;        // query rows per tile
 constexpr int KT = 4;        // 16-key vectors per score tile (64 keys); a row's last tile may have fewer
 
-void *worker(void *p);
-inline void worker_entry(void *p) { worker(p); }
-
 struct Args {
     const uint16_t *q, *k, *v;
     uint16_t *o;
@@ -58,8 +55,6 @@ struct Args {
     std::atomic<int> next;
     std::atomic<int> failed;
 };
-
-void team_worker(void *p) { worker_entry(p); }
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
@@ -263,6 +258,8 @@ void *worker(void *p) {
     for (int bh = a.next.fetch_add(1); bh < a.b * a.h; bh = a.next.fetch_add(1)) one_head(a, bh, w, np);
     return nullptr;
 }
+
+void team_worker(void *p) { worker(p); }  // GOMP_parallel's signature: returns nothing
 
 }  // namespace
 
