@@ -319,7 +319,7 @@ def test_the_cpu_line_names_the_attention(monkeypatch):
     flow.set_precision("bf16")
     monkeypatch.setenv(native_attention.ENV, "pytorch")
     assert flow.attention_words() == "attention PyTorch's (COSYLLAMA_ATTENTION=pytorch)"
-    line = CpuPath(threads=2, flow="bf16", attention=flow.attention_words()).lines()[1]
+    line = CpuPath(threads=2, flow="bf16", llm="torch", attention=flow.attention_words()).lines()[1]
     assert line.endswith("; flow attention PyTorch's (COSYLLAMA_ATTENTION=pytorch)")
     monkeypatch.setenv(native_attention.ENV, "kernel")
     words = flow.attention_words()
