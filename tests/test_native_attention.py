@@ -46,7 +46,10 @@ def _bound(q, k, v, row_len):
     d bf16 x bf16 products (exact in float32) in some order, off by up to d x 2^-24 of sum |q k| x scale, which
     moves a probability by twice that relative, so o by that times w; exp's polynomial is within 2.5e-6
     relative (one more term on w); the probabilities rounded to bf16 (2^-9 relative, 2^-9 x w); the float32
-    sum over N keys (N x 2^-24 x w); the output rounded to bf16 (2^-9 x |o|). All doubled."""
+    sum over N keys (N x 2^-24 x w); the output rounded to bf16 (2^-9 x |o|). All doubled. Each term bounds any
+    summation order and either rounding direction, so it holds for the kernel (our own code, the same instructions
+    on every CPU that runs it: AVX512-BF16 AMD, Intel with AVX512-BF16 or AMX; never an AVX2 CPU) and for
+    PyTorch's bf16 attention whichever kernels MKL/oneDNN pick on AMD or Intel."""
     qd, kd, vd = q.double(), k.double(), v.double()
     m, n, d = q.shape[2], k.shape[2], q.shape[3]
     vis = _visible(m, n, row_len)
