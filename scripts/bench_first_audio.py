@@ -71,8 +71,9 @@ class Marks:
                 "rest_s": end - t["vocoder_end"]}
 
 
-def first_audio_s(tts, voice, seed: int, marks: Marks | None = None) -> tuple[float, dict | None]:
-    opts = SynthesisOptions(seed=seed, stream=True, ignore_stop=True, max_tokens=250)
+def first_audio_s(tts, voice, seed: int, marks: Marks | None = None,
+                  first_chunk: int | None = None) -> tuple[float, dict | None]:
+    opts = SynthesisOptions(seed=seed, stream=True, ignore_stop=True, max_tokens=250, first_chunk_tokens=first_chunk)
     if marks is not None:
         marks.t.clear()
     t0 = time.perf_counter()
@@ -97,7 +98,7 @@ def on_thread(fn, fresh: bool):
         return pool.submit(fn).result()
 
 
-def profiled_request(tts, voice, seed: int, marks: Marks | None):
+def profiled_request(tts, voice, seed: int, marks: Marks | None, first_chunk: int | None = None):
     """One more request whose first flow call runs under ``torch.profiler``; prints its operator table."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -114,7 +115,7 @@ def profiled_request(tts, voice, seed: int, marks: Marks | None):
 
     t2w._mel = mel
     try:
-        run = first_audio_s(tts, voice, seed, marks)
+        run = first_audio_s(tts, voice, seed, marks, first_chunk)
     finally:
         t2w._mel = inner
     print(done[0].key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="split the last request's first flow call by operator")
     p.add_argument("--paths", default="direct/main",
                    help=f"comma list of {', '.join(PATHS)}: how requests reach the models, in turns (see above)")
+    p.add_argument("--first-chunk-tokens", type=int, default=None,
+                   help="the low-latency first chunk's speech tokens (default: the reference's schedule)")
     p.add_argument("--json", help="append one JSON line per setting here")
     args = p.parse_args(argv)
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
@@ -173,9 +176,11 @@ def main(argv=None) -> int:
         for k, path in enumerate(rounds(paths, args.requests - args.profile)):
             pipe, marks = pipes[path]
             seed = k // len(paths)  # request i of every path has the seed i
-            runs[path].append(on_thread(lambda: first_audio_s(pipe, voice, seed, marks), path.endswith("/thread")))
+            runs[path].append(on_thread(lambda: first_audio_s(pipe, voice, seed, marks, args.first_chunk_tokens),
+                                        path.endswith("/thread")))
         if args.profile:
-            runs[paths[0]].append(profiled_request(tts, voice, args.requests - 1, pipes[paths[0]][1]))
+            runs[paths[0]].append(profiled_request(tts, voice, args.requests - 1, pipes[paths[0]][1],
+                                                      args.first_chunk_tokens))
         if scheduler is not None:
             scheduler.close()
         for path in paths:
@@ -189,7 +194,8 @@ def main(argv=None) -> int:
             if args.json:
                 row = {"llm": args.llm, "type": args.type if gguf else args.llm_precision, "device": args.device,
                        "flow": precision_name(tts.token2wav.flow.precision), "prompt_cache_mb": mb,
-                       "warm": args.warm, "path": path, "first_audio_s": times,
+                       "warm": args.warm, "path": path, "first_chunk_tokens": args.first_chunk_tokens,
+                       "first_audio_s": times,
                        "breakdown": [parts for _, parts in runs[path] if parts is not None]}
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")
