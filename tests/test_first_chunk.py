@@ -34,8 +34,9 @@ def test_the_schedule_splits_only_the_first_hop():
     assert _hops(0, 24) == [24, 1, 50, 100, 100]
 
 
-@pytest.mark.parametrize("value, words", [(0, "from 1 to 24"), (25, "from 1 to 24"), (True, "from 1 to 24"),
-                                          (2.5, "from 1 to 24")])
+@pytest.mark.parametrize("value, words", [(0, "from 5 to 24"), (4, "from 5 to 24"), (25, "from 5 to 24"),
+                                          (True, "from 5 to 24"),
+                                          (2.5, "from 5 to 24")])
 def test_bad_values_are_refused_naming_the_field(value, words):
     with pytest.raises(RequestError) as e:
         check_options(SynthesisOptions(stream=True, first_chunk_tokens=value))
@@ -107,7 +108,7 @@ def test_synth_flag_and_its_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--first-chunk-tokens" in err and "stream" in err, err
     assert main([*base, "--first-chunk-tokens", "30", "--stream"]) == 2
-    assert "from 1 to 24" in capsys.readouterr().err
+    assert "from 5 to 24" in capsys.readouterr().err
     assert main([*base, "--first-chunk-tokens", "10", "--stream"]) == 0
     err = capsys.readouterr().err
     assert "low-latency first chunk of 10 speech tokens, outside the reference's schedule" in err, err
@@ -132,6 +133,6 @@ def test_the_servers_flag_applies_to_its_streamed_requests_only(capsys):
     for command in ("serve", "wyoming"):
         assert main([command, "--model-dir", str(MODEL_DIR), "--first-chunk-tokens", "0"]) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "--first-chunk-tokens" in err and "from 1 to 24" in err, err
+        assert err.count("\n") == 1 and "--first-chunk-tokens" in err and "from 5 to 24" in err, err
     assert main(["serve", "--model-dir", str(MODEL_DIR), "--first-chunk-tokens", "10", "--speed", "1.5"]) == 2
     assert "give one of them" in capsys.readouterr().err

@@ -53,5 +53,7 @@ MAX_SESSION_CHARS = 100_000
 LANGUAGES = ("zh", "en", "ja", "ko", "de", "es", "fr", "it", "ru")
 
 # SynthesisOptions.first_chunk_tokens (docs/streaming.md, "Low-latency first chunk"): the speech tokens of a
-# segment's first streamed chunk when asked, below the reference's first hop (engine.TOKEN_HOP = 25)
-FIRST_CHUNK_RANGE = (1, 24)
+# segment's first streamed chunk when asked, below the reference's first hop (engine.TOKEN_HOP = 25). At least 5:
+# the vocoder keeps a non-final chunk's last 8 mel frames (4 tokens) as look-ahead (HiFT.inference), so a first
+# chunk of 4 tokens or fewer has no audio and the first audio would come later than the reference's schedule's.
+FIRST_CHUNK_RANGE = (5, 24)

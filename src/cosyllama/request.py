@@ -97,7 +97,7 @@ class SynthesisOptions:
     lexicon: a :class:`~cosyllama.text.lexicon.Lexicon` whose words this call speaks as their pronunciation
     tokens (with the pipeline's own ``TTS.lexicon``, this one's entries winning; docs/pronunciation.md).
     first_chunk_tokens: streaming only, outside the reference's schedule: the first chunk of each segment covers
-    this many speech tokens (1 to 24) instead of the reference's 25 or more, so the first audio comes sooner;
+    this many speech tokens (5 to 24) instead of the reference's 25 or more, so the first audio comes sooner;
     every later chunk is the reference's (docs/streaming.md, "Low-latency first chunk"). None (default): the
     reference's schedule.
     """
@@ -296,7 +296,8 @@ def check_options(o: SynthesisOptions) -> None:
         lo, hi = FIRST_CHUNK_RANGE
         if isinstance(first, bool) or not isinstance(first, int) or not lo <= first <= hi:
             raise RequestError("first_chunk_tokens", f"{{first_chunk_tokens}} must be an integer from {lo} to {hi} "
-                               f"speech tokens (the reference's first chunk is {hi + 1} or more), got {_shown(first)}",
+                               f"speech tokens (the reference's first chunk is {hi + 1} or more; one of under {lo} "
+                               f"would have no audio), got {_shown(first)}",
                                "invalid_value")
         if not o.stream:
             raise RequestError("first_chunk_tokens", "{first_chunk_tokens} shapes a stream's first chunk; "
