@@ -1,10 +1,11 @@
 """Time a warmed voice's first streaming chunk with the fast flow solver's switches turned off, in one process:
 ``before`` (without the ``--switch`` ones: the position convs in float32, the modulations computed in every call,
-the keys unpadded, PyTorch's attention) and ``now`` (the defaults: bf16 position convs on the bf16 paths,
-modulations kept per schedule, the attention keys padded to 16 or the bf16 attention kernel where it runs),
-alternating (A B, B A, ...), each request after an untimed one on
-the rebuilt solver. Prints each setting's flow call and first audio per round and their medians (default: the
-full-size random model, llama.cpp Q8_0, ``auto``'s flow path).
+the keys unpadded, PyTorch's attention, cached K/V joined to the new by a copy) and ``now`` (the defaults: bf16
+position convs on the bf16 paths, modulations kept per schedule, the attention keys padded to 16 or the bf16
+attention kernel where it runs, reading the cached K/V in place), alternating (A B, B A, ...), each request
+after an untimed one on the rebuilt solver. Prints each setting's flow call and first audio per round and their
+medians (default: the full-size random model, llama.cpp Q8_0, ``auto``'s flow path; ``--first-chunk-tokens N``:
+the low-latency first chunk, its voice warmed for it).
 
     python scripts/ab_first_chunk.py --threads 2 --rounds 6 [--switch pad_keys] [--json FILE]
     python scripts/ab_first_chunk.py --threads 2 --rounds 6 --engines onednn+bf16,onednn+bf16+static
@@ -31,7 +32,7 @@ from cosyllama.tools.bench_setup import ensure_full_model, ensure_gguf, prompt_w
 from cosyllama.tts import SynthesisOptions  # noqa: E402
 
 # the solver's switches (FastDiT class attributes, all on by default); "before" turns off those --switch names
-SWITCHES = ("lowp_conv_pos", "keep_modulations", "pad_keys", "attention_kernel_on")
+SWITCHES = ("lowp_conv_pos", "keep_modulations", "pad_keys", "attention_kernel_on", "kv_in_place")
 
 
 def main(argv=None) -> int:
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
                    help="time only this switch against its absence (repeatable; default: all of them)")
     p.add_argument("--engines", help="instead of switches: time these int8 engines against each other, comma-"
                                      "separated (e.g. onednn+bf16,onednn+bf16+static), every switch on")
+    p.add_argument("--first-chunk-tokens", type=int, default=None,
+                   help="the low-latency first chunk's speech tokens (default: the reference's schedule)")
     p.add_argument("--json", help="write the rounds here")
     a = p.parse_args(argv)
     off = [] if a.engines else a.switch or list(SWITCHES)
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
     voice = tts.make_voice(prompt_wav(a.prompt_seconds))
     tts.cross_lingual("Warm up.", voice=voice,
                       options=SynthesisOptions(greedy=True, max_tokens=5, ignore_stop=True)).audio()
-    tts.warm_voice(voice)
+    tts.warm_voice(voice, low_latency=a.first_chunk_tokens is not None)
     marks = Marks(tts)
     flow_s: dict[str, list[float]] = {k: [] for k in settings}
     first_s: dict[str, list[float]] = {k: [] for k in settings}
@@ -74,8 +77,8 @@ def main(argv=None) -> int:
                 if a.engines:
                     Candidate(INT8, name).apply(flow)  # calibrates a static engine once (cached)
                 flow.decoder._fast.drop()  # the solver is rebuilt with the setting
-                first_audio_s(tts, voice, 0, marks)  # untimed
-                t, parts = first_audio_s(tts, voice, r, marks)
+                first_audio_s(tts, voice, 0, marks, a.first_chunk_tokens)  # untimed
+                t, parts = first_audio_s(tts, voice, r, marks, a.first_chunk_tokens)
                 flow_s[name].append(round(parts["flow_s"], 3))
                 first_s[name].append(round(t, 3))
     finally:
@@ -87,6 +90,7 @@ def main(argv=None) -> int:
               f"{statistics.median(first_s[name]):.3f} s")
     if a.json:
         Path(a.json).write_text(json.dumps({"flow": precision_name(flow.precision), "switched": off,
+                                            "first_chunk_tokens": a.first_chunk_tokens,
                                             "engine": a.engines or flow.decoder.int8_engine, "threads": a.threads,
                                             "flow_s": flow_s, "first_audio_s": first_s}, indent=1))
     return 0

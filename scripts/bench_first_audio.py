@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         warm = ""
         if args.warm:
             t0 = time.perf_counter()
-            kept = tts.warm_voice(voice)
+            kept = tts.warm_voice(voice, low_latency=args.first_chunk_tokens is not None)
             warm = f" (warmed first: {time.perf_counter() - t0:.2f} s, {'kept' if kept else 'nothing kept'})"
         scheduler = None
         pipes = {}

@@ -103,9 +103,6 @@ def main(argv=None) -> int:
                                      parallel=SERVE_PARALLEL, max_seq_tokens=MAX_SEQ_TOKENS))
     tts = cosyllama.TTS.from_models(models)
     tts.add_voice(VOICE, prompt_wav(args.prompt_seconds))
-    t0 = time.perf_counter()
-    kept = tts.warm_voice(VOICE)
-    warm_s = time.perf_counter() - t0
     options = SynthesisOptions(ignore_stop=True, max_tokens=args.max_tokens)
     interleaves = [x.strip() for x in args.interleave.split(",") if x.strip()]
     modes = {"auto": None, "off": "off", "first": "first", "all": "all"}
@@ -115,6 +112,9 @@ def main(argv=None) -> int:
         firsts = [None if x.strip() == "none" else int(x) for x in args.first_chunk_tokens.split(",") if x.strip()]
     except ValueError:
         p.error(f"--first-chunk-tokens {args.first_chunk_tokens!r}: a comma list of none and numbers of tokens")
+    t0 = time.perf_counter()
+    kept = tts.warm_voice(VOICE, low_latency=any(firsts))  # as a server started with such a setting warms it
+    warm_s = time.perf_counter() - t0
     settings = [f"{i}/{f or 'ref'}" for i in interleaves for f in firsts]  # "interleave/first chunk"
     if args.concurrent < 1:
         p.error("--concurrent: 1 or more sessions")

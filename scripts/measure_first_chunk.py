@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     voice = tts.make_voice(a.prompt_wav, a.prompt_text)
     settings = [None] + [int(x) for x in a.first_chunk_tokens.split(",") if x]
     tts.synthesize(a.text, voice=voice, seed=a.seed, greedy=True, stream=True,
-                   max_tokens=a.max_tokens).audio()  # warm: the voice's blocks
+                   max_tokens=a.max_tokens).audio()  # warm
+    tts.warm_voice(voice, low_latency=len(settings) > 1)  # the voice's frames, as a server warms them
     firsts = {s: [] for s in settings}
     out = {}
     for _ in range(a.repeat):

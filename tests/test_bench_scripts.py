@@ -24,6 +24,12 @@ def test_first_audio(tmp_path, capsys):
         assert r["llm"] == "torch" and r["warm"] is True and r["flow"] in ("fp32", "bf16", "int8")
         assert len(r["first_audio_s"]) == 1 and r["first_audio_s"][0] > 0
     assert "first audio" in capsys.readouterr().out
+    # the low-latency first chunk, split into its parts
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--threads", "1", "--prompt-cache-mb", "512",
+                 "--warm", "--requests", "1", "--prompt-seconds", "1", "--first-chunk-tokens", "5", "--breakdown",
+                 "--json", str(out)]) == 0
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["first_chunk_tokens"] == 5 and row["breakdown"][0]["flow_s"] > 0
 
 
 def test_first_audio_paths_in_turns(tmp_path, capsys):
@@ -167,10 +173,17 @@ def test_first_chunk_ab(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["flow"] == "bf16" and set(data["flow_s"]) == {"before", "now"}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in data["first_audio_s"].values())
-    assert data["switched"] == ["lowp_conv_pos", "keep_modulations", "pad_keys", "attention_kernel_on"]  # all
+    assert data["switched"] == ["lowp_conv_pos", "keep_modulations", "pad_keys", "attention_kernel_on",
+                                "kv_in_place"]  # all
     assert FastDiT.lowp_conv_pos and FastDiT.keep_modulations and FastDiT.pad_keys  # the defaults are back
-    assert FastDiT.attention_kernel_on
+    assert FastDiT.attention_kernel_on and FastDiT.kv_in_place
     assert "now: first chunk's flow call" in capsys.readouterr().out
+    # one switch, with the low-latency first chunk
+    assert main(["--model-dir", str(MODEL_DIR), "--llm", "torch", "--precision", "bf16", "--threads", "1",
+                 "--rounds", "2", "--prompt-seconds", "1", "--switch", "kv_in_place", "--first-chunk-tokens", "5",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["switched"] == ["kv_in_place"] and data["first_chunk_tokens"] == 5 and FastDiT.kv_in_place
 
 
 def test_first_chunk_ab_between_engines(tmp_path, capsys):

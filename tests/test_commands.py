@@ -164,11 +164,11 @@ def start_up_log(monkeypatch):
 
     def prepare(models, options, voices=None):
         log.append("prepare")
-        return SimpleNamespace(models=models, tts=None, close=lambda: None)
+        return SimpleNamespace(models=models, tts=None, options=options, close=lambda: None)
 
     monkeypatch.setattr(startup, "open_voice_store", open_voice_store)
     monkeypatch.setattr(startup, "load_models", load_models)
-    monkeypatch.setattr(startup, "warm_voices", lambda tts, voices=None: log.append("warm"))
+    monkeypatch.setattr(startup, "warm_voices", lambda tts, voices=None, low_latency=False: log.append("warm"))
     monkeypatch.setattr(startup, "openmp_hint", lambda llm: log.append("openmp_hint"))
     monkeypatch.setattr(serving, "prepare", prepare)
     return log

@@ -258,8 +258,9 @@ class _VocoderSpy:
 
 
 def _prompt_call(head: torch.Tensor) -> bool:
-    """A spied call is a prompt's shared block solved alone (``Token2Wav._prompt_prefix``: 1 + 3 zero tokens)."""
-    return head.numel() == 4 and not bool(head.any())
+    """A spied call is a prompt's frames solved alone (``Token2Wav._prompt_entry``: zero stand-in tokens that fill
+    the prompt's last block, at least one, and 3 of look-ahead)."""
+    return head.numel() >= 4 and not bool(head.any())
 
 
 def _stream(flow, hift, mb, tokens, fp):
@@ -431,7 +432,7 @@ def test_a_prefix_short_of_the_cache_needs_its_conv_context(flows):
     assert cache.frames == 250 and cache.prefix(50, 50) is None  # no context kept at frame 50
     assert cache.prefix(50).frames == 250 and cache.prefix(10_000) is None
     marked = FlowStreamCache()
-    marked.mark = 50
+    marked.mark_prefix(50)
     _call(flow, tok, fp, 78, marked)
     part = marked.prefix(50, 50)
     assert part.frames == 50 and part.mel.shape[2] == 50

@@ -86,6 +86,34 @@ def test_the_kernel_is_attention_within_its_error_model(b, h, m, n, d, chunk):
     assert _ratio(theirs, q, k, v, row_len) <= 1
 
 
+@pytest.mark.parametrize("n0", [0, 1, 17, 150, 256])
+def test_keys_in_two_segments_are_the_joined_keys(n0):
+    """``before``: a streaming call's cached K/V read where they lie (laid out as the cache holds them, the new
+    frames' as views of the solver's projection) give the bits of the joined keys: the same keys in the same
+    order. A split one key off (one key read twice, another dropped) changes them."""
+    _kernel_or_skip()
+    b, h, m, d, chunk = 2, 16, 40, 64, 50
+    n = 256
+    q, k, v = _inputs(b, h, m, n, d, seed=n0)
+    row_len = native_attention.chunk_row_lengths(n, n - m, chunk)
+    whole = native_attention.attention(q, k, v, row_len)
+    heads = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731  (B, N, H*D) storage, as cached
+    before = (heads(k[:, :, :n0]), heads(v[:, :, :n0]))
+    got = native_attention.attention(q, k[:, :, n0:], v[:, :, n0:], row_len, before=before)
+    assert torch.equal(got, whole)
+    if 0 < n0 < n:
+        off = native_attention.attention(q, k[:, :, n0 - 1:], v[:, :, n0 - 1:], row_len,
+                                         before=(before[0][:, :, :-1], before[1][:, :, :-1]))
+        assert torch.equal(off, whole)  # the same split, one key earlier: still the same keys
+        wrong = native_attention.attention(q, k[:, :, n0:], v[:, :, n0:], row_len,
+                                           before=(k[:, :, 1:n0 + 1], v[:, :, 1:n0 + 1]))
+        assert not torch.equal(wrong, whole)
+    # and PyTorch's route (where the kernel declines) joins them
+    theirs = native_attention.attend(q, k[:, :, n0:], v[:, :, n0:], _visible(m, n, row_len), row_len, False,
+                                     before)
+    assert _ratio(theirs, q, k, v, row_len) <= 1
+
+
 def test_the_error_model_rejects_small_mistakes():
     """What the kernel tests accept: PyTorch's attention in float32 of the bf16 inputs, rounded to bf16, passes;
     a 1 % scale error, the last visible key of each row dropped, or scores rounded to bf16 before the softmax

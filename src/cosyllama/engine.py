@@ -239,38 +239,68 @@ class Token2Wav:
                 self._prompt_frames.move_to_end(key)
             return frames
 
-    def _prompt_prefix(self, prompt: FlowPrompt, shared: int) -> FlowStreamCache | None:
-        """The prompt's ``shared`` leading frames as every streaming request of it starts from: kept
-        from an earlier request, or solved now in a call of their own (and kept if the bound allows).
+    def _stand_in_tokens(self, n_prompt_tokens: int) -> int:
+        """Tokens after the prompt in the call that solves its frames for :meth:`_prompt_entry`: as many as
+        complete the attention block the prompt ends in (at least one), so that the call keeps every prompt
+        frame; the look-ahead comes on top."""
+        chunk = self.flow.block_frames
+        frames = self.token_mel_ratio * n_prompt_tokens
+        end = -(-frames // chunk) * chunk if chunk else frames
+        return max(1, -(-(end - frames) // self.token_mel_ratio))
+
+    def _prompt_entry(self, prompt: FlowPrompt, shared: int, whole: bool = False) -> FlowStreamCache | None:
+        """What a voice keeps for its streaming requests: the prompt's ``shared`` leading frames, which every
+        request of it starts from, or with ``whole`` all its frames (those first), which the low-latency first
+        chunk starts from (see :meth:`stream`). Kept from an earlier request, or solved now in a call of their
+        own (and kept if the bound allows): the prompt followed by stand-in tokens (id 0) that fill its last
+        attention block. None when the stream cache is off or the frames cannot be held.
 
         Always that call, never the first chunk's: a solver whose rows share arithmetic (int8 with
         dynamic activation scales: one scale per product call, chosen from all of the call's rows)
         would give the shared frames other values in a call that also holds a request's first
         tokens, so the first request of a voice (or one after the frames were evicted) would sound
         different in its last bits from the ones after it. Solved alone, the frames are the same
-        bits in every request of the prompt, whatever the cache held before, through every door."""
+        bits in every request of the prompt, whatever the cache held before, through every door; and
+        the same call serves both kinds of entry, so the shared frames are the same bits in both.
+
+        The prompt's frames after the shared ones read the stand-in tokens (through the look-ahead, and within
+        their attention block), where a request's first chunk reads its real first tokens: only the low-latency
+        first chunk, which is outside the reference's schedule anyway, takes them (docs/streaming.md)."""
         key = self._prompt_key(prompt)
-        frames = self._prompt_frames_for(key)
-        if frames is None:
+        p = prompt.tokens.shape[1]
+        want = self.token_mel_ratio * p if whole else shared
+        entry = self._prompt_frames_for(key)
+        if entry is None or entry.frames < want:
             cache = self.new_stream_cache()
             if cache is None:
                 return None
-            cache.mark_prefix(shared)
-            # One token after the prompt plus the look-ahead: the shared frames read none of them.
-            self._mel([0] * (1 + self.lookahead), prompt, 0, streaming=True, finalize=False, cache=cache)
-            frames = cache.prefix(prompt.tokens.shape[1], shared)
+            cache.mark_prefix(shared, want)
+            self._mel([0] * (self._stand_in_tokens(p) + self.lookahead), prompt, 0, streaming=True,
+                      finalize=False, cache=cache)
+            entry = cache.prefix(p, want, marks=(shared,))
+            if entry is None and whole and shared:  # the stream cache's bound holds fewer frames: the shared ones
+                entry, whole = cache.prefix(p, shared), False
             cache.clear()
-            if frames is not None and self._prompt_cache_bytes() > 0:
-                self._keep_prompt_frames(key, frames)
-        return frames
+            if entry is None:
+                return None
+            entry.open_block = whole and want % self.flow.block_frames != 0
+            if self._prompt_cache_bytes() > 0:
+                self._keep_prompt_frames(key, entry)
+        return entry
 
-    def warm_prompt(self, prompt: FlowPrompt) -> bool:
+    def _shared_frames(self, entry: FlowStreamCache, n_prompt_tokens: int, shared: int) -> FlowStreamCache | None:
+        """A voice entry's first ``shared`` frames, for one request (views of the kept entry's tensors)."""
+        return entry if entry.frames == shared else entry.prefix(n_prompt_tokens, shared, copy=False)
+
+    def warm_prompt(self, prompt: FlowPrompt, whole: bool = False) -> bool:
         """Solve the prompt's shared blocks now and keep them, as a first streaming request of this
-        prompt would. Returns whether they are kept."""
+        prompt would (``whole``: all its frames, as a first request with the low-latency first chunk
+        would). Returns whether they are kept."""
         shared = self.shared_prompt_frames(prompt.tokens.shape[1])
-        if not shared or self._prompt_cache_bytes() <= 0 or self._stream_cache_mb() <= 0:
+        whole = whole and self.flow.block_frames > 0
+        if not (shared or whole) or self._prompt_cache_bytes() <= 0 or self._stream_cache_mb() <= 0:
             return False
-        self._prompt_prefix(prompt, shared)
+        self._prompt_entry(prompt, shared, whole)
         return self._prompt_frames_for(self._prompt_key(prompt)) is not None
 
     def prompt_level(self, prompt: FlowPrompt):
@@ -380,8 +410,12 @@ class Token2Wav:
         st.flow_cache = self.new_stream_cache()
         st.vocoder = self.hift.new_stream()
         # The prompt's shared blocks are loaded before the first chunk (solved then if not kept), so that
-        # the first chunk starts after them in every request of the prompt (see _prompt_prefix).
+        # the first chunk starts after them in every request of the prompt (see _prompt_entry). The low-latency
+        # first chunk starts after all the prompt's frames, as the voice's entry holds them (with a bound to keep
+        # them in: solved per request they would cost more than they save).
         shared = self.shared_prompt_frames(p) if st.flow_cache is not None else 0
+        whole = (bool(st.first_chunk) and st.flow_cache is not None and self._prompt_cache_bytes() > 0
+                 and self.flow.block_frames > 0)
         try:
             for tok in token_iter:
                 st.tokens.append(tok)
@@ -389,13 +423,18 @@ class Token2Wav:
                     hop = st.next_hop()
                     end = st.token_offset + hop + self.lookahead
                     with pause(not st.emitted):
-                        if shared:
-                            frames = self._prompt_prefix(prompt, shared)
-                            if frames is not None:
-                                st.flow_cache.load(frames)
-                            shared = 0
+                        cache = st.flow_cache
+                        if shared or whole:
+                            entry = self._prompt_entry(prompt, shared, whole)
+                            if entry is not None and shared:
+                                st.flow_cache.load(self._shared_frames(entry, p, shared))
+                            if entry is not None and whole and entry.frames > shared:
+                                # this call only: the next one goes on from the shared frames, as the reference
+                                cache = FlowStreamCache(max_frames=entry.frames)  # adds no frames to it
+                                cache.load(entry)
+                            shared, whole = 0, False
                         mel = self._mel(st.tokens[:end], prompt, st.token_offset, streaming=True, finalize=False,
-                                        cache=st.flow_cache)
+                                        cache=cache)
                         samples = self._vocode_new(st, mel, finalize=False)
                     st.advance(hop)
                     if samples.size:

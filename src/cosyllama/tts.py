@@ -216,14 +216,16 @@ class TTS:
         return voice
 
     @gives_team_back  # made here, used on other threads maybe (cosyllama.openmp)
-    def warm_voice(self, voice: PromptFeatures | str) -> bool:
+    def warm_voice(self, voice: PromptFeatures | str, low_latency: bool = False) -> bool:
         """Compute now the flow blocks streaming requests with this voice share (see
         ``prompt_cache_mb``), so that its first streaming request starts its first chunk after them
-        too. Costs one flow solve over the prompt's frames; True if they are kept, False when the
-        streaming caches are off or the prompt is too short to share a block. Not for voice
-        conversion, whose prompt is aligned differently."""
+        too; ``low_latency``: all the prompt's frames, which a low-latency first chunk
+        (``first_chunk_tokens``) starts from. Costs one flow solve over the prompt's frames; True if
+        they are kept, False when the streaming caches are off or the prompt is too short to share a
+        block. Not for voice conversion, whose prompt is aligned differently."""
         v = self.voices.get(voice) if isinstance(voice, str) else voice
-        return self.token2wav.warm_prompt(self._to_flow_prompt(v.speech_tokens, v.prompt_feat, v.speaker_embedding))
+        return self.token2wav.warm_prompt(self._to_flow_prompt(v.speech_tokens, v.prompt_feat, v.speaker_embedding),
+                                          whole=low_latency)
 
     # -- modes: each builds a SynthesisRequest and runs it ----------------------------------------
 

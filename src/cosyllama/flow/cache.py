@@ -75,7 +75,11 @@ class FlowStreamCache:
             raise InputError(f"stream cache bounds must be >= 0, got max_mb={max_mb!r}, max_frames={max_frames!r}")
         self.max_mb = float(max_mb)
         self.max_frames = max_frames
-        self.mark = 0  # also keep the conv context at this frame (for :meth:`prefix`); 0: don't
+        self.marks: tuple[int, ...] = ()  # also keep the conv context at these frames (for :meth:`prefix`)
+        # The frames end inside an attention block whose frames were solved without the frames after them (a
+        # prompt's frames for the low-latency first chunk, Token2Wav._prompt_entry): not what any later call
+        # would compute, so only a cache made for that one call holds such frames; start() accepts them.
+        self.open_block = False
         self.calls = self.reused_frames = self.computed_frames = self.rebuilds = self.last_start = 0
         self.clear()
 
@@ -85,20 +89,21 @@ class FlowStreamCache:
         # (step, block) -> K (after RoPE), V of the cached frames, each (2, frames, inner)
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}  # step -> input-projection frames before `frames` (2, <=60, dim)
-        self.conv_mark: dict[int, torch.Tensor] = {}  # step -> the same before `mark`, when asked for
+        self.conv_mark: dict[int, dict[int, torch.Tensor]] = {}  # mark -> step -> the same before the mark
         self.mel: torch.Tensor | None = None  # (1, mel, frames) float32: x at t=1
         self._key: tuple = ()  # what besides the ids the frames depend on
         self._ids: torch.Tensor | None = None  # (1, P+T) prompt + token ids of the call that filled it
 
-    def mark_prefix(self, frames: int) -> None:
-        """Also keep the conv context at frame ``frames`` while filling, so that :meth:`prefix` can
+    def mark_prefix(self, *frames: int) -> None:
+        """Also keep the conv context at each of these frames while filling, so that :meth:`prefix` can
         give away the first ``frames`` frames later."""
-        self.mark = frames
+        self.marks = tuple(f for f in frames if f > 0)
 
     @property
     def nbytes(self) -> int:
         """Bytes held now."""
-        ts = [t for kv in self.kv.values() for t in kv] + list(self.conv.values()) + list(self.conv_mark.values())
+        ts = [t for kv in self.kv.values() for t in kv] + list(self.conv.values())
+        ts += [t for ctx in self.conv_mark.values() for t in ctx.values()]
         ts += [self.mel] if self.mel is not None else []
         return sum(t.numel() * t.element_size() for t in ts)
 
@@ -118,7 +123,7 @@ class FlowStreamCache:
         old = self._ids
         ok = (len(key) == len(self._key) and all(_same(a, b) for a, b in zip(key, self._key))
               and old is not None and ids.shape[1] >= old.shape[1] and torch.equal(ids[:, :old.shape[1]], old)
-              and self.frames % chunk == 0 and self.frames <= n)
+              and (self.frames % chunk == 0 or self.open_block) and self.frames <= n)
         if not ok:
             self.clear()
             self.rebuilds += 1
@@ -136,11 +141,15 @@ class FlowStreamCache:
     # (``StepCache`` assigns new tensors, ``commit``/``clear`` new objects), so caches may share
     # tensors: a copy costs two small dicts, and a later call of either cache leaves the other intact.
 
-    def prefix(self, n_ids: int, frames: int | None = None) -> FlowStreamCache | None:
+    def prefix(self, n_ids: int, frames: int | None = None, marks: tuple[int, ...] = (),
+               copy: bool = True) -> FlowStreamCache | None:
         """A cache holding this one's first ``frames`` frames (default: all), valid for any call whose
         ids start with this one's first ``n_ids`` — the caller vouches that those frames depend on
-        no later id. ``frames`` short of all needs the conv context a solve kept at ``mark ==
-        frames``. None when there is nothing to give. Shares the tensors where it can."""
+        no later id. ``frames`` short of all needs the conv context a solve kept at that mark
+        (:meth:`mark_prefix`); ``marks``: kept marks the result keeps too (so a prefix of it can be
+        taken later). ``copy`` False: a shorter prefix views this one's tensors (for a cache used once
+        while this one is kept) instead of copying them (for one kept on its own). None when there
+        is nothing to give. Shares the tensors where it can."""
         frames = self.frames if frames is None else frames
         if frames <= 0 or frames > self.frames or self._ids is None or n_ids > self._ids.shape[1]:
             return None
@@ -148,10 +157,14 @@ class FlowStreamCache:
         if frames == self.frames:
             out.kv, out.conv, out.mel = dict(self.kv), dict(self.conv), self.mel
         else:
-            if self.mark != frames or set(self.conv_mark) != set(self.conv):
+            ctx = self.conv_mark.get(frames)
+            if ctx is None or set(ctx) != set(self.conv):
                 return None
-            out.kv = {slot: (k[:, :frames].clone(), v[:, :frames].clone()) for slot, (k, v) in self.kv.items()}
-            out.conv, out.mel = dict(self.conv_mark), self.mel[:, :, :frames].clone()
+            cut = (lambda t: t[:, :frames].clone()) if copy else (lambda t: t[:, :frames])
+            out.kv = {slot: (cut(k), cut(v)) for slot, (k, v) in self.kv.items()}
+            out.conv, out.mel = dict(ctx), cut(self.mel[0])[None]
+        out.conv_mark = {m: dict(self.conv_mark[m]) for m in marks if m < frames and m in self.conv_mark}
+        out.marks = tuple(out.conv_mark)
         out.frames, out._key, out._ids = frames, self._key, self._ids[:, :n_ids]
         return out
 
@@ -160,6 +173,7 @@ class FlowStreamCache:
         next call still checks that they belong to it."""
         self.clear()
         self.frames, self.kv, self.conv, self.mel = other.frames, dict(other.kv), dict(other.conv), other.mel
+        self.open_block = other.open_block
         self._key, self._ids = other._key, other._ids
 
 
@@ -207,9 +221,10 @@ class StepCache:
                 y = cpe.conv2(cpe.conv1(hx.transpose(1, 2))).transpose(1, 2)
         if self.store:
             self.cache.conv[self.step] = hx[:, max(keep - CONV_CONTEXT, 0) - first:keep - first].clone()
-            mark = self.cache.mark
-            if 0 < mark <= keep and first <= max(mark - CONV_CONTEXT, 0):
-                self.cache.conv_mark[self.step] = hx[:, max(mark - CONV_CONTEXT, 0) - first:mark - first].clone()
+            for mark in self.cache.marks:
+                if mark <= keep and first <= max(mark - CONV_CONTEXT, 0):
+                    ctx = hx[:, max(mark - CONV_CONTEXT, 0) - first:mark - first].clone()
+                    self.cache.conv_mark.setdefault(mark, {})[self.step] = ctx
         return y
 
     def kv(self, block: int, k: torch.Tensor, v: torch.Tensor,
@@ -226,6 +241,24 @@ class StepCache:
         if self.store:
             self.cache.kv[slot] = (self._stored(k), self._stored(v))
         return k, v
+
+    def segments(self, block: int, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor, torch.Tensor]:
+        """:meth:`kv` for an attention that reads keys in two segments (``native_attention.attention``'s
+        ``before``): ``(K0, V0), K1, V1`` whose frames in that order are all N frames, with no copy of
+        them all. The first segment is what the cache holds after this step (the cached frames, and the
+        new ones up to ``keep`` when storing: stored then, as :meth:`kv` stores them), the second the new
+        frames after it (views of ``k``, ``v``); None for the first where it holds none. Both in
+        ``k``'s dtype only when the storage dtype is ``k``'s (the caller checks; else :meth:`kv`)."""
+        slot, start = (self.step, block), self.start
+        if self.store:
+            cut = self.keep - start
+            k0, v0 = (joined(kv, new[:, :cut]) if start else new[:, :cut].contiguous()
+                      for kv, new in zip(self.cache.kv[slot] if start else (None, None), (k, v)))
+            k0, v0 = k0.to(self.store_dtype), v0.to(self.store_dtype)
+            self.cache.kv[slot] = (k0, v0)
+            return (k0, v0), k[:, cut:], v[:, cut:]
+        return (self.cache.kv[slot] if start else None), k, v
 
     def _stored(self, t: torch.Tensor) -> torch.Tensor:
         """The kept frames of ``t`` as the cache holds them: converted to the storage dtype, or a

@@ -317,9 +317,11 @@ class FastDiT:
     # position convs in bfloat16 where the activations are (_LowpConvPos), the modulations kept per schedule.
     lowp_conv_pos = True
     keep_modulations = True
-    # and the attention keys padded to KEY_ALIGN frames (see KEY_ALIGN), and the bf16 attention kernel where chosen
+    # and the attention keys padded to KEY_ALIGN frames (see KEY_ALIGN), the bf16 attention kernel where chosen, and
+    # the kernel reading the cached frames' K/V where they lie (StepCache.segments) rather than joined by a copy
     pad_keys = True
     attention_kernel_on = True
+    kv_in_place = True
 
     def __init__(self, dit: DiT, dtype: torch.dtype, int8_engine: str = INT8_ENGINE,
                  static_scales: tuple | None = None, observe: bool = False):
@@ -510,13 +512,18 @@ class FastDiT:
                 del n1
                 self._rotate_head0_(qkv, self.heads, cis)
                 q, k, v = qkv[..., :dim], qkv[..., dim:2 * dim], qkv[..., 2 * dim:]  # (B, m, dim) views
-                if past is not None:
+                before = None  # the kernel reads the cached frames' K/V where they lie, in front of the new ones'
+                if past is not None and kernel and self.kv_in_place and past.store_dtype == k.dtype:
+                    before, k, v = past.segments(i, k, v)
+                elif past is not None:
                     k, v = past.kv(i, k, v, key_pad)  # (B, N + key_pad, dim): cached frames first
                 elif key_pad:
                     k, v = joined(None, k, key_pad), joined(None, v, key_pad)
-                q, k, v = (t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2) for t in (q, k, v))
-                o = native_attention.attend(q, k, v, mask, row_len, kernel)  # (B, H, m, D), m-major
-                del q, k, v, qkv
+                heads = lambda t: t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2)  # noqa: E731
+                q, k, v = heads(q), heads(k), heads(v)
+                before = None if before is None else (heads(before[0]), heads(before[1]))
+                o = native_attention.attend(q, k, v, mask, row_len, kernel, before)  # (B, H, m, D), m-major
+                del q, k, v, qkv, before
                 if q8:  # quantized straight from the m-major view (the result is row-major)
                     o = blk["out"](quantize_u8(o.transpose(1, 2), *q8[1]).flatten(2), q8[1], res)
                 else:

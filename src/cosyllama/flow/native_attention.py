@@ -35,7 +35,7 @@ PREBUILT = SOURCE.parent  # where `python -m cosyllama.flow.native_attention` pu
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
          "-shared", "-pthread")
 NEEDS = {"avx512f": "AVX-512", "avx512bw": "AVX512-BW", "avx512vl": "AVX512-VL", "avx512_bf16": "AVX512-BF16"}
-ABI_VERSION = 2
+ABI_VERSION = 3
 ENV = "COSYLLAMA_ATTENTION"  # auto (default): measured; kernel: whenever it can run; pytorch: never
 MODES = ("auto", "kernel", "pytorch")
 # The kernel replaces PyTorch's attention only when it is at least this much faster at the timed size: a
@@ -165,19 +165,25 @@ _I64x3 = ctypes.c_int64 * 3
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_len: torch.Tensor | None = None,
-              scale: float | None = None) -> torch.Tensor | None:
+              scale: float | None = None,
+              before: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """softmax(q k^T scale) v over bf16 ``q (B, H, M, D)``, ``k``, ``v (B, H, N, D)`` (any strides but a unit
-    channel stride), query row ``i`` seeing keys ``0 .. row_len[i]-1`` (int32 ``(M,)``; None: all N). Returns
-    ``(B, H, M, D)`` bf16, laid out M-major as PyTorch's attention returns it (so ``.transpose(1, 2)`` is
-    contiguous); None where the kernel cannot take these tensors or cannot run here (call PyTorch's)."""
+    channel stride), query row ``i`` seeing keys ``0 .. row_len[i]-1`` (int32 ``(M,)``; None: all N). ``before``:
+    keys and values ``(B, H, N0, D)`` that come before ``k`` and ``v`` (read in place: a streaming call's cached
+    frames, not joined to the new ones by a copy), so N = N0 + ``k``'s frames. Returns ``(B, H, M, D)`` bf16, laid
+    out M-major as PyTorch's attention returns it (so ``.transpose(1, 2)`` is contiguous); None where the kernel
+    cannot take these tensors or cannot run here (call PyTorch's)."""
     lib, _ = library()
     if lib is None:
         return None
     b, h, m, d = q.shape
-    n = k.shape[2]
-    if (q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or q.device.type != "cpu"
-            or k.shape != (b, h, n, d) or v.shape != k.shape or d % 16 or min(b, h, m, n) == 0
-            or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1):
+    k0, v0 = before if before is not None else (k[:, :, :0], v[:, :, :0])
+    n0 = k0.shape[2]
+    n = n0 + k.shape[2]
+    if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or t.stride(3) != 1 for t in (q, k, v, k0, v0)):
+        return None
+    if (k.shape[:2] != (b, h) or k.shape[3] != d or v.shape != k.shape or k0.shape != (b, h, n0, d)
+            or v0.shape != k0.shape or d % 16 or min(b, h, m, n) == 0):
         return None
     if row_len is not None:
         row_len = row_len.to(torch.int32).contiguous()
@@ -187,9 +193,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_len: torch.
     view = out.transpose(1, 2)
     with torch.profiler.record_function(PROFILE_NAME):  # so `bench --profile` counts it as attention
         rc = lib.cosyllama_attention_bf16(
-            ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()), b, h, m, n, d, _I64x3(*q.stride()[:3]), _I64x3(*k.stride()[:3]),
-            _I64x3(*v.stride()[:3]), _I64x3(*view.stride()[:3]),
+            *(ctypes.c_void_p(t.data_ptr()) for t in (q, k0, v0, k, v, out)), b, h, m, n0, n, d,
+            *(_I64x3(*t.stride()[:3]) for t in (q, k0, v0, k, v, view)),
             None if row_len is None else ctypes.c_void_p(row_len.data_ptr()),
             ctypes.c_float(d ** -0.5 if scale is None else scale), max(1, torch.get_num_threads()),
             ctypes.c_void_p(_team()))
@@ -197,13 +202,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_len: torch.
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           row_len: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+           row_len: torch.Tensor | None, kernel: bool,
+           before: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The flow solver's attention: on the kernel where ``kernel`` (with ``row_len``, :func:`attention`) and it takes
-    these tensors, else PyTorch's with ``mask`` (the same visible keys, as an additive mask or None)."""
+    these tensors, else PyTorch's with ``mask`` (the same visible keys, as an additive mask or None). ``before``:
+    keys and values in front of ``k`` and ``v`` (see :func:`attention`; joined for PyTorch's)."""
     import torch.nn.functional as F
 
-    o = attention(q, k, v, row_len) if kernel else None
-    return o if o is not None else F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    o = attention(q, k, v, row_len, before=before) if kernel else None
+    if o is not None:
+        return o
+    if before is not None:
+        k, v = torch.cat([before[0], k], dim=2), torch.cat([before[1], v], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @functools.lru_cache(maxsize=None)

@@ -90,7 +90,7 @@ def ready(serving) -> None:
     """Step 6, once the :class:`~cosyllama.server.serving.Serving` is prepared (voice folders are made into
     voices by then): warm every voice beside the first requests, and log the llama.cpp OpenMP hint where
     it applies."""
-    warm_voices(serving.tts)
+    warm_voices(serving.tts, low_latency=bool(serving.options.defaults.first_chunk_tokens))
     openmp_hint(serving.models.llm)
 
 
@@ -176,18 +176,20 @@ def report_voices(store: VoiceStore) -> None:
                     "--voices DIR keeps them)", n)
 
 
-def warm_voices(tts, voices: VoiceStore | None = None) -> None:
+def warm_voices(tts, voices: VoiceStore | None = None, low_latency: bool = False) -> None:
     """Warm every voice of ``voices`` (default: ``tts.voices``) on ``tts``'s models in a background
-    thread, beside the first requests (each voice's first stream gets a head start)."""
+    thread, beside the first requests (each voice's first stream gets a head start; ``low_latency``:
+    the server's streams start with the low-latency first chunk, see TTS.warm_voice)."""
     voices = tts.voices if voices is None else voices
     if len(voices):
-        threading.Thread(target=_warm_all, args=(tts, voices), name="cosyllama-warm-voices", daemon=True).start()
+        threading.Thread(target=_warm_all, args=(tts, voices, low_latency), name="cosyllama-warm-voices",
+                         daemon=True).start()
 
 
-def _warm_all(tts, voices: VoiceStore) -> None:
+def _warm_all(tts, voices: VoiceStore, low_latency: bool) -> None:
     for vid in voices.ids():
         try:
-            tts.warm_voice(voices.get(vid))
+            tts.warm_voice(voices.get(vid), low_latency)
         except Exception as e:
             log.warning("warming voice %s failed: %s", vid, e)
 

@@ -14,6 +14,9 @@
 // probabilities rounded to bf16 for the second product), so its error against a float32 attention of the
 // same bf16 inputs is of the same size (tests/test_native_attention.py states the bound).
 //
+// Keys and values may come in two segments: keys 0 .. n0-1 from (k0, v0), keys n0 .. n-1 from (k, v) (a
+// streaming call's cached frames and its new ones, read where they lie instead of joined by a copy first).
+//
 // The mask is a row-prefix: query row i sees keys 0 .. row_len[i]-1 (every key where row_len is null).
 // That covers both masks the solver uses: the block-causal chunk mask of a streaming call (a prefix per
 // row) and none at all. Keys are never padded here: the padding PyTorch's BLAS wanted (fast_dit.KEY_ALIGN)
@@ -46,10 +49,10 @@ constexpr int QB = 6;        // query rows per tile
 constexpr int KT = 4;        // 16-key vectors per score tile (64 keys); a row's last tile may have fewer
 
 struct Args {
-    const uint16_t *q, *k, *v;
+    const uint16_t *q, *k, *v, *k0, *v0;
     uint16_t *o;
-    int b, h, m, n, d;
-    int64_t qs[3], ks[3], vs[3], os[3];  // strides in elements: batch, head, row
+    int b, h, m, n, n0, d;                                // n keys in all, the first n0 of them in k0/v0
+    int64_t qs[3], ks[3], vs[3], k0s[3], v0s[3], os[3];  // strides in elements: batch, head, row
     const int32_t *row_len;              // m entries, or null
     float scale;
     std::atomic<int> next;
@@ -112,15 +115,25 @@ struct Scratch {
     }
 };
 
+// Row j of one head's keys or values: from the first segment below n0, else from the second.
+struct Rows {
+    const uint16_t *first, *second;
+    int64_t first_stride, second_stride;
+    int n0;
+    const uint16_t *operator()(int j) const {
+        return j < n0 ? first + (int64_t)j * first_stride : second + (int64_t)(j - n0) * second_stride;
+    }
+};
+
 // One head's keys into kp (zero past n, up to np) and values into vp (zero past n).
-void repack(const Args &a, const uint16_t *k, const uint16_t *v, int np, Scratch &w) {
+void repack(const Args &a, const Rows &k, const Rows &v, int np, Scratch &w) {
     const int d = a.d, pairs = d / 2;
     uint32_t *kp = (uint32_t *)w.kp;
     for (int blk = 0; blk < np / 16; ++blk) {
         for (int jj = 0; jj < 16; ++jj) {
             const int j = blk * 16 + jj;
             if (j < a.n) {
-                const uint16_t *row = k + (int64_t)j * a.ks[2];
+                const uint16_t *row = k(j);
                 for (int c = 0; c < pairs; ++c) kp[((size_t)blk * pairs + c) * 16 + jj] = load_pair(row + 2 * c);
             } else {
                 for (int c = 0; c < pairs; ++c) kp[((size_t)blk * pairs + c) * 16 + jj] = 0;
@@ -130,8 +143,8 @@ void repack(const Args &a, const uint16_t *k, const uint16_t *v, int np, Scratch
     // value pair (j, j+1), channel c -> vp[(j/2 * d + c) * 2 + {0, 1}]
     for (int j = 0; j < np; j += 2) {
         uint32_t *dst = (uint32_t *)(w.vp + (size_t)j * d);
-        const uint16_t *r0 = j < a.n ? v + (int64_t)j * a.vs[2] : nullptr;
-        const uint16_t *r1 = j + 1 < a.n ? v + (int64_t)(j + 1) * a.vs[2] : nullptr;
+        const uint16_t *r0 = j < a.n ? v(j) : nullptr;
+        const uint16_t *r1 = j + 1 < a.n ? v(j + 1) : nullptr;
         for (int c = 0; c < d; c += 16) {
             const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r0 + c)))
                                   : _mm512_setzero_si512();
@@ -189,8 +202,8 @@ inline void value_tile(const Scratch &w, uint16_t *const *orow, int rows, int c0
 void one_head(const Args &a, int bh, Scratch &w, int np) {
     const int bi = bh / a.h, hi = bh % a.h, d = a.d, pairs = d / 2;
     const uint16_t *q = a.q + bi * a.qs[0] + hi * a.qs[1];
-    const uint16_t *k = a.k + bi * a.ks[0] + hi * a.ks[1];
-    const uint16_t *v = a.v + bi * a.vs[0] + hi * a.vs[1];
+    const Rows k{a.k0 + bi * a.k0s[0] + hi * a.k0s[1], a.k + bi * a.ks[0] + hi * a.ks[1], a.k0s[2], a.ks[2], a.n0};
+    const Rows v{a.v0 + bi * a.v0s[0] + hi * a.v0s[1], a.v + bi * a.vs[0] + hi * a.vs[1], a.v0s[2], a.vs[2], a.n0};
     uint16_t *o = a.o + bi * a.os[0] + hi * a.os[1];
     repack(a, k, v, np, w);
     for (int i0 = 0; i0 < a.m; i0 += QB) {
@@ -266,25 +279,29 @@ void team_worker(void *p) { worker(p); }  // GOMP_parallel's signature: returns 
 extern "C" {
 
 // Version of this interface: the loader refuses a library that answers otherwise.
-int cosyllama_attention_version(void) { return 2; }
+int cosyllama_attention_version(void) { return 3; }
 
 // libgomp's GOMP_parallel: runs fn(data) on the calling thread and num_threads - 1 workers of its team.
 typedef void (*gomp_parallel_fn)(void (*fn)(void *), void *data, unsigned num_threads, unsigned flags);
 
-// out[b, h, i, :] = softmax over j < row_len[i] of (q[b, h, i, :] . k[b, h, j, :]) * scale, applied to v.
-// Strides in elements (batch, head, row); the channel stride is 1. d a multiple of 16. gomp_parallel: libgomp's
-// GOMP_parallel to run on the caller's OpenMP team, or null for threads of its own. Returns 0, or 1 for shapes
-// it does not take, 2 when memory ran out.
-int cosyllama_attention_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, uint16_t *out,
-                             int b, int h, int m, int n, int d, const int64_t *q_strides,
+// out[b, h, i, :] = softmax over j < row_len[i] of (q[b, h, i, :] . key j) * scale, applied to the values, where
+// keys and values j < n0 are k0[b, h, j, :] and v0[b, h, j, :], the others k[b, h, j - n0, :] and v[b, h, j - n0, :]
+// (n0 = 0: k0 and v0 are not read). Strides in elements (batch, head, row); the channel stride is 1. d a multiple
+// of 16. gomp_parallel: libgomp's GOMP_parallel to run on the caller's OpenMP team, or null for threads of its
+// own. Returns 0, or 1 for shapes it does not take, 2 when memory ran out.
+int cosyllama_attention_bf16(const uint16_t *q, const uint16_t *k0, const uint16_t *v0, const uint16_t *k,
+                             const uint16_t *v, uint16_t *out, int b, int h, int m, int n0, int n, int d,
+                             const int64_t *q_strides, const int64_t *k0_strides, const int64_t *v0_strides,
                              const int64_t *k_strides, const int64_t *v_strides, const int64_t *o_strides,
                              const int32_t *row_len, float scale, int threads, void *gomp_parallel) {
-    if (b <= 0 || h <= 0 || m <= 0 || n <= 0 || d <= 0 || d % 16 != 0 || threads <= 0) return 1;
+    if (b <= 0 || h <= 0 || m <= 0 || n <= 0 || n0 < 0 || n0 > n || d <= 0 || d % 16 != 0 || threads <= 0) return 1;
+    if (n0 > 0 && (!k0 || !v0)) return 1;
     Args a;
-    a.q = q, a.k = k, a.v = v, a.o = out;
-    a.b = b, a.h = h, a.m = m, a.n = n, a.d = d;
+    a.q = q, a.k = k, a.v = v, a.k0 = n0 ? k0 : k, a.v0 = n0 ? v0 : v, a.o = out;
+    a.b = b, a.h = h, a.m = m, a.n = n, a.n0 = n0, a.d = d;
     for (int i = 0; i < 3; ++i) {
         a.qs[i] = q_strides[i], a.ks[i] = k_strides[i], a.vs[i] = v_strides[i], a.os[i] = o_strides[i];
+        a.k0s[i] = n0 ? k0_strides[i] : k_strides[i], a.v0s[i] = n0 ? v0_strides[i] : v_strides[i];
     }
     a.row_len = row_len;
     a.scale = scale;
