@@ -68,11 +68,14 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="auto")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--prompt-cache-mb", type=float, default=None,
+                   help="the prompt cache's bound (0: none, so the low-latency first chunk solves the prompt's last "
+                        "block with its own tokens, as it does wherever a voice's frames cannot be kept)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="at most this many speech tokens (a random-weight model rarely stops by itself)")
     a = p.parse_args(argv)
     kw = {"llm": "llamacpp", "gguf": a.gguf} if a.gguf else {}
-    tts = TTS(a.model_dir, threads=a.threads, precision=a.precision, **kw)
+    tts = TTS(a.model_dir, threads=a.threads, precision=a.precision, prompt_cache_mb=a.prompt_cache_mb, **kw)
     voice = tts.make_voice(a.prompt_wav, a.prompt_text)
     settings = [None] + [int(x) for x in a.first_chunk_tokens.split(",") if x]
     tts.synthesize(a.text, voice=voice, seed=a.seed, greedy=True, stream=True,

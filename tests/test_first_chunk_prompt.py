@@ -136,3 +136,25 @@ def test_tts_warms_a_voice_for_low_latency_and_servers_ask_for_it(monkeypatch):
         options = SimpleNamespace(defaults=SimpleNamespace(first_chunk_tokens=first))
         startup.ready(SimpleNamespace(tts=tts, models=SimpleNamespace(llm=None), options=options))
     assert asked == [False, True]
+
+
+def test_the_start_up_log_says_when_the_warmed_voices_do_not_all_fit(caplog):
+    import logging
+
+    import cosyllama
+    from cosyllama.server import startup
+    from helpers import FIXTURES, MODEL_DIR
+
+    tts = cosyllama.load(MODEL_DIR, precision="bf16")
+    wavs = sorted((FIXTURES / "wavs").glob("prompt*.wav"))[:2]  # two prompts: two entries
+    for vid, wav in zip("ab", wavs):
+        tts.add_voice(vid, wav)
+    with caplog.at_level(logging.WARNING, logger=startup.log.name):
+        startup._warm_all(tts, tts.voices, True)  # the default bound holds both
+        assert not [r for r in caplog.records if "prompt cache" in r.getMessage()]
+        one = tts.token2wav.prompt_cache_info()["bytes"] / 2
+        tts.token2wav.clear_prompt_cache()
+        tts.token2wav.prompt_cache_mb = 1.5 * one / 2**20  # room for one
+        startup._warm_all(tts, tts.voices, True)
+    said = [r.getMessage() for r in caplog.records if "prompt cache" in r.getMessage()]
+    assert len(said) == 1 and "let 1 warmed voice(s) go, holding 1" in said[0] and "--prompt-cache-mb" in said[0]

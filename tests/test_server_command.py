@@ -40,9 +40,9 @@ def test_serve_advises_a_build_without_openmp(monkeypatch, caplog, info, hinted)
     monkeypatch.setattr(LB, "import_llama_cpp", lambda: fake_lc)
     models = SimpleNamespace(llm=SimpleNamespace(name="llamacpp"))
     monkeypatch.setattr(startup, "load_models", lambda options: models)
-    monkeypatch.setattr(startup, "warm_voices", lambda tts: None)
+    monkeypatch.setattr(startup, "warm_voices", lambda tts, **kw: None)
     monkeypatch.setattr(server, "prepare", lambda models, options, voices: SimpleNamespace(
-        models=models, tts=None, close=lambda: None))
+        models=models, tts=None, options=options, close=lambda: None))
     monkeypatch.setattr(server, "check_can_listen", lambda *a: None)  # the port need not be free
     monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     ran = []
@@ -95,9 +95,9 @@ def test_serve_takes_the_limits_from_its_flags(capsys, monkeypatch):
     assert "--max-voices must be >= 1" in capsys.readouterr().err
     models = SimpleNamespace(llm=SimpleNamespace(name="torch"))
     monkeypatch.setattr(startup, "load_models", lambda options: models)
-    monkeypatch.setattr(startup, "warm_voices", lambda tts: None)
+    monkeypatch.setattr(startup, "warm_voices", lambda tts, **kw: None)
     monkeypatch.setattr(server, "prepare", lambda models, options, voices: SimpleNamespace(
-        models=models, tts=None, close=lambda: None))
+        models=models, tts=None, options=options, close=lambda: None))
     monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     ran = []
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: ran.append(self.config))

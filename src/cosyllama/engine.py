@@ -148,7 +148,8 @@ class Token2Wav:
     tokens through the look-ahead) are the same in every request of that prompt. The first request
     of a prompt solves them in a call of their own before its first chunk and keeps them; every
     request's first chunk starts after them, so a request's audio does not depend on what the cache
-    held (``_prompt_prefix``). 3 s of prompt shares 100 of its 150 frames; least recently used prompts go first. None
+    held (``_prompt_entry``). 3 s of prompt shares 100 of its 150 frames (a voice that serves the low-latency
+    first chunk keeps all 150, see ``stream``); least recently used prompts go first. None
     (default): ``DEFAULT_PROMPT_CACHE_MB`` (512) whenever the streaming cache is on, else off; 0
     turns it off."""
 
@@ -171,6 +172,7 @@ class Token2Wav:
         self.stream_cache_mb = stream_cache_mb
         self.prompt_cache_mb = prompt_cache_mb
         self._prompt_frames: OrderedDict[bytes, FlowStreamCache] = OrderedDict()  # LRU, newest last
+        self.prompt_drops = 0  # prompts' frames the bound let go (pushed out, or too big to keep): a server logs it
         self._prompt_lock = threading.Lock()
         self._prompt_levels: OrderedDict[bytes, object] = OrderedDict()  # prompt_level's, LRU, newest last
         self._output_levels: OrderedDict[bytes, object] = OrderedDict()  # note_output_level's, LRU, newest last
@@ -224,13 +226,17 @@ class Token2Wav:
 
     def _keep_prompt_frames(self, key: bytes, frames: FlowStreamCache | None) -> None:
         limit = self._prompt_cache_bytes()
-        if frames is None or frames.nbytes > limit:
+        if frames is None:
             return
         with self._prompt_lock:
+            if frames.nbytes > limit:
+                self.prompt_drops += 1
+                return
             self._prompt_frames[key] = frames
             self._prompt_frames.move_to_end(key)
             while sum(c.nbytes for c in self._prompt_frames.values()) > limit:
                 self._prompt_frames.popitem(last=False)
+                self.prompt_drops += 1
 
     def _prompt_frames_for(self, key: bytes) -> FlowStreamCache | None:
         with self._prompt_lock:
@@ -399,7 +405,9 @@ class Token2Wav:
 
         ``first_chunk``: outside the reference's schedule, the first chunk covers only this many tokens (plus
         the look-ahead) and the second the rest of the reference's first hop; every chunk after is the
-        reference's. The first chunk's frames see less of their attention block than the reference's do, so
+        reference's. The first chunk's frames see less of their attention block than the reference's do, and
+        (where the prompt cache can keep them) the prompt's frames as the voice keeps them, solved once with
+        stand-in tokens after the prompt (:meth:`_prompt_entry`), so that its call solves its own frames only;
         its audio differs a little (docs/streaming.md, "Low-latency first chunk"); None or a number not below
         the first hop: the reference's schedule."""
         p = prompt.tokens.shape[1]
@@ -426,8 +434,9 @@ class Token2Wav:
                         cache = st.flow_cache
                         if shared or whole:
                             entry = self._prompt_entry(prompt, shared, whole)
-                            if entry is not None and shared:
-                                st.flow_cache.load(self._shared_frames(entry, p, shared))
+                            frames = self._shared_frames(entry, p, shared) if entry is not None and shared else None
+                            if frames is not None:
+                                st.flow_cache.load(frames)
                             if entry is not None and whole and entry.frames > shared:
                                 # this call only: the next one goes on from the shared frames, as the reference
                                 cache = FlowStreamCache(max_frames=entry.frames)  # adds no frames to it

@@ -187,11 +187,18 @@ def warm_voices(tts, voices: VoiceStore | None = None, low_latency: bool = False
 
 
 def _warm_all(tts, voices: VoiceStore, low_latency: bool) -> None:
+    drops = tts.token2wav.prompt_drops
     for vid in voices.ids():
         try:
             tts.warm_voice(voices.get(vid), low_latency)
         except Exception as e:
             log.warning("warming voice %s failed: %s", vid, e)
+    dropped = tts.token2wav.prompt_drops - drops
+    if dropped:  # the bound let voices push out others (or one was too big to keep)
+        held = tts.token2wav.prompt_cache_info()
+        log.warning("the prompt cache's bound let %d warmed voice(s) go, holding %d (%.0f MiB): a stream with "
+                    "one of those solves its prompt again before its first chunk; --prompt-cache-mb sets the bound",
+                    dropped, held["prompts"], held["bytes"] / 2**20)
 
 
 __all__ = ["LOG_LEVELS", "ServeOptions", "ServingOptions", "check_can_listen", "configure_logging", "load_models",
