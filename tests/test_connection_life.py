@@ -277,9 +277,9 @@ def test_serve_runs_uvicorn_without_keepalive_pings(monkeypatch):
 
     models = SimpleNamespace(llm=SimpleNamespace(name="torch"))
     monkeypatch.setattr(startup, "load_models", lambda options: models)
-    monkeypatch.setattr(startup, "warm_voices", lambda tts: None)
+    monkeypatch.setattr(startup, "warm_voices", lambda tts, **kw: None)
     monkeypatch.setattr(server, "prepare", lambda models, options, voices: SimpleNamespace(
-        models=models, tts=None, close=lambda: None))
+        models=models, tts=None, options=options, close=lambda: None))
     monkeypatch.setattr(server, "check_can_listen", lambda *a: None)
     monkeypatch.setattr(server, "create_app", lambda serving, options: object())
     configs = []
