@@ -248,14 +248,13 @@ class StepCache:
         ``before``): ``(K0, V0), K1, V1`` whose frames in that order are all N frames, with no copy of
         them all. The first segment is what the cache holds after this step (the cached frames, and the
         new ones up to ``keep`` when storing: stored then, as :meth:`kv` stores them), the second the new
-        frames after it (views of ``k``, ``v``); None for the first where it holds none. Both in
-        ``k``'s dtype only when the storage dtype is ``k``'s (the caller checks; else :meth:`kv`)."""
+        frames after it (views of ``k``, ``v``); None for the first where it holds none. Only where the
+        storage dtype is ``k``'s (the caller checks; else :meth:`kv`), so what is stored needs no conversion."""
         slot, start = (self.step, block), self.start
         if self.store:
             cut = self.keep - start
-            k0, v0 = (joined(kv, new[:, :cut]) if start else new[:, :cut].contiguous()
-                      for kv, new in zip(self.cache.kv[slot] if start else (None, None), (k, v)))
-            k0, v0 = k0.to(self.store_dtype), v0.to(self.store_dtype)
+            cached = self.cache.kv[slot] if start else (None, None)
+            k0, v0 = (joined(c, new[:, :cut]) for c, new in zip(cached, (k, v)))  # a copy, never a view
             self.cache.kv[slot] = (k0, v0)
             return (k0, v0), k[:, cut:], v[:, cut:]
         return (self.cache.kv[slot] if start else None), k, v

@@ -484,6 +484,7 @@ class FastDiT:
         if mask is not None:  # additive, once per call: what SDPA makes of a boolean mask on every call
             mask = torch.zeros(mask.shape, dtype=dt_, device=mu.device).masked_fill_(~mask, float("-inf"))
         x = noise[:, :, start:]
+        heads = lambda t: t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2)  # noqa: E731  (B, H, m, D)
         for s, (_, dt) in enumerate(grid):
             past = None if cache is None else StepCache(cache, s, keep, streaming, kv_dtype)
             # x is the same in both CFG branches: its projection is added to each.
@@ -519,7 +520,6 @@ class FastDiT:
                     k, v = past.kv(i, k, v, key_pad)  # (B, N + key_pad, dim): cached frames first
                 elif key_pad:
                     k, v = joined(None, k, key_pad), joined(None, v, key_pad)
-                heads = lambda t: t.unflatten(-1, (self.heads, self.dim_head)).transpose(1, 2)  # noqa: E731
                 q, k, v = heads(q), heads(k), heads(v)
                 before = None if before is None else (heads(before[0]), heads(before[1]))
                 o = native_attention.attend(q, k, v, mask, row_len, kernel, before)  # (B, H, m, D), m-major
