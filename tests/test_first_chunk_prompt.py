@@ -132,8 +132,11 @@ def test_tts_warms_a_voice_for_low_latency_and_servers_ask_for_it(monkeypatch):
     asked = []
     monkeypatch.setattr(startup, "warm_voices", lambda t, voices=None, low_latency=False: asked.append(low_latency))
     monkeypatch.setattr(startup, "openmp_hint", lambda llm: None)
+    from cosyllama.request import SynthesisOptions
+    from cosyllama.server.options import ServingOptions
+
     for first in (None, 8):
-        options = SimpleNamespace(defaults=SimpleNamespace(first_chunk_tokens=first))
+        options = ServingOptions(tts.options, defaults=SynthesisOptions(first_chunk_tokens=first))
         startup.ready(SimpleNamespace(tts=tts, models=SimpleNamespace(llm=None), options=options))
     assert asked == [False, True]
 

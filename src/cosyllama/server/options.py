@@ -84,6 +84,12 @@ class ServingOptions:
 
             check_voice_id(self.default_voice)
 
+    @property
+    def warm_low_latency(self) -> bool:
+        """Whether voices are warmed for the low-latency first chunk (``TTS.warm_voice(low_latency=True)``): when
+        streams start with one by default (``--first-chunk-tokens``)."""
+        return bool(self.defaults.first_chunk_tokens)
+
     def request_options(self, given: Mapping[str, Any] | None = None, *, streams: bool) -> SynthesisOptions:
         """The options a request runs with, for every door: :attr:`defaults` overlaid by ``given`` (the fields of
         :class:`~cosyllama.request.SynthesisOptions` the client set; none for Wyoming), synthesized as a stream when

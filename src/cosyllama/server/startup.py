@@ -90,7 +90,7 @@ def ready(serving) -> None:
     """Step 6, once the :class:`~cosyllama.server.serving.Serving` is prepared (voice folders are made into
     voices by then): warm every voice beside the first requests, and log the llama.cpp OpenMP hint where
     it applies."""
-    warm_voices(serving.tts, low_latency=bool(serving.options.defaults.first_chunk_tokens))
+    warm_voices(serving.tts, low_latency=serving.options.warm_low_latency)
     openmp_hint(serving.models.llm)
 
 

@@ -123,8 +123,7 @@ async def _warm_voice(app: FastAPI, voice_id: str, voice) -> None:
     except ServerBusyError:
         return
     try:
-        low_latency = bool(state_of(app).serving.options.defaults.first_chunk_tokens)
-        await run_in_threadpool(state_of(app).tts.warm_voice, voice, low_latency)
+        await run_in_threadpool(state_of(app).tts.warm_voice, voice, state_of(app).serving.options.warm_low_latency)
     except Exception as e:  # a failed warm-up only costs the first request its head start
         log.warning("warming voice %s failed: %s", voice_id, e)
     finally:
