@@ -230,3 +230,49 @@ def test_attention_bench(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["frames"] for r in rows] == [20, 37]
     assert all(r["kernel_s"] > 0 and r["pytorch_s"] > 0 and r["max_err_kernel"] < 0.02 for r in rows)
+
+
+def test_avx2_proxy_holds_every_library_down(tmp_path, monkeypatch):
+    """scripts/avx2_proxy.py: only the AVX2 llama.cpp variants stay, the forced switches and the oneDNN-only int8
+    engines reach the script, and the proxy's cache links the real one's models and clips but not its verdicts."""
+    own = tmp_path / "proxy"
+    lib = own / "llama" / "llama_cpp" / "lib"
+    lib.mkdir(parents=True)
+    for v in ("zen4", "skylakex", "alderlake", "haswell", "sse42"):
+        (lib / f"libggml-cpu-{v}.so").write_bytes(b"")
+    real = tmp_path / "real"
+    (real / "model").mkdir(parents=True)
+    (real / "model" / "flow.pt").write_bytes(b"")
+    (real / "precision-checks.json").write_text("{}")
+    (real / "bench-prompt-3s.wav").write_bytes(b"")
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(real))
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import json, os, sys\n"
+        "import cosyllama.flow.fast_dit as f\n"
+        "keys = ('ATEN_CPU_CAPABILITY', 'ONEDNN_MAX_CPU_ISA', 'MKL_ENABLE_INSTRUCTIONS', 'COSYLLAMA_CACHE')\n"
+        "out = {'env': {k: os.environ.get(k) for k in keys}, 'engines': list(f.INT8_ENGINES),\n"
+        "       'path': os.environ['PYTHONPATH'].split(os.pathsep)[0], 'argv': sys.argv[1:]}\n"
+        "open(sys.argv[1], 'w').write(json.dumps(out))\n")
+    out = tmp_path / "out.json"
+    main = runpy.run_path(str(SCRIPTS / "avx2_proxy.py"))["main"]
+    assert main(["--llama-wheel", str(tmp_path / "unused.whl"), "--cache", str(own), str(probe), "--",
+                 str(out), "more"]) == 0
+    got = json.loads(out.read_text())
+    assert got["env"] == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                          "MKL_ENABLE_INSTRUCTIONS": "AVX2", "COSYLLAMA_CACHE": str(own)}
+    assert got["engines"] == ["onednn"] and got["argv"] == [str(out), "more"]
+    assert got["path"] == str(own / "llama")
+    assert sorted(p.name for p in lib.iterdir()) == ["libggml-cpu-haswell.so", "libggml-cpu-sse42.so"]
+    assert (own / "model").is_symlink() and (own / "bench-prompt-3s.wav").is_symlink()
+    assert not (own / "precision-checks.json").exists()  # the proxy's verdicts are its own
+
+
+def test_avx2_proxy_refuses_a_wheel_without_variants(tmp_path, monkeypatch, capsys):
+    lib = tmp_path / "proxy" / "llama" / "llama_cpp" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libggml-cpu.so").write_bytes(b"")
+    monkeypatch.setenv("COSYLLAMA_CACHE", str(tmp_path / "real"))
+    main = runpy.run_path(str(SCRIPTS / "avx2_proxy.py"))["main"]
+    with pytest.raises(SystemExit, match="GGML_CPU_ALL_VARIANTS"):
+        main(["--llama-wheel", "plain.whl", "--cache", str(tmp_path / "proxy"), "x.py"])
