@@ -266,6 +266,7 @@ def test_auto_times_both_once_and_remembers(fresh, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(native_attention, "timed_calls", spy)
+    monkeypatch.setattr(native_attention, "CPU_SHARE_MIN", 0.0)  # kept however busy this machine is (below)
     first = native_attention.choice(4, 16)
     assert len(calls) == 1 and calls[0][0] == native_attention.TIMED_FRAMES
     assert {name for name, _ in first.seconds} == {"pytorch", "kernel"}
@@ -273,6 +274,66 @@ def test_auto_times_both_once_and_remembers(fresh, monkeypatch):
     native_attention._choices.clear()  # a new process: the record on disk answers
     assert native_attention.choice(4, 16) == first and len(calls) == 1
     assert list((fresh / "kernels").glob("attention_bf16-*.so"))
+
+
+def test_a_timing_on_a_busy_machine_is_used_but_not_kept(fresh, monkeypatch):
+    """The process got 30 % of the CPU its threads asked for while timing: its verdict serves this process and
+    the next one times again; a timing with the CPU it asked for is kept. The share is the test's own, so the
+    test does not depend on how busy this machine is (the next test measures a real one)."""
+    from cosyllama import cpu
+
+    monkeypatch.setattr(cpu, "kernel_flags", lambda: frozenset(native_attention.NEEDS))
+    monkeypatch.setattr(native_attention, "library", lambda: (object(), None))
+    share = [0.3]
+    calls = []
+
+    def timed(*a, shares=None, **kw):
+        calls.append(a)
+        shares.append(share[0])
+        return {"pytorch": 0.030, "kernel": 0.012}
+
+    monkeypatch.setattr(native_attention, "timed_calls", timed)
+    records = fresh / "precision-checks.json"
+    c = native_attention.choice(16, 64, threads=2)
+    assert c.kernel and c.why.startswith("2.50x PyTorch's here")
+    assert "the machine was busy, CPU 30% of 2 threads, not kept" in c.why
+    assert not records.exists() or "attention|" not in records.read_text()
+    native_attention._choices.clear()  # a new process times again
+    native_attention.choice(16, 64, threads=2)
+    assert len(calls) == 2
+    share[0] = 0.95  # quiet: kept, and the next process reads it
+    native_attention._choices.clear()
+    kept = native_attention.choice(16, 64, threads=2)
+    assert "busy" not in kept.why and "attention|" in records.read_text()
+    native_attention._choices.clear()
+    assert native_attention.choice(16, 64, threads=2) == kept and len(calls) == 3
+
+
+def test_the_timing_reports_the_cpu_share_of_its_rounds(monkeypatch):
+    """Over the timed rounds only (the inputs are drawn on one thread before them): a process that sleeps through
+    half of each call got about half of the CPU."""
+    import time
+
+    monkeypatch.setattr(native_attention, "attention", lambda *a, **kw: None)  # PyTorch's call alone
+    shares = []
+    native_attention.timed_calls(64, 2, 16, rounds=3, shares=shares)
+    assert len(shares) == 1 and 0.0 < shares[0] < 1.5
+    real = native_attention.pytorch_call
+
+    def half_asleep(*a):
+        call = real(*a)
+
+        def run():
+            end = time.process_time() + 0.02
+            while time.process_time() < end:
+                pass
+            time.sleep(0.02 * torch.get_num_threads())
+            return call()
+        return run
+
+    monkeypatch.setattr(native_attention, "pytorch_call", half_asleep)
+    native_attention.timed_calls(64, 2, 16, rounds=3, shares=shares)
+    assert shares[1] < 0.6  # 0.02 s of CPU in each (0.02 + 0.02 x threads) s of wall over the threads
 
 
 def test_the_kernel_runs_only_where_it_was_faster(fresh, monkeypatch):

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ..defaults import AUTO_CPU_SHARE_MIN
+
 SOURCE = Path(__file__).with_name("kernels") / "attention_bf16.cpp"
 PREBUILT = SOURCE.parent  # where `python -m cosyllama.flow.native_attention` puts the kernel by default
 FLAGS = ("-O3", "-std=c++17", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fPIC",
@@ -41,6 +43,10 @@ MODES = ("auto", "kernel", "pytorch")
 # The kernel replaces PyTorch's attention only when it is at least this much faster at the timed size: a
 # kernel that merely ties is not worth a second code path in the run.
 MIN_GAIN = 1.1
+# A timing is kept (cached) only if the process got this share of the CPU its threads asked for meanwhile: the
+# same rule as the flow's auto timing (cosyllama.flow.auto.CPU_SHARE_MIN). The two calls are timed in turns, so
+# a busy machine slows both, but a verdict kept for good should not rest on a disturbed run.
+CPU_SHARE_MIN = AUTO_CPU_SHARE_MIN
 # The attention the choice is timed on: both CFG rows over 650 frames, a 3 s prompt + 10 s of speech (the
 # size `auto` projects to, cosyllama.flow.auto.REAL_PROMPT_TOKENS / REAL_TOKENS).
 TIMED_FRAMES = 650
@@ -264,10 +270,11 @@ def pytorch_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 
 def timed_calls(frames: int, heads: int, dim_head: int, rounds: int = TIMED_ROUNDS,
-                which: tuple[str, ...] = ("pytorch", "kernel")) -> dict[str, float]:
+                which: tuple[str, ...] = ("pytorch", "kernel"), shares: list | None = None) -> dict[str, float]:
     """Best-of-``rounds`` seconds of one bf16 attention over ``frames`` frames (both CFG rows) by PyTorch
     (``"pytorch"``) and, where it runs here, by the kernel (``"kernel"``), timed in alternation so a machine
-    that slows down meanwhile slows both."""
+    that slows down meanwhile slows both. ``shares``: gets the share of the CPU the process had over the timed
+    rounds (CPU seconds over wall seconds x PyTorch's threads) appended."""
     q, k, v = _inputs(frames, heads, dim_head)
     calls = {"pytorch": pytorch_call(q, k, v)} if "pytorch" in which else {}
     if "kernel" in which and attention(q, k, v) is not None:  # None where it cannot run or take them
@@ -275,11 +282,14 @@ def timed_calls(frames: int, heads: int, dim_head: int, rounds: int = TIMED_ROUN
     best = {name: float("inf") for name in calls}
     for name in calls:
         calls[name]()
+    c0, w0 = time.process_time(), time.perf_counter()
     for _ in range(rounds):
         for name, call in calls.items():
             t0 = time.perf_counter()
             call()
             best[name] = min(best[name], time.perf_counter() - t0)
+    if shares is not None:
+        shares.append((time.process_time() - c0) / max((time.perf_counter() - w0) * torch.get_num_threads(), 1e-9))
     return best
 
 
@@ -340,17 +350,30 @@ def choice(heads: int, dim_head: int, threads: int | None = None) -> Choice:
     else:
         key = _key(heads, dim_head, threads)
         record = load_records().get(key)
+        busy = ""
         if not isinstance(record, dict) or not isinstance(record.get("seconds"), dict):
-            record = {"seconds": timed_calls(TIMED_FRAMES, heads, dim_head), "measured_at": time.time()}
-            save_record(key, record)
+            record = _measure(heads, dim_head)
+            if record["cpu_share"] >= CPU_SHARE_MIN:
+                save_record(key, record)
+            else:  # this process goes by it; the next one times again
+                busy = (f"; timed while the machine was busy, CPU {record['cpu_share']:.0%} of {threads} threads, "
+                        "not kept")
         secs = record["seconds"]
         gain = secs.get("pytorch", 0.0) / secs["kernel"] if secs.get("kernel") else 0.0
         use = gain >= MIN_GAIN
         out = Choice(use, f"{gain:.2f}x PyTorch's here at {TIMED_FRAMES} frames"
-                          + ("" if use else f", under the {MIN_GAIN}x it needs"),
+                          + ("" if use else f", under the {MIN_GAIN}x it needs") + busy,
                      tuple(sorted(secs.items())))
     _choices[memo] = out
     return out
+
+
+def _measure(heads: int, dim_head: int) -> dict:
+    """:func:`timed_calls` at :data:`TIMED_FRAMES` with the share of the CPU the process got over its timed
+    rounds (as ``--precision auto``'s timing is judged)."""
+    shares: list[float] = []
+    seconds = timed_calls(TIMED_FRAMES, heads, dim_head, shares=shares)
+    return {"seconds": seconds, "measured_at": time.time(), "cpu_share": round(shares[0], 4) if shares else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
