@@ -403,6 +403,20 @@ def test_the_flow_on_the_kernel_is_within_the_bound(precision, monkeypatch):
         assert _mel_diff(mel, other)[0] <= MEAN_BOUND / 4
 
 
+def test_each_path_runs_attention_in_its_activations_dtype():
+    """One rule for auto's attention timing and the CPU line, the solver's own (FastDiT.act_dtype)."""
+    from cosyllama.flow.check import Candidate
+    from cosyllama.flow.fast_dit import INT8_ENGINES, int8_is_mixed
+    from cosyllama.precision import INT8
+
+    assert Candidate(torch.float32).attention_dtype == torch.float32
+    assert Candidate(torch.bfloat16).attention_dtype == torch.bfloat16
+    for engine in INT8_ENGINES:
+        want = torch.bfloat16 if int8_is_mixed(engine) else torch.float32
+        assert Candidate(INT8, engine).attention_dtype == want, engine
+    assert {e for e in INT8_ENGINES if int8_is_mixed(e)} == {"onednn+bf16", "onednn+bf16+static"}
+
+
 def test_the_cpu_line_names_the_attention(monkeypatch):
     from cosyllama.cpu import CpuPath
 

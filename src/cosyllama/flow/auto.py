@@ -115,14 +115,6 @@ def _solve(flow: Flow, cand: Candidate, inp: tuple[torch.Tensor, ...]) -> tuple[
     return wall, cpu
 
 
-def _attention_dtype(cand: Candidate) -> torch.dtype:
-    """The dtype a candidate's solve runs attention in: bf16 for bf16 and the mixed int8 paths, float32 else."""
-    from .fast_dit import int8_is_mixed
-
-    mixed = cand.int8_engine is not None and int8_is_mixed(cand.int8_engine)
-    return torch.bfloat16 if cand.dtype == torch.bfloat16 or mixed else torch.float32
-
-
 def _attention_call(frames: int, heads: int, dim_head: int, dtype: torch.dtype, reps: int = 3) -> float:
     """Best-of-``reps`` seconds of one whole-call attention over ``frames`` frames, both CFG rows, as the
     solver runs it: in bf16 on the attention chosen for this CPU (the bf16 kernel or PyTorch's with its keys
@@ -161,8 +153,8 @@ def attention_seconds(flow: Flow, cands: list[Candidate]) -> tuple[dict[str, lis
     small, real = ratio * (TIME_PROMPT_TOKENS + TIME_TOKENS), ratio * (REAL_PROMPT_TOKENS + REAL_TOKENS)
     calls = len(blocks) * steps
     per = {dt: [calls * _attention_call(n, heads, dim_head, dt) for n in (small, real)]
-           for dt in {_attention_dtype(c) for c in cands}}
-    return {c.name: per[_attention_dtype(c)] for c in cands}, real / small
+           for dt in {c.attention_dtype for c in cands}}
+    return {c.name: per[c.attention_dtype] for c in cands}, real / small
 
 
 _attention_seconds = attention_seconds  # a seam (tests: None, no projection, or given seconds)

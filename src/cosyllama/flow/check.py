@@ -84,6 +84,16 @@ class Candidate:
         n = precision_name(self.dtype)
         return f"{n}/{self.int8_engine}" if self.int8_engine else n
 
+    @property
+    def attention_dtype(self) -> torch.dtype:
+        """The dtype its solve runs attention in (its activations' dtype, ``FastDiT.act_dtype``): bfloat16 for
+        bf16 and the mixed int8 paths, float32 for the others. The one answer for ``auto``'s attention timing and
+        the CPU line's attention words."""
+        from .fast_dit import int8_is_mixed
+
+        mixed = self.dtype == INT8 and self.int8_engine is not None and int8_is_mixed(self.int8_engine)
+        return torch.bfloat16 if self.dtype == torch.bfloat16 or mixed else torch.float32
+
     def apply(self, flow: Flow) -> None:
         from .fast_dit import int8_is_static
 

@@ -169,10 +169,9 @@ class Flow(nn.Module):
         mixed int8 paths; :meth:`cosyllama.flow.native_attention.Choice.words`); None for any other flow."""
         from ..precision import INT8
         from . import native_attention
-        from .fast_dit import int8_is_mixed
 
-        dec = self.decoder
-        bf16 = self.precision == torch.bfloat16 or (self.precision == INT8 and int8_is_mixed(dec.int8_engine))
+        engine = self.decoder.int8_engine if self.precision == INT8 else None
+        bf16 = Candidate(self.precision, engine).attention_dtype == torch.bfloat16
         c = native_attention.for_flow(self) if bf16 else None
         return c.words() if c is not None else None
 
