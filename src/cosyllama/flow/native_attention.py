@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..defaults import AUTO_CPU_SHARE_MIN
+from ..timing import timed
 
 SOURCE = Path(__file__).with_name("kernels") / "attention_bf16.cpp"
 PREBUILT = SOURCE.parent  # where `python -m cosyllama.flow.native_attention` puts the kernel by default
@@ -282,14 +283,14 @@ def timed_calls(frames: int, heads: int, dim_head: int, rounds: int = TIMED_ROUN
     best = {name: float("inf") for name in calls}
     for name in calls:
         calls[name]()
-    c0, w0 = time.process_time(), time.perf_counter()
+    wall = cpu = 0.0
     for _ in range(rounds):
         for name, call in calls.items():
-            t0 = time.perf_counter()
-            call()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    if shares is not None:
-        shares.append((time.process_time() - c0) / max((time.perf_counter() - w0) * torch.get_num_threads(), 1e-9))
+            w, c, _ = timed(call)
+            best[name] = min(best[name], w)
+            wall, cpu = wall + w, cpu + c
+    if shares is not None:  # as the flow's auto timing sums its solves (cosyllama.flow.auto.measure)
+        shares.append(cpu / (wall * torch.get_num_threads()) if wall > 0 else 0.0)
     return best
 
 
